@@ -1,0 +1,1 @@
+"""Compute backends: model definitions, samplers and checkpoint I/O."""

@@ -1,0 +1,84 @@
+"""Builds the torch engine and trainer for a recipe (colocated or not)."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+
+from backends.torch.engine import Sampler
+from backends.torch.grpo_loss import LossConfig
+from backends.torch.model import Decoder
+from backends.torch.section import ModelSection
+from backends.torch.serving import TorchEngine
+from backends.torch.trainer import TorchTrainer
+from pipeline.errors import RecipeError
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def build_model(section: ModelSection, *, vocab_size: int, seed: int) -> Decoder:
+    if section.threads:
+        torch.set_num_threads(section.threads)
+    if section.path is not None:
+        from backends.torch.hf import load_pretrained
+
+        _, model = load_pretrained(section.path, dtype=DTYPES[section.dtype], device=section.device)
+    else:
+        assert section.config is not None
+        if section.config.vocab_size < vocab_size:
+            raise RecipeError(
+                f"model.config.vocab_size: {section.config.vocab_size} is smaller than the "
+                f"tokenizer's vocabulary ({vocab_size})"
+            )
+        torch.manual_seed(seed)
+        model = Decoder(section.config).to(device=section.device, dtype=DTYPES[section.dtype])
+    return model
+
+
+def build_backend(recipe: Any, *, vocab_size: int, eos_id: int) -> tuple[TorchEngine, TorchTrainer]:
+    """(engine, trainer) sharing one model when `recipe.colocated`, else two copies."""
+    section: ModelSection = recipe.model
+    seed = recipe.run.seed
+    model = build_model(section, vocab_size=vocab_size, seed=seed)
+    engine_model = model if recipe.colocated else copy.deepcopy(model)
+    rollout, train = recipe.rollout, recipe.train
+    engine = TorchEngine(
+        Sampler(engine_model),
+        shared=recipe.colocated,
+        source=model,
+        max_new_tokens=rollout.max_new_tokens,
+        temperature=rollout.temperature,
+        top_p=rollout.top_p,
+        stop_token_ids=(eos_id,),
+        seed=seed + 1,
+    )
+    reference = None
+    if train.kl_coef > 0:
+        reference = copy.deepcopy(model).eval()
+        reference.requires_grad_(False)
+    trainer = TorchTrainer(
+        model,
+        loss=LossConfig(
+            clip_low=train.clip_low,
+            clip_high=train.clip_high,
+            kl_coef=train.kl_coef,
+            is_correction=train.is_correction,
+            is_cap=train.is_cap,
+        ),
+        lr=train.lr,
+        betas=(train.beta1, train.beta2),
+        weight_decay=train.weight_decay,
+        warmup_steps=train.warmup_steps,
+        schedule=train.schedule,
+        min_lr_ratio=train.min_lr_ratio,
+        total_steps=recipe.run.steps,
+        grad_clip=train.grad_clip,
+        micro_batch_samples=train.micro_batch_samples,
+        updates_per_step=train.updates_per_step,
+        temperature=rollout.temperature,
+        seed=seed + 2,
+        reference=reference,
+    )
+    return engine, trainer

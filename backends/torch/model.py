@@ -1,0 +1,311 @@
+"""Llama/Qwen2-family decoder whose parameter names equal Hugging Face's.
+
+Layout (per ``ModelConfig``): token embedding, ``num_hidden_layers`` pre-norm blocks of
+RMSNorm -> grouped-query attention with rotary embeddings -> residual -> RMSNorm ->
+SwiGLU MLP -> residual, a final RMSNorm and an (optionally tied) output projection.
+"""
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from backends.torch.config import ModelConfig
+
+_INIT_STD = 0.02
+# Upper bound on float32 elements of one logits chunk in `token_logprobs` (64 MiB).
+_LOGPROB_CHUNK_ELEMENTS = 1 << 24
+
+
+def rope_inv_freq(config: ModelConfig) -> Tensor:
+    """Rotary inverse frequencies [head_dim // 2] in float32, after ``rope_scaling``."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    scaling = config.rope_scaling
+    if scaling is None:
+        return inv_freq
+    factor = scaling["factor"]
+    if scaling["rope_type"] == "linear":
+        return inv_freq / factor
+    # llama3: keep high frequencies, divide low ones by `factor`, blend smoothly in between.
+    context = scaling["original_max_position_embeddings"]
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > context / low, inv_freq / factor, inv_freq)
+    smooth = (context / wavelen - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= context / high) & (wavelen <= context / low)
+    return torch.where(medium, blended, scaled)
+
+
+def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    # Rotate-half convention: pairs are (i, i + head_dim/2), as in Hugging Face checkpoints.
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class KVCache:
+    """Preallocated key/value buffers, one pair per layer, each [batch, kv_heads, length, head_dim].
+
+    A forward call with ``cache_start=s`` and T new tokens writes positions [s, s + T) of
+    every row and attends over positions [0, s + T); positions beyond are never read.
+    """
+
+    def __init__(self, keys: list[Tensor], values: list[Tensor]) -> None:
+        self.keys = keys
+        self.values = values
+
+    @classmethod
+    def allocate(
+        cls, config: ModelConfig, batch: int, length: int, *, dtype: torch.dtype, device: torch.device
+    ) -> "KVCache":
+        shape = (batch, config.num_key_value_heads, length, config.head_dim)
+        layers = range(config.num_hidden_layers)
+        return cls(
+            [torch.empty(shape, dtype=dtype, device=device) for _ in layers],
+            [torch.empty(shape, dtype=dtype, device=device) for _ in layers],
+        )
+
+    @property
+    def batch(self) -> int:
+        return self.keys[0].shape[0]
+
+    @property
+    def length(self) -> int:
+        return self.keys[0].shape[2]
+
+    def rows(self, n: int) -> "KVCache":
+        """A cache over the first ``n`` rows, sharing storage with this one."""
+        return KVCache([k[:n] for k in self.keys], [v[:n] for v in self.values])
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm computed in float32, then cast back and scaled (HF semantics)."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
+        return self.weight * normed.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.heads = config.num_attention_heads
+        self.kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        q_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        bias = config.attention_bias
+        self.q_proj = nn.Linear(config.hidden_size, q_size, bias=bias)
+        self.k_proj = nn.Linear(config.hidden_size, kv_size, bias=bias)
+        self.v_proj = nn.Linear(config.hidden_size, kv_size, bias=bias)
+        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=False)
+
+    def forward(
+        self,
+        x: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        mask: Tensor | None,
+        is_causal: bool,
+        cache: tuple[Tensor, Tensor] | None,
+        start: int,
+    ) -> Tensor:
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        if cache is not None:
+            k_cache, v_cache = cache
+            k_cache[:, :, start : start + t] = k
+            v_cache[:, :, start : start + t] = v
+            k, v = k_cache[:, :, : start + t], v_cache[:, :, : start + t]
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=is_causal, enable_gqa=self.heads != self.kv_heads
+        )
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.self_attn = Attention(config)
+        self.mlp = MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self,
+        x: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        mask: Tensor | None,
+        is_causal: bool,
+        cache: tuple[Tensor, Tensor] | None,
+        start: int,
+    ) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, is_causal, cache, start)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Backbone(nn.Module):
+    """Everything but the output projection; the ``model.`` prefix of HF parameter names."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class Decoder(nn.Module):
+    """Causal language model; ``state_dict()`` keys equal the Hugging Face checkpoint's.
+
+    With ``tie_word_embeddings`` the output projection is the embedding Parameter itself,
+    so ``lm_head.weight`` and ``model.embed_tokens.weight`` are one tensor.
+    """
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = Backbone(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.apply(_init_weights)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        # Kept off the module's buffers so that casting the model to bf16 cannot round it.
+        self._inv_freq: dict[torch.device, Tensor] = {}
+
+    def hidden_states(
+        self,
+        input_ids: Tensor,
+        position_ids: Tensor,
+        attn_mask: Tensor | None = None,
+        kv_cache: KVCache | None = None,
+        cache_start: int = 0,
+    ) -> Tensor:
+        """Final-norm hidden states [B, T, hidden_size] in the model dtype.
+
+        ``input_ids``/``position_ids``: [B, T] integer tensors. Attention is always causal.
+        ``attn_mask``: None (every key is a real token) or bool [B, S] over all keys so far,
+        S = cache_start + T, True = real token. A query whose own key is masked (a padding
+        query) still attends to itself, so padding never produces NaN.
+        ``kv_cache``: when given, the new keys/values are written at [cache_start,
+        cache_start + T) and attention covers the cached prefix as well.
+        """
+        b, t = input_ids.shape
+        s = cache_start + t
+        if kv_cache is not None and s > kv_cache.length:
+            raise ValueError(f"KV cache holds {kv_cache.length} positions, need {s}")
+        if attn_mask is not None and attn_mask.shape != (b, s):
+            raise ValueError(f"attn_mask must be [{b}, {s}], got {list(attn_mask.shape)}")
+        mask, is_causal = _attention_mask(attn_mask, t, cache_start, input_ids.device)
+
+        x = self.model.embed_tokens(input_ids)
+        freqs = position_ids.unsqueeze(-1).float() * self._inv_freq_on(input_ids.device)
+        cos = freqs.cos().to(x.dtype).unsqueeze(1)
+        sin = freqs.sin().to(x.dtype).unsqueeze(1)
+        for i, layer in enumerate(self.model.layers):
+            cache = None if kv_cache is None else (kv_cache.keys[i], kv_cache.values[i])
+            x = layer(x, cos, sin, mask, is_causal, cache, cache_start)
+        return self.model.norm(x)
+
+    def forward(
+        self,
+        input_ids: Tensor,
+        position_ids: Tensor,
+        attn_mask: Tensor | None = None,
+        kv_cache: KVCache | None = None,
+        cache_start: int = 0,
+    ) -> Tensor:
+        """Logits [B, T, vocab_size] in float32; arguments as in `hidden_states`."""
+        return self.lm_head(
+            self.hidden_states(input_ids, position_ids, attn_mask, kv_cache, cache_start)
+        ).float()
+
+    def _inv_freq_on(self, device: torch.device) -> Tensor:
+        inv_freq = self._inv_freq.get(device)
+        if inv_freq is None:
+            inv_freq = self._inv_freq[device] = rope_inv_freq(self.config).to(device)
+        return inv_freq
+
+
+def _attention_mask(
+    key_mask: Tensor | None, t: int, start: int, device: torch.device
+) -> tuple[Tensor | None, bool]:
+    """SDPA ``(attn_mask, is_causal)`` for T queries at absolute positions [start, start + T)."""
+    if key_mask is None:
+        if start == 0:
+            return None, t > 1
+        if t == 1:
+            return None, False
+    elif t == 1:
+        # A single query is the newest position: causality masks nothing.
+        return key_mask[:, None, None, :], False
+    keys = torch.arange(start + t, device=device)
+    queries = torch.arange(start, start + t, device=device).unsqueeze(-1)
+    causal = keys <= queries
+    if key_mask is None:
+        return causal, False
+    return (causal & key_mask[:, None, None, :]) | (keys == queries), False
+
+
+def _init_weights(module: nn.Module) -> None:
+    if isinstance(module, nn.Linear):
+        nn.init.normal_(module.weight, std=_INIT_STD)
+        if module.bias is not None:
+            nn.init.zeros_(module.bias)
+    elif isinstance(module, nn.Embedding):
+        nn.init.normal_(module.weight, std=_INIT_STD)
+
+
+def token_logprobs(
+    model: Decoder, input_ids: Tensor, attention_mask: Tensor, temperature: float = 1.0
+) -> Tensor:
+    """log p(input_ids[:, t+1] | input_ids[:, :t+1]) under log_softmax(logits / temperature).
+
+    ``input_ids``: [B, T]; ``attention_mask``: [B, T] bool/int, 1 = real token, RIGHT-padded
+    (ValueError otherwise). Returns float32 [B, T-1], differentiable w.r.t. the model;
+    entries whose target token is padding are 0. Logits are produced in row chunks so at
+    most one float32 [B, T, V] worth of them is alive (the chunks autograd saves).
+    """
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    b, t = input_ids.shape
+    real = attention_mask.bool()
+    if bool((real[:, 1:] & ~real[:, :-1]).any()):
+        raise ValueError("attention_mask must be right-padded (no real token after padding)")
+    # Right padding keeps real tokens at positions 0..L-1 and, with causal attention, out of
+    # reach of the padding after them, so no key mask is needed. Padding ids are zeroed so
+    # any placeholder (e.g. -100) embeds safely.
+    ids = input_ids.masked_fill(~real, 0)
+    positions = torch.arange(t - 1, device=ids.device).expand(b, t - 1)
+    hidden = model.hidden_states(ids[:, :-1], positions).reshape(b * (t - 1), -1)
+    targets = ids[:, 1:].reshape(-1, 1)
+    rows = max(1, _LOGPROB_CHUNK_ELEMENTS // model.config.vocab_size)
+    chunks = []
+    for i in range(0, hidden.shape[0], rows):
+        logits = model.lm_head(hidden[i : i + rows]).float()
+        if temperature != 1.0:
+            logits = logits / temperature
+        picked = logits.gather(-1, targets[i : i + rows]).squeeze(-1)
+        chunks.append(picked - torch.logsumexp(logits, dim=-1))
+    logprobs = torch.cat(chunks) if chunks else hidden.new_zeros(0, dtype=torch.float32)
+    return logprobs.view(b, t - 1).masked_fill(~real[:, 1:], 0.0)

@@ -1,0 +1,153 @@
+"""The torch generation engine behind the pipeline's `Engine` protocol.
+
+Concurrent `generate` calls (one per group) are gathered into one batched `Sampler.generate`
+that runs in a worker thread: whichever caller finds no batch running leads, collects every
+request queued by then, and runs batches until its own request is answered; then the next
+waiting caller leads. The sampler call is shielded from cancellation (a thread cannot be
+interrupted), so one caller's deadline never orphans the others.
+
+Colocated (`shared=True`) the engine samples from the trainer's own parameter tensors: it must
+stand down for training (its KV cache is freed) and waking it serves the new weights at once.
+Otherwise it holds its own copy, keeps serving while the trainer works, and `refit` copies the
+new weights in between two batches.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import anyio
+import torch
+
+from backends.torch.engine import Sampler
+from backends.torch.model import Decoder
+from pipeline.messages import Completion
+
+
+class _Request:
+    __slots__ = ("prompt", "n", "greedy", "result", "done")
+
+    def __init__(self, prompt: Sequence[int], n: int, greedy: bool) -> None:
+        self.prompt = list(prompt)
+        self.n = n
+        self.greedy = greedy
+        self.result: list[Completion] | BaseException | None = None
+        self.done = False
+
+
+class TorchEngine:
+    def __init__(
+        self,
+        sampler: Sampler,
+        *,
+        shared: bool,
+        source: Decoder,
+        max_new_tokens: int,
+        temperature: float,
+        top_p: float,
+        stop_token_ids: Sequence[int],
+        seed: int,
+    ) -> None:
+        self.sampler = sampler
+        self.blocks_training = shared
+        self.wake_carries_weights = shared
+        self.source = source
+        self.max_new_tokens = max_new_tokens
+        self.temperature = temperature
+        self.top_p = top_p
+        self.stop_token_ids = tuple(stop_token_ids)
+        self.generator = torch.Generator(device=sampler.device).manual_seed(seed)
+        self._queue: list[_Request] = []
+        self._leading = False
+        self._changed = anyio.Event()
+        self._weights = anyio.Lock()
+        self.calls = 0
+
+    async def generate(self, prompt_tokens: Sequence[int], n: int, *, greedy: bool = False) -> list[Completion]:
+        request = _Request(prompt_tokens, n, greedy)
+        self._queue.append(request)
+        try:
+            while not request.done:
+                if self._leading:
+                    await self._changed.wait()
+                    continue
+                self._leading = True
+                try:
+                    await anyio.lowlevel.checkpoint()  # let sibling groups queue their requests
+                    while not request.done:
+                        await self._run_batch()
+                finally:
+                    self._leading = False
+                    self._notify()
+        finally:
+            if request in self._queue:  # cancelled while queued: nobody should sample for it
+                self._queue.remove(request)
+        if isinstance(request.result, BaseException):
+            raise request.result
+        assert request.result is not None
+        return request.result
+
+    async def _run_batch(self) -> None:
+        greedy = self._queue[0].greedy
+        batch = [r for r in self._queue if r.greedy == greedy]
+        self._queue = [r for r in self._queue if r.greedy != greedy]
+        with anyio.CancelScope(shield=True):
+            async with self._weights:
+                try:
+                    results = await anyio.to_thread.run_sync(self._sample, batch)
+                except Exception as error:
+                    for request in batch:
+                        request.result, request.done = error, True
+                    return
+        for request, completions in zip(batch, results):
+            request.result, request.done = completions, True
+        self._notify()
+
+    def _sample(self, batch: list[_Request]) -> list[list[Completion]]:
+        self.calls += 1
+        prompts = [r.prompt for r in batch for _ in range(r.n)]
+        out = self.sampler.generate(
+            prompts,
+            max_new_tokens=self.max_new_tokens,
+            temperature=0.0 if batch[0].greedy else self.temperature,
+            top_p=self.top_p,
+            stop_token_ids=self.stop_token_ids,
+            generator=self.generator,
+        )
+        results, start = [], 0
+        for request in batch:
+            results.append(
+                [
+                    Completion(tokens=tuple(c.tokens), logprobs=tuple(c.logprobs), finish_reason=c.finish_reason)
+                    for c in out[start : start + request.n]
+                ]
+            )
+            start += request.n
+        return results
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = anyio.Event()
+
+    async def stand_down(self) -> None:
+        await anyio.to_thread.run_sync(self.sampler.release)
+
+    async def wake(self) -> None:
+        """Nothing to load: colocated, the engine reads the trainer's tensors."""
+
+    async def refit(self) -> None:
+        if self.sampler.model is self.source:
+            return
+        async with self._weights:
+            await anyio.to_thread.run_sync(self._copy_weights)
+
+    @torch.no_grad()
+    def _copy_weights(self) -> None:
+        for target, value in zip(self.sampler.model.parameters(), self.source.parameters(), strict=True):
+            target.copy_(value)
+
+    def memory_in_use(self) -> int | None:
+        cache = self.sampler._cache
+        if cache is None:
+            return 0
+        return sum(t.numel() * t.element_size() for t in cache.keys + cache.values)

@@ -1,0 +1,43 @@
+"""An asynchronous GRPO trainer built as an asyncio pipeline.
+
+Embedding API (works inside an already running event loop):
+
+    recipe = pipeline.load_recipe("recipes/quickstart.yaml", overrides=["run.steps=20"])
+    summary = await pipeline.run(recipe)
+
+Importing this package imports no torch, ray or megatron: the compute is loaded by `run`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from pipeline.errors import PipelineError, RecipeError
+from pipeline.runner import StopRequest
+
+if TYPE_CHECKING:
+    from stages.program import RunSummary
+    from stages.recipe import Recipe
+
+__all__ = ["PipelineError", "RecipeError", "StopRequest", "load_recipe", "run"]
+
+
+def load_recipe(path: str | Path, overrides: Sequence[str] = ()) -> Recipe:
+    """Read and validate a recipe; raises `RecipeError` naming the file and field."""
+    from pipeline import recipe as loader
+    from stages.recipe import Recipe
+
+    return loader.load(path, Recipe, overrides)
+
+
+async def run(recipe: Recipe, **options: Any) -> RunSummary:
+    """Run the pipeline for `recipe` in the current event loop; returns a `RunSummary`.
+
+    Cancelling the awaiting task stops the pipeline and leaves no task running. Pass
+    `stop=StopRequest()` to ask for a clean stop (admission closes, in-flight work drains).
+    """
+    from stages.program import run_program
+
+    return await run_program(recipe, **options)

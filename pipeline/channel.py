@@ -1,0 +1,97 @@
+"""Bounded, closable channels between stages.
+
+A `Channel` is one anyio memory object stream pair with a fixed capacity, owned by the pipeline.
+The producing stage `send`s (blocking while the channel is full: that is the backpressure) and
+calls `close()` when it has nothing more; the consuming stage iterates with `async for`, which
+ends once the channel is closed and drained. `statistics()` reports current and peak depth and
+how many tasks wait on either side.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Generic, TypeVar
+
+import anyio
+import msgspec
+
+T = TypeVar("T")
+
+
+class ChannelStatistics(msgspec.Struct, frozen=True):
+    name: str
+    capacity: int
+    depth: int
+    peak_depth: int
+    waiting_senders: int
+    waiting_receivers: int
+    sent: int
+    closed: bool
+
+
+class Channel(Generic[T]):
+    def __init__(self, name: str, capacity: int) -> None:
+        if capacity < 1:
+            raise ValueError(f"channel {name!r} needs a capacity >= 1, got {capacity}")
+        self.name = name
+        self.capacity = capacity
+        self._send, self._receive = anyio.create_memory_object_stream[T](capacity)
+        self._peak = 0
+        self._sent = 0
+        self._closed = False
+
+    async def send(self, item: T) -> None:
+        """Send, waiting while the channel is full."""
+        await self._send.send(item)
+        self._after_send()
+
+    def send_nowait(self, item: T) -> None:
+        """Send or raise `anyio.WouldBlock` if the channel is full."""
+        self._send.send_nowait(item)
+        self._after_send()
+
+    def _after_send(self) -> None:
+        self._sent += 1
+        self._peak = max(self._peak, self._send.statistics().current_buffer_used)
+
+    async def receive(self) -> T:
+        """Receive the next item; raises `anyio.EndOfStream` once closed and drained."""
+        return await self._receive.receive()
+
+    def receive_nowait(self) -> T:
+        return self._receive.receive_nowait()
+
+    def close(self) -> None:
+        """No more items will be sent; receivers drain what is buffered, then stop."""
+        if not self._closed:
+            self._closed = True
+            self._send.close()
+
+    def drain_nowait(self) -> list[T]:
+        """Take every buffered item without waiting (used when checkpointing queued work)."""
+        items: list[T] = []
+        while True:
+            try:
+                items.append(self._receive.receive_nowait())
+            except (anyio.WouldBlock, anyio.EndOfStream):
+                return items
+
+    async def __aiter__(self) -> AsyncIterator[T]:
+        while True:
+            try:
+                yield await self._receive.receive()
+            except anyio.EndOfStream:
+                return
+
+    def statistics(self) -> ChannelStatistics:
+        stats = self._send.statistics()
+        return ChannelStatistics(
+            name=self.name,
+            capacity=self.capacity,
+            depth=stats.current_buffer_used,
+            peak_depth=self._peak,
+            waiting_senders=stats.tasks_waiting_send,
+            waiting_receivers=stats.tasks_waiting_receive,
+            sent=self._sent,
+            closed=self._closed,
+        )

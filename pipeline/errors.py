@@ -1,0 +1,44 @@
+"""The project's error types.
+
+User mistakes (a bad recipe, a missing file) raise `PipelineError` subclasses whose message names
+the field or file, the value and the fix; the CLI prints the message and exits non-zero without a
+traceback. Everything else is a bug and keeps its traceback.
+"""
+
+
+class PipelineError(Exception):
+    """An error the user can act on; its message is complete on its own."""
+
+    exit_code = 1
+
+
+class RecipeError(PipelineError):
+    """The recipe (or a file it names) is invalid."""
+
+    exit_code = 2
+
+
+class DeadlineExceeded(PipelineError):
+    """A deadline on the pipeline clock expired before the guarded work finished."""
+
+    def __init__(self, what: str, seconds: float) -> None:
+        super().__init__(f"{what} exceeded its deadline of {seconds:g} s")
+        self.what = what
+        self.seconds = seconds
+
+
+class StallError(PipelineError):
+    """The watchdog saw a stage make no progress for longer than `watchdog.stall_s`."""
+
+
+class DropBudgetExceeded(PipelineError):
+    """More work was dropped than the recipe allows."""
+
+
+class StageFailed(PipelineError):
+    """A stage raised; the original error is the `__cause__`."""
+
+    def __init__(self, stage: str, error: BaseException) -> None:
+        super().__init__(f"stage {stage!r} failed: {type(error).__name__}: {error}")
+        self.stage = stage
+        self.error = error

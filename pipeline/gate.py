@@ -1,0 +1,177 @@
+"""The engine gate: the handoff between generation and training.
+
+States: serving -> standing_down -> down -> waking -> serving.
+
+`step(train, save=...)` runs one train step in the order the engine's capabilities require,
+never from a backend's name:
+
+- `blocks_training` (colocated): close admission to new requests -> suspend the deadline clock
+  -> drain in-flight requests -> stand the engine down -> train -> [save] -> wake (with a refit
+  first if the wake does not carry weights) -> resume the clock -> reopen. Saving before the
+  wake keeps the checkpoint write off the engine's memory peak.
+- otherwise: train while the engine keeps serving -> refit the engine -> [save]. The refit
+  waits for the engine's in-flight call inside the backend, not here.
+
+Generation calls enter through `serving()`, which waits while the gate is not serving and
+counts in-flight calls. Each transition's duration is returned by `step` and kept in
+`statistics()`; the optional `on_transition(name, start, end)` hook feeds the trace.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import TypeVar
+
+import anyio
+import msgspec
+
+from pipeline.clock import DeadlineClock
+from pipeline.protocols import Engine
+
+T = TypeVar("T")
+
+
+class GateState(enum.Enum):
+    SERVING = "serving"
+    STANDING_DOWN = "standing_down"
+    DOWN = "down"
+    WAKING = "waking"
+
+
+class GateStatistics(msgspec.Struct, frozen=True):
+    state: str
+    engine_version: int
+    in_flight: int
+    waiting: int
+    steps: int
+    last_timings: dict[str, float]
+    engine_memory_after_stand_down: int | None
+
+
+TransitionHook = Callable[[str, float, float], None]
+
+
+class EngineGate:
+    def __init__(
+        self,
+        engine: Engine,
+        clock: DeadlineClock,
+        *,
+        version: int = 0,
+        on_transition: TransitionHook | None = None,
+    ) -> None:
+        self.engine = engine
+        self.clock = clock
+        self.engine_version = version
+        self._state = GateState.SERVING
+        self._in_flight = 0
+        self._waiting = 0
+        self._changed = anyio.Event()
+        self._steps = 0
+        self._timings: dict[str, float] = {}
+        self._memory_after_stand_down: int | None = None
+        self._on_transition = on_transition
+
+    @property
+    def state(self) -> GateState:
+        return self._state
+
+    @asynccontextmanager
+    async def serving(self) -> AsyncIterator[int]:
+        """Hold the engine for one call; yields the weights version it serves."""
+        self._waiting += 1
+        try:
+            while self._state is not GateState.SERVING:
+                await self._wait_changed()
+        finally:
+            self._waiting -= 1
+        self._in_flight += 1
+        try:
+            yield self.engine_version
+        finally:
+            self._in_flight -= 1
+            self._notify()
+
+    async def step(
+        self,
+        train: Callable[[], Awaitable[T]],
+        *,
+        save: Callable[[], Awaitable[None]] | None = None,
+    ) -> tuple[T, dict[str, float]]:
+        """Run one train step in the capability-driven order; returns its result and timings."""
+        self._timings = {}
+        if self.engine.blocks_training:
+            await self._stand_down()
+            try:
+                result = await self._timed("train", train)
+                self.engine_version += 1
+                if save is not None:
+                    await self._timed("save", save)
+            finally:
+                await self._wake()
+        else:
+            result = await self._timed("train", train)
+            self.engine_version += 1
+            await self._timed("refit", self.engine.refit)
+            if save is not None:
+                await self._timed("save", save)
+        self._steps += 1
+        return result, dict(self._timings)
+
+    async def _stand_down(self) -> None:
+        self._set_state(GateState.STANDING_DOWN)
+        self.clock.suspend()
+        start = self.clock.source.now()
+        while self._in_flight:
+            await self._wait_changed()
+        await self.engine.stand_down()
+        self._memory_after_stand_down = self.engine.memory_in_use()
+        self._record("stand_down", start)
+        self._set_state(GateState.DOWN)
+
+    async def _wake(self) -> None:
+        self._set_state(GateState.WAKING)
+        try:
+            if not self.engine.wake_carries_weights:
+                await self._timed("refit", self.engine.refit)
+            await self._timed("wake", self.engine.wake)
+        finally:
+            self.clock.resume()
+            self._set_state(GateState.SERVING)
+
+    async def _timed(self, name: str, fn: Callable[[], Awaitable[T]]) -> T:
+        start = self.clock.source.now()
+        try:
+            return await fn()
+        finally:
+            self._record(name, start)
+
+    def _record(self, name: str, start: float) -> None:
+        end = self.clock.source.now()
+        self._timings[name] = end - start
+        if self._on_transition is not None:
+            self._on_transition(name, start, end)
+
+    def _set_state(self, state: GateState) -> None:
+        self._state = state
+        self._notify()
+
+    async def _wait_changed(self) -> None:
+        await self._changed.wait()
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = anyio.Event()
+
+    def statistics(self) -> GateStatistics:
+        return GateStatistics(
+            state=self._state.value,
+            engine_version=self.engine_version,
+            in_flight=self._in_flight,
+            waiting=self._waiting,
+            steps=self._steps,
+            last_timings=dict(self._timings),
+            engine_memory_after_stand_down=self._memory_after_stand_down,
+        )

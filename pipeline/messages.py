@@ -1,0 +1,68 @@
+"""Messages that flow between stages: frozen records carrying their provenance.
+
+Every generated sample knows its prompt, group, index in the group, the batch (`target_step`) it
+was admitted for, and the weights version at its first and last generated token. Work that is
+given up is a `Dropped` record with a reason, so every admitted prompt ends either trained or
+dropped and the counts close.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class Prompt(msgspec.Struct, frozen=True, kw_only=True):
+    prompt_id: str
+    text: str
+    tokens: tuple[int, ...]
+    answer: str = ""
+
+
+class Completion(msgspec.Struct, frozen=True, kw_only=True):
+    """What an engine returns for one sampled sequence."""
+
+    tokens: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    finish_reason: str  # "stop" | "length"
+
+
+class Sample(msgspec.Struct, frozen=True, kw_only=True):
+    prompt_id: str
+    group_id: str
+    sample_index: int
+    target_step: int
+    gen_version: tuple[int, int]
+    prompt_tokens: tuple[int, ...]
+    tokens: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    finish_reason: str
+    poisoned: bool = False
+    text: str = ""
+    reward: float | None = None
+    reward_info: dict[str, float] = msgspec.field(default_factory=dict)
+
+    @property
+    def usable(self) -> bool:
+        """Trainable: finite logprobs and a reward."""
+        return not self.poisoned and self.reward is not None
+
+
+class Group(msgspec.Struct, frozen=True, kw_only=True):
+    prompt: Prompt
+    group_id: str
+    target_step: int
+    samples: tuple[Sample, ...]
+
+
+class Dropped(msgspec.Struct, frozen=True, kw_only=True):
+    prompt_id: str
+    group_id: str
+    target_step: int
+    reason: str
+
+
+class Batch(msgspec.Struct, frozen=True, kw_only=True):
+    """The prompts admitted with one ticket, for one train step."""
+
+    batch: int
+    prompts: tuple[Prompt, ...]

@@ -1,0 +1,105 @@
+"""Runs stages as tasks of one anyio task group, with the clock, the watchdog and clean stops.
+
+- A stage is anything with a `name` and an async `run()`. A stage that raises cancels the
+  others; the caller sees that stage's error (a `PipelineError` as it is, anything else wrapped
+  in `StageFailed` naming the stage).
+- `StopRequest.request()` (first SIGINT/SIGTERM, or a host application) calls `on_stop` so the
+  stages stop admitting work and drain; whatever has not finished `grace_s` later is cancelled.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+import anyio
+
+from pipeline.clock import DeadlineClock
+from pipeline.errors import PipelineError, StageFailed
+from pipeline.watchdog import Watchdog
+
+log = logging.getLogger("pipeline.runner")
+
+
+class Stage(Protocol):
+    name: str
+
+    async def run(self) -> None: ...
+
+
+class StopRequest:
+    """Asks a running pipeline to stop cleanly; safe to call from signal handlers on the loop."""
+
+    def __init__(self) -> None:
+        self.requested = anyio.Event()
+        self.reason = ""
+
+    def request(self, reason: str = "stop requested") -> None:
+        if not self.requested.is_set():
+            self.reason = reason
+            self.requested.set()
+
+
+class RunOutcome:
+    def __init__(self) -> None:
+        self.stopped = False
+        self.cancelled_after_grace = False
+
+
+async def run_stages(
+    stages: Sequence[Stage],
+    *,
+    clock: DeadlineClock,
+    watchdog: Watchdog,
+    stop: StopRequest,
+    on_stop: Callable[[], None],
+    grace_s: float,
+) -> RunOutcome:
+    outcome = RunOutcome()
+
+    async def guard(stage: Stage) -> None:
+        watchdog.register(stage.name)
+        try:
+            try:
+                await stage.run()
+            except BaseExceptionGroup as group:  # a stage's own task group: show its first error
+                raise first_error(group) from None
+        except PipelineError:
+            raise
+        except Exception as error:
+            raise StageFailed(stage.name, error) from error
+
+    async def stopper(stage_scope: anyio.CancelScope) -> None:
+        await stop.requested.wait()
+        outcome.stopped = True
+        log.warning("%s: stopping admission, draining in-flight work (grace %.0f s)", stop.reason, grace_s)
+        on_stop()
+        await clock.source.sleep(grace_s)
+        outcome.cancelled_after_grace = True
+        log.warning("grace period over: cancelling in-flight work")
+        stage_scope.cancel()
+
+    try:
+        async with anyio.create_task_group() as services:
+            services.start_soon(clock.run)
+            services.start_soon(watchdog.run)
+            async with anyio.create_task_group() as stage_group:
+                services.start_soon(stopper, stage_group.cancel_scope)
+                for stage in stages:
+                    stage_group.start_soon(guard, stage)
+            services.cancel_scope.cancel()
+    except BaseExceptionGroup as group:
+        raise first_error(group) from None
+    return outcome
+
+
+def first_error(group: BaseExceptionGroup) -> BaseException:
+    """The error to show: the first leaf that is not a cancellation."""
+    cancelled = anyio.get_cancelled_exc_class()
+    for error in group.exceptions:
+        if isinstance(error, BaseExceptionGroup):
+            return first_error(error)
+        if not isinstance(error, cancelled):
+            return error
+    return group

@@ -1,0 +1,41 @@
+"""The root recipe: the engine's own sections composed with each stage's section."""
+
+from __future__ import annotations
+
+import msgspec
+
+from backends.torch.config import ModelConfig
+from backends.torch.section import ModelSection
+from pipeline.recipe import (
+    AsyncRLSection,
+    CheckpointSection,
+    RunSection,
+    Section,
+    WandbSection,
+    WatchdogSection,
+)
+from stages.faults import FaultsSection
+from stages.prompts import PromptsSection
+from stages.reward import RewardSection
+from stages.rollout import RolloutSection
+from stages.train import EvalSection, TrainSection
+
+
+def _default_model() -> ModelSection:
+    return ModelSection(config=ModelConfig(vocab_size=16))
+
+
+class Recipe(Section):
+    run: RunSection = msgspec.field(default_factory=RunSection)
+    async_rl: AsyncRLSection = msgspec.field(default_factory=AsyncRLSection)
+    colocated: bool = True
+    checkpoint: CheckpointSection = msgspec.field(default_factory=CheckpointSection)
+    watchdog: WatchdogSection = msgspec.field(default_factory=WatchdogSection)
+    wandb: WandbSection = msgspec.field(default_factory=WandbSection)
+    model: ModelSection = msgspec.field(default_factory=_default_model)
+    prompts: PromptsSection = msgspec.field(default_factory=PromptsSection)
+    rollout: RolloutSection = msgspec.field(default_factory=RolloutSection)
+    reward: RewardSection = msgspec.field(default_factory=RewardSection)
+    train: TrainSection = msgspec.field(default_factory=TrainSection)
+    eval: EvalSection = msgspec.field(default_factory=EvalSection)
+    faults: FaultsSection = msgspec.field(default_factory=FaultsSection)

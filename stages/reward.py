@@ -1,0 +1,181 @@
+"""Reward: scores every usable sample of a group with the recipe's reward function.
+
+A reward function takes `(prompt: Prompt, completion: str)` and returns a float or a dict of
+floats with a `"reward"` key (the other keys are logged as `reward/<key>`). It may be a plain
+or an `async` function; plain ones run in a worker thread. Built-ins are named (`reverse`);
+anything else is given as `module:function`. Each group is scored under `reward_s` of wall time
+(the gate does not block reward work). A function that raises, or a group that times out, is a
+counted data failure: those samples get no reward and are not trained on. More than
+`max_failures` failures stop the run.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import logging
+from collections import Counter
+from collections.abc import Awaitable, Callable
+from functools import partial
+from typing import Any
+
+import anyio
+import msgspec
+
+from pipeline.channel import Channel
+from pipeline.clock import DeadlineClock
+from pipeline.errors import DeadlineExceeded, DropBudgetExceeded, RecipeError
+from pipeline.messages import Dropped, Group, Prompt, Sample
+from pipeline.recipe import NonNegativeInt, PositiveFloat, Section
+from pipeline.watchdog import Watchdog
+from stages.tokenizer import CharTokenizer
+
+log = logging.getLogger("stages.reward")
+
+RewardFn = Callable[[Prompt, str], float | dict[str, float] | Awaitable[float | dict[str, float]]]
+
+
+class RewardSection(Section):
+    function: str = "reverse"
+    reward_s: PositiveFloat = 60.0
+    max_failures: NonNegativeInt = 64
+
+
+def reverse_reward(prompt: Prompt, completion: str) -> dict[str, float]:
+    """Digit positions correct / max(len(answer), len(completion)); exact match logged beside."""
+    answer = prompt.answer
+    longest = max(len(answer), len(completion))
+    correct = sum(a == b for a, b in zip(answer, completion))
+    return {
+        "reward": correct / longest if longest else 1.0,
+        "exact_match": float(completion == answer),
+    }
+
+
+def exact_match_reward(prompt: Prompt, completion: str) -> float:
+    return float(completion.strip() == prompt.answer.strip())
+
+
+BUILTIN: dict[str, RewardFn] = {"reverse": reverse_reward, "exact_match": exact_match_reward}
+
+
+def resolve(name: str) -> RewardFn:
+    if name in BUILTIN:
+        return BUILTIN[name]
+    module_name, sep, attr = name.partition(":")
+    if not sep:
+        raise RecipeError(
+            f"reward.function: {name!r} is neither a built-in ({', '.join(sorted(BUILTIN))}) "
+            "nor module:function"
+        )
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as error:
+        raise RecipeError(f"reward.function: cannot import module {module_name!r}: {error}") from None
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        raise RecipeError(f"reward.function: module {module_name!r} has no function {attr!r}")
+    return fn
+
+
+def _normalise(result: Any) -> dict[str, float]:
+    if isinstance(result, dict):
+        if "reward" not in result:
+            raise ValueError(f"reward function returned a dict without a 'reward' key: {sorted(result)}")
+        return {key: float(value) for key, value in result.items()}
+    return {"reward": float(result)}
+
+
+def _score_all_sync(fn: RewardFn, prompt: Prompt, texts: list[str | None]) -> list[dict[str, float] | Exception | None]:
+    results: list[dict[str, float] | Exception | None] = []
+    for text in texts:
+        if text is None:
+            results.append(None)
+            continue
+        try:
+            results.append(_normalise(fn(prompt, text)))
+        except Exception as error:  # a reward bug is a counted data failure, not a crash
+            results.append(error)
+    return results
+
+
+async def score_all(fn: RewardFn, prompt: Prompt, texts: list[str | None]) -> list[dict[str, float] | Exception | None]:
+    """Score each text (None: skip); a plain function runs in one worker-thread call per group."""
+    if not inspect.iscoroutinefunction(fn):
+        return await anyio.to_thread.run_sync(partial(_score_all_sync, fn, prompt, texts), abandon_on_cancel=True)
+    results: list[dict[str, float] | Exception | None] = []
+    for text in texts:
+        if text is None:
+            results.append(None)
+            continue
+        try:
+            results.append(_normalise(await fn(prompt, text)))
+        except Exception as error:
+            results.append(error)
+    return results
+
+
+class RewardStage:
+    name = "reward"
+
+    def __init__(
+        self,
+        section: RewardSection,
+        *,
+        fn: RewardFn,
+        tokenizer: CharTokenizer,
+        clock: DeadlineClock,
+        inp: Channel[Group | Dropped],
+        out: Channel[Group | Dropped],
+        watchdog: Watchdog,
+    ) -> None:
+        self.section = section
+        self.fn = fn
+        self.tokenizer = tokenizer
+        self.clock = clock
+        self.inp = inp
+        self.out = out
+        self.watchdog = watchdog
+        self.counts: Counter[str] = Counter()
+
+    async def run(self) -> None:
+        try:
+            with self.watchdog.waiting(self.name, "a group from rollout"):
+                async for item in self.inp:
+                    if isinstance(item, Group):
+                        item = await self._score_group(item)
+                    with self.watchdog.waiting(self.name, "room in the train channel"):
+                        await self.out.send(item)
+        finally:
+            self.out.close()
+            self.watchdog.done(self.name)
+
+    async def _score_group(self, group: Group) -> Group:
+        texts = [self.tokenizer.decode(s.tokens) for s in group.samples]
+        wanted: list[str | None] = [None if s.poisoned else t for s, t in zip(group.samples, texts)]
+        results: list[dict[str, float] | Exception | None] = [None] * len(texts)
+        try:
+            with self.clock.fail_after(
+                self.section.reward_s, f"reward of group {group.group_id}", suspendable=False
+            ):
+                results = await score_all(self.fn, group.prompt, wanted)
+        except DeadlineExceeded as error:
+            self._failure(str(error))
+        samples: list[Sample] = []
+        for sample, text, result in zip(group.samples, texts, results):
+            if isinstance(result, Exception):
+                self._failure(f"{type(result).__name__}: {result}")
+                result = None
+            info = dict(result or {})
+            reward = info.pop("reward", None)
+            samples.append(msgspec.structs.replace(sample, text=text, reward=reward, reward_info=info))
+        return msgspec.structs.replace(group, samples=tuple(samples))
+
+    def _failure(self, reason: str) -> None:
+        self.counts["failures"] += 1
+        log.warning("reward failure: %s", reason)
+        if self.counts["failures"] > self.section.max_failures:
+            raise DropBudgetExceeded(
+                f"{self.counts['failures']} reward failures, over reward.max_failures="
+                f"{self.section.max_failures}; last: {reason}"
+            )

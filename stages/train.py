@@ -1,0 +1,226 @@
+"""Train: collects each batch's groups, computes GRPO advantages and runs one train step.
+
+A batch is complete when each of its `prompts_per_step` prompts has arrived as a scored group or
+a drop. The step runs through the engine gate (stand-down/train/[save]/wake when colocated,
+train/refit/[save] otherwise); only after it has published the new weights does the batch's
+ticket go back, so generation never runs more than L versions ahead. A batch with nothing
+trainable (all dropped, poisoned or unscored) trains nothing, gives its ticket back and is
+counted; another batch takes its place.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Awaitable, Callable, Sequence
+from statistics import fmean
+from typing import Annotated, Any, Literal
+
+import anyio
+import msgspec
+
+from pipeline.channel import Channel
+from pipeline.clock import DeadlineClock
+from pipeline.gate import EngineGate
+from pipeline.messages import Dropped, Group, Prompt, Sample
+from pipeline.metrics import MetricsLog
+from pipeline.protocols import Trainer
+from pipeline.recipe import NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, Section
+from pipeline.tickets import Ticket, TicketBox
+from pipeline.trace import Trace
+from pipeline.watchdog import Watchdog
+from stages.advantages import leave_one_out
+from stages.progress import Progress
+from stages.reward import RewardFn, score_all
+
+
+class TrainSection(Section):
+    lr: PositiveFloat = 3.0e-4
+    weight_decay: NonNegativeFloat = 0.0
+    beta1: Annotated[float, msgspec.Meta(ge=0, lt=1)] = 0.9
+    beta2: Annotated[float, msgspec.Meta(ge=0, lt=1)] = 0.999
+    warmup_steps: NonNegativeInt = 0
+    schedule: Literal["constant", "cosine"] = "constant"
+    min_lr_ratio: Annotated[float, msgspec.Meta(ge=0, le=1)] = 0.1
+    grad_clip: PositiveFloat = 1.0
+    micro_batch_samples: PositiveInt = 256
+    updates_per_step: PositiveInt = 1
+    clip_low: NonNegativeFloat = 0.2
+    clip_high: NonNegativeFloat = 0.28
+    kl_coef: NonNegativeFloat = 0.0
+    is_correction: Literal["none", "tis", "icepop"] = "tis"
+    is_cap: Annotated[float, msgspec.Meta(gt=1)] = 2.0
+
+
+class EvalSection(Section):
+    every_steps: NonNegativeInt = 0  # 0: no held-out evaluation
+    num_prompts: PositiveInt = 256
+
+
+Saver = Callable[[int], Awaitable[None]]
+
+
+class TrainStage:
+    name = "train"
+
+    def __init__(
+        self,
+        *,
+        trainer: Trainer,
+        gate: EngineGate,
+        tickets: TicketBox,
+        progress: Progress,
+        inp: Channel[Group | Dropped],
+        metrics: MetricsLog,
+        trace: Trace,
+        clock: DeadlineClock,
+        watchdog: Watchdog,
+        prompts_per_step: int,
+        first_batch: int,
+        counters: Callable[[], dict[str, float]],
+        save_due: Callable[[int], bool] = lambda step: False,
+        save: Saver | None = None,
+        evaluation: Evaluation | None = None,
+        echo: Callable[[dict[str, Any]], None] | None = None,
+    ) -> None:
+        self.trainer = trainer
+        self.gate = gate
+        self.tickets = tickets
+        self.progress = progress
+        self.inp = inp
+        self.metrics = metrics
+        self.trace = trace
+        self.clock = clock
+        self.watchdog = watchdog
+        self.prompts_per_step = prompts_per_step
+        self.next_batch = first_batch
+        self.counters = counters
+        self.save_due = save_due
+        self.save = save
+        self.evaluation = evaluation
+        self.echo = echo
+        self._last_step_end = clock.source.now()
+        self.pending: dict[int, list[Group | Dropped]] = defaultdict(list)
+
+    async def run(self) -> None:
+        try:
+            if self.evaluation is not None and self.progress.steps_done == 0:
+                self._emit({"step": 0, "policy_version": self.gate.engine_version, **await self.evaluation.run(self.gate)})
+            with self.watchdog.waiting(self.name, f"groups of batch {self.next_batch}"):
+                async for item in self.inp:
+                    self.pending[item.target_step].append(item)
+                    while len(self.pending.get(self.next_batch, ())) == self.prompts_per_step:
+                        await self._step(self.next_batch, self.pending.pop(self.next_batch))
+                        self.next_batch += 1
+                        if self.progress.done:
+                            self.tickets.close()
+        finally:
+            self.tickets.close()
+            self.watchdog.done(self.name)
+
+    async def _step(self, batch: int, items: list[Group | Dropped]) -> None:
+        groups = [item for item in items if isinstance(item, Group)]
+        dropped = [item for item in items if isinstance(item, Dropped)]
+        samples: list[Sample] = []
+        advantages: list[float] = []
+        for group in groups:
+            usable = [s for s in group.samples if s.usable]
+            samples.extend(usable)
+            advantages.extend(leave_one_out([s.reward for s in usable]))  # type: ignore[misc]
+        version = self.gate.engine_version
+        record: dict[str, Any] = {
+            "batch": batch,
+            "rollout/dropped_groups": len(dropped),
+            "rollout/poisoned_samples": sum(s.poisoned for g in groups for s in g.samples),
+            "rollout/unscored_samples": sum(not s.poisoned and s.reward is None for g in groups for s in g.samples),
+        }
+        if not samples:
+            self.tickets.give_back(Ticket(batch=batch))
+            self.progress.batch_finished(trained=False)
+            self.metrics.write({**record, "train/empty_batch": 1, "policy_version": version, **self.counters()})
+            return
+        step = self.progress.steps_done + 1
+        saving = self.save is not None and (self.save_due(step) or step == self.progress.steps)
+        start = self.clock.source.now()
+        with self.watchdog.waiting(self.name, f"train step {step}"):
+            result, timings = await self.gate.step(
+                lambda: self.trainer.train_step(samples, advantages),
+                save=(lambda: self.save(step)) if saving else None,  # type: ignore[misc]
+            )
+        end = self.clock.source.now()
+        self.trace.span(f"step {step}", start, end, track="train", batch=batch)
+        # Weights are published: only now may the ticket admit another batch.
+        self.tickets.give_back(Ticket(batch=batch))
+        self.progress.batch_finished(trained=True)
+        lags = [version - s.gen_version[0] for s in samples]
+        response_tokens = sum(len(s.tokens) for s in samples)
+        step_s = end - self._last_step_end
+        self._last_step_end = end
+        record.update(
+            {
+                "step": step,
+                "policy_version": self.gate.engine_version,
+                "reward/mean": fmean(s.reward for s in samples),  # type: ignore[misc]
+                "reward/std": _std([s.reward for s in samples]),  # type: ignore[misc]
+                **_info_means(samples),
+                "rollout/max_lag": max(lags),
+                "rollout/mean_lag": fmean(lags),
+                "rollout/samples": len(samples),
+                "rollout/response_len": response_tokens / len(samples),
+                **result,
+                **{f"timing/{name}_s": seconds for name, seconds in timings.items()},
+                "timing/step_s": step_s,
+                "throughput/tokens_per_s_per_gpu": response_tokens / step_s if step_s > 0 else math.nan,
+                **self.counters(),
+            }
+        )
+        if self.evaluation is not None and self.evaluation.due(step, self.progress.steps):
+            record.update(await self.evaluation.run(self.gate))
+        self._emit(record)
+
+    def _emit(self, record: dict[str, Any]) -> None:
+        clean = self.metrics.write(record)
+        if self.echo is not None:
+            self.echo(clean)
+
+
+def _std(values: Sequence[float]) -> float:
+    mean = fmean(values)
+    return math.sqrt(fmean((v - mean) ** 2 for v in values))
+
+
+def _info_means(samples: Sequence[Sample]) -> dict[str, float]:
+    keys = {key for s in samples for key in s.reward_info}
+    return {f"reward/{key}": fmean(s.reward_info.get(key, 0.0) for s in samples) for key in sorted(keys)}
+
+
+class Evaluation:
+    """Greedy generation on held-out prompts, scored by the recipe's reward function."""
+
+    def __init__(self, section: EvalSection, *, prompts: Sequence[Prompt], fn: RewardFn, decode: Callable[[Sequence[int]], str]) -> None:
+        self.section = section
+        self.prompts = list(prompts)[: section.num_prompts]
+        self.fn = fn
+        self.decode = decode
+
+    def due(self, step: int, last_step: int) -> bool:
+        every = self.section.every_steps
+        return bool(every) and (step % every == 0 or step == last_step)
+
+    async def run(self, gate: EngineGate) -> dict[str, float]:
+        texts: list[str] = [""] * len(self.prompts)
+
+        async def one(i: int, prompt: Prompt) -> None:
+            async with gate.serving():
+                (completion,) = await gate.engine.generate(prompt.tokens, 1, greedy=True)  # type: ignore[call-arg]
+            texts[i] = self.decode(completion.tokens)
+
+        async with anyio.create_task_group() as tg:
+            for i, prompt in enumerate(self.prompts):
+                tg.start_soon(one, i, prompt)
+        records: list[dict[str, float]] = []
+        for prompt, text in zip(self.prompts, texts):
+            (result,) = await score_all(self.fn, prompt, [text])
+            records.append(result if isinstance(result, dict) else {"reward": 0.0})
+        keys = sorted({key for r in records for key in r})
+        return {f"eval/{key}": fmean(r.get(key, 0.0) for r in records) for key in keys}

@@ -1,0 +1,138 @@
+"""Decoder numerics: KV-cached decoding, padding invariance and `token_logprobs`."""
+
+import msgspec
+import pytest
+import torch
+
+from backends.torch.config import ModelConfig
+from backends.torch.errors import UnsupportedModelError
+from backends.torch.model import Decoder, KVCache, token_logprobs
+
+CONFIG = ModelConfig(vocab_size=37, hidden_size=64, num_attention_heads=4, num_key_value_heads=2)
+
+
+def _model(config: ModelConfig = CONFIG, seed: int = 0) -> Decoder:
+    torch.manual_seed(seed)
+    model = Decoder(config)
+    # Non-zero biases and norms so that every parameter matters.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("bias", "norm.weight", "layernorm.weight")):
+                p.normal_(1.0 if "norm" in name else 0.0, 0.1)
+    return model
+
+
+def _positions(b: int, t: int) -> torch.Tensor:
+    return torch.arange(t).expand(b, t)
+
+
+@pytest.mark.parametrize("attention_bias", [False, True])
+def test_kv_cache_incremental_matches_full_forward(attention_bias: bool) -> None:
+    config = msgspec.structs.replace(CONFIG, attention_bias=attention_bias)
+    model = _model(config)
+    ids = torch.randint(0, config.vocab_size, (3, 11), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        full = model(ids, _positions(3, 11))
+        cache = KVCache.allocate(config, 3, 16, dtype=torch.float32, device=torch.device("cpu"))
+        # A 4-token prefill, a 3-token chunk at an offset (explicit causal mask), then 1 by 1.
+        pieces = [model(ids[:, :4], _positions(3, 4), kv_cache=cache, cache_start=0)]
+        pieces.append(model(ids[:, 4:7], _positions(3, 7)[:, 4:], kv_cache=cache, cache_start=4))
+        for t in range(7, 11):
+            pieces.append(model(ids[:, t : t + 1], _positions(3, t + 1)[:, t:], kv_cache=cache, cache_start=t))
+    torch.testing.assert_close(torch.cat(pieces, dim=1), full, atol=1e-5, rtol=0)
+
+
+def test_left_padding_with_mask_matches_unpadded_rows() -> None:
+    model = _model()
+    gen = torch.Generator().manual_seed(2)
+    rows = [torch.randint(0, 37, (n,), generator=gen) for n in (7, 3, 5)]
+    width = 7
+    ids = torch.stack([torch.cat([torch.zeros(width - len(r), dtype=torch.long), r]) for r in rows])
+    real = torch.stack([torch.arange(width) >= width - len(r) for r in rows])
+    positions = (torch.arange(width) - (width - real.sum(1, keepdim=True))).clamp(min=0)
+    cache = KVCache.allocate(CONFIG, 3, width + 2, dtype=torch.float32, device=torch.device("cpu"))
+    with torch.inference_mode():
+        batched = model(ids, positions, attn_mask=real, kv_cache=cache)
+        nxt = torch.tensor([[1], [2], [3]])
+        mask = torch.cat([real, torch.ones(3, 1, dtype=torch.bool)], dim=1)
+        stepped = model(nxt, real.sum(1, keepdim=True), attn_mask=mask, kv_cache=cache, cache_start=width)
+        for i, r in enumerate(rows):
+            alone = model(torch.cat([r, nxt[i]])[None], _positions(1, len(r) + 1))
+            assert not torch.isnan(batched[i]).any()
+            torch.testing.assert_close(batched[i, width - len(r) :], alone[0, :-1], atol=1e-5, rtol=0)
+            torch.testing.assert_close(stepped[i, 0], alone[0, -1], atol=1e-5, rtol=0)
+
+
+def test_token_logprobs_matches_log_softmax_on_right_padded_batch() -> None:
+    model = _model()
+    gen = torch.Generator().manual_seed(3)
+    lengths = [9, 4, 6]
+    ids = torch.full((3, 9), -100)
+    for i, n in enumerate(lengths):
+        ids[i, :n] = torch.randint(0, 37, (n,), generator=gen)
+    mask = ids != -100
+    got = token_logprobs(model, ids, mask.int(), temperature=0.7)
+    assert got.shape == (3, 8) and got.dtype == torch.float32
+    for i, n in enumerate(lengths):
+        row = ids[i, :n]
+        logp = torch.log_softmax(model(row[None], _positions(1, n))[0] / 0.7, dim=-1)
+        want = logp[:-1].gather(-1, row[1:, None]).squeeze(-1)
+        torch.testing.assert_close(got[i, : n - 1], want, atol=1e-5, rtol=0)
+        assert torch.all(got[i, n - 1 :] == 0)
+
+
+def test_token_logprobs_is_differentiable() -> None:
+    model = _model()
+    ids = torch.randint(0, 37, (2, 6), generator=torch.Generator().manual_seed(4))
+    token_logprobs(model, ids, torch.ones(2, 6, dtype=torch.bool)).sum().backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in model.parameters())
+
+
+def test_token_logprobs_rejects_left_padding() -> None:
+    ids = torch.zeros(1, 4, dtype=torch.long)
+    with pytest.raises(ValueError, match="right-padded"):
+        token_logprobs(_model(), ids, torch.tensor([[0, 1, 1, 1]]))
+
+
+def test_tied_embeddings_share_one_tensor() -> None:
+    model = Decoder(msgspec.structs.replace(CONFIG, tie_word_embeddings=True))
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert "lm_head.weight" in model.state_dict()
+
+
+def test_state_dict_names_follow_hugging_face() -> None:
+    names = set(Decoder(msgspec.structs.replace(CONFIG, num_hidden_layers=1, attention_bias=True)).state_dict())
+    attn = "model.layers.0.self_attn"
+    assert names == {
+        "model.embed_tokens.weight",
+        *(f"{attn}.{p}_proj.weight" for p in "qkvo"),
+        *(f"{attn}.{p}_proj.bias" for p in "qkv"),
+        *(f"model.layers.0.mlp.{p}_proj.weight" for p in ("gate", "up", "down")),
+        "model.layers.0.input_layernorm.weight",
+        "model.layers.0.post_attention_layernorm.weight",
+        "model.norm.weight",
+        "lm_head.weight",
+    }
+
+
+def test_config_decodes_from_recipe_with_tiny_defaults() -> None:
+    config = msgspec.json.decode(b'{"vocab_size": 16}', type=ModelConfig)
+    assert (config.hidden_size, config.num_hidden_layers, config.head_dim) == (128, 2, 32)
+    with pytest.raises(msgspec.ValidationError, match="unknown field"):
+        msgspec.json.decode(b'{"vocab_size": 16, "hiden_size": 8}', type=ModelConfig)
+    with pytest.raises(msgspec.ValidationError, match="multiple of num_key_value_heads"):
+        msgspec.json.decode(b'{"vocab_size": 16, "num_key_value_heads": 3}', type=ModelConfig)
+    with pytest.raises(msgspec.ValidationError, match=">= 1"):
+        msgspec.json.decode(b'{"vocab_size": 0}', type=ModelConfig)
+    with pytest.raises(UnsupportedModelError, match="rope_type must be one of"):
+        ModelConfig(vocab_size=16, rope_scaling={"rope_type": "yarn", "factor": 2.0})
+    with pytest.raises(ValueError, match="needs keys"):
+        ModelConfig(vocab_size=16, rope_scaling={"rope_type": "linear"})
+
+
+def test_from_hf_dict_rejects_unsupported_architecture() -> None:
+    with pytest.raises(
+        UnsupportedModelError,
+        match=r"^x/config.json: unsupported architecture 'GPT2LMHeadModel'; supported: LlamaForCausalLM, Qwen2ForCausalLM$",
+    ):
+        ModelConfig.from_hf_dict({"architectures": ["GPT2LMHeadModel"]}, source="x/config.json")
