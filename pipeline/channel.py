@@ -56,10 +56,22 @@ class Channel(Generic[T]):
 
     async def receive(self) -> T:
         """Receive the next item; raises `anyio.EndOfStream` once closed and drained."""
-        return await self._receive.receive()
+        try:
+            return await self._receive.receive()
+        except anyio.EndOfStream:
+            self._receive.close()  # drained: release the receiving end (anyio warns otherwise)
+            raise
+        except anyio.ClosedResourceError:
+            raise anyio.EndOfStream from None
 
     def receive_nowait(self) -> T:
-        return self._receive.receive_nowait()
+        try:
+            return self._receive.receive_nowait()
+        except anyio.EndOfStream:
+            self._receive.close()
+            raise
+        except anyio.ClosedResourceError:
+            raise anyio.EndOfStream from None
 
     def close(self) -> None:
         """No more items will be sent; receivers drain what is buffered, then stop."""
@@ -72,16 +84,24 @@ class Channel(Generic[T]):
         items: list[T] = []
         while True:
             try:
-                items.append(self._receive.receive_nowait())
+                items.append(self.receive_nowait())
             except (anyio.WouldBlock, anyio.EndOfStream):
                 return items
 
     async def __aiter__(self) -> AsyncIterator[T]:
         while True:
             try:
-                yield await self._receive.receive()
+                yield await self.receive()
             except anyio.EndOfStream:
                 return
+
+    def __del__(self) -> None:
+        # The channel owns both ends. Once it is unreachable nobody can use them; closing them
+        # here keeps a pipeline that was cancelled or failed mid-run (its channels never drained)
+        # from tripping anyio's "unclosed stream" ResourceWarning at garbage collection.
+        if hasattr(self, "_receive"):
+            self._send.close()
+            self._receive.close()
 
     def statistics(self) -> ChannelStatistics:
         stats = self._send.statistics()

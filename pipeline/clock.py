@@ -27,6 +27,12 @@ import msgspec
 
 from pipeline.errors import DeadlineExceeded
 
+# A deadline this close to expiry counts as expired. Service time is source time minus the
+# suspended total, so float rounding can leave a deadline 1 ulp short after sleeping exactly the
+# computed delay; without the slack the timer would sleep ~1e-16 s again and again (a livelock on
+# a fake source, a busy loop on a coarse real one).
+_EXPIRY_SLACK_S = 1e-9
+
 
 class TimeSource(Protocol):
     """Where time comes from: a monotonic reading and a way to wait for it to pass."""
@@ -178,7 +184,7 @@ class DeadlineClock:
         next_delay = math.inf
         for deadline in list(self._deadlines):
             remaining = self._remaining(deadline)
-            if remaining <= 0:
+            if remaining <= _EXPIRY_SLACK_S:
                 deadline.fired = True
                 deadline.scope.cancel()
                 self._deadlines.discard(deadline)

@@ -113,8 +113,10 @@ class EngineGate:
                 await self._wake()
         else:
             result = await self._timed("train", train)
-            self.engine_version += 1
             await self._timed("refit", self.engine.refit)
+            # Only now does the engine serve the new weights; calls starting during the refit
+            # are tagged with the old version (conservative for the lag bound).
+            self.engine_version += 1
             if save is not None:
                 await self._timed("save", save)
         self._steps += 1

@@ -12,12 +12,14 @@ The sections the engine itself owns live here; the RL stages own theirs, and the
 
 from __future__ import annotations
 
+import difflib
 import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar
 
 import msgspec
+import msgspec.inspect
 import yaml
 
 from pipeline.errors import RecipeError
@@ -86,35 +88,108 @@ def load(path: str | Path, root: type[R], overrides: Sequence[str] = ()) -> R:
         raise RecipeError(f"{path}: a recipe must be a mapping of sections, got {type(data).__name__}")
     for override in overrides:
         _apply_override(data, override, path)
-    return convert(data, root, source=str(path))
+    return convert(data, root, source=str(path), overrides=overrides)
 
 
-def convert(data: dict[str, Any], root: type[R], *, source: str) -> R:
+def convert(data: dict[str, Any], root: type[R], *, source: str, overrides: Sequence[str] = ()) -> R:
     try:
         return msgspec.convert(data, root, strict=True)
     except msgspec.ValidationError as error:
-        raise RecipeError(_validation_message(str(error), data, source)) from None
+        raise RecipeError(_validation_message(str(error), data, source, root, overrides)) from None
 
 
-def _validation_message(message: str, data: dict[str, Any], source: str) -> str:
+def _validation_message(
+    message: str, data: dict[str, Any], source: str, root: type, overrides: Sequence[str] = ()
+) -> str:
     match = _PATH_RE.search(message)
     field = match.group(1) if match else ""
     problem = _PATH_RE.sub("", message)
     unknown = re.match(r"Object contains unknown field `([^`]+)`", problem)
-    if unknown:
-        field = f"{field}.{unknown.group(1)}" if field else unknown.group(1)
-        problem = "unknown field (check the spelling; see the recipe reference in README.md)"
     missing = re.match(r"Object missing required field `([^`]+)`", problem)
-    if missing:
+    value = _lookup(data, field)
+    if unknown:
+        name = unknown.group(1)
+        known = _field_names(_type_at(root, data, field))
+        field = f"{field}.{name}" if field else name
+        problem = "unknown field"
+        close = difflib.get_close_matches(name, known, n=1)
+        if close:
+            problem += f" (did you mean `{close[0]}`?)"
+        if known:
+            problem += f"; valid fields: {', '.join(known)}"
+    elif missing:
         field = f"{field}.{missing.group(1)}" if field else missing.group(1)
         problem = "required field is missing"
-    value = _lookup(data, field)
-    if isinstance(value, str) and _FLOATISH.match(value.strip()) and "`float`" in problem:
+    elif isinstance(value, str) and _FLOATISH.match(value.strip()) and "`float`" in problem:
         mantissa, exponent = value.strip().lower().split("e")
         if "." not in mantissa:
             mantissa += ".0"
         problem += f" ({value!r}): YAML reads {value} as a string, write {mantissa}e{exponent}"
+    elif problem.startswith("Invalid"):
+        choices = _choices(root, data, field)
+        if choices:
+            problem += f"; expected one of: {', '.join(choices)}"
+    elif problem.startswith("Expected") and value is not None and not isinstance(value, (dict, list)):
+        # msgspec names the expected type or bound; the user also needs to see what they wrote.
+        problem += f" ({value!r})" if ", got `" in problem else f", got {value!r}"
+    for override in overrides:
+        key = override.partition("=")[0]
+        if field and (key == field or key.startswith(field + ".") or field.startswith(key + ".")):
+            source = f"{source}: override {override!r}"
+            break
     return f"{source}: {field or '<root>'}: {problem}"
+
+
+def _type_at(root: type, data: Any, field: str) -> Any:
+    """The `msgspec.inspect` type at a dotted field path (tagged unions resolved from `data`)."""
+    info = _unwrap(msgspec.inspect.type_info(root), data)
+    node = data
+    for part in re.findall(r"[^.\[\]]+", field):
+        if not isinstance(info, msgspec.inspect.StructType):
+            return None
+        found = next((f for f in info.fields if f.encode_name == part), None)
+        if found is None:
+            return None
+        node = node.get(part) if isinstance(node, dict) else None
+        info = _unwrap(found.type, node)
+    return info
+
+
+def _unwrap(info: Any, node: Any) -> Any:
+    """Drop `None` from optional types; pick the tagged-union member that `node` names."""
+    if not isinstance(info, msgspec.inspect.UnionType):
+        return info
+    members = [t for t in info.types if not isinstance(t, msgspec.inspect.NoneType)]
+    structs = [t for t in members if isinstance(t, msgspec.inspect.StructType)]
+    if len(members) == 1:
+        return members[0]
+    if structs and isinstance(node, dict):
+        for struct in structs:
+            if struct.tag_field is not None and node.get(struct.tag_field) == struct.tag:
+                return struct
+    return info
+
+
+def _field_names(info: Any) -> list[str]:
+    if isinstance(info, msgspec.inspect.StructType):
+        return [f.encode_name for f in info.fields]
+    return []
+
+
+def _choices(root: type, data: Any, field: str) -> list[str]:
+    """The values a Literal field or a tagged union's tag field accepts."""
+    info = _type_at(root, data, field)
+    if isinstance(info, msgspec.inspect.LiteralType):
+        return [str(v) for v in info.values]
+    parent, _, name = field.rpartition(".")
+    union = _type_at(root, data, parent)
+    if isinstance(union, msgspec.inspect.UnionType):
+        return sorted(
+            str(t.tag)
+            for t in union.types
+            if isinstance(t, msgspec.inspect.StructType) and t.tag_field == name
+        )
+    return []
 
 
 def _lookup(data: Any, field: str) -> Any:

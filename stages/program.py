@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import logging
 import random
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import anyio
 import msgspec
+import yaml
 
 from pipeline.channel import Channel
 from pipeline.clock import DeadlineClock, TimeSource
@@ -20,6 +24,15 @@ from pipeline.runner import StopRequest, run_stages
 from pipeline.tickets import TicketBox
 from pipeline.trace import Trace
 from pipeline.watchdog import Watchdog
+from stages.checkpoint import (
+    Checkpointer,
+    PipelineState,
+    check_compatible,
+    clean_orphans,
+    find_resume,
+    python_rng_state,
+    set_python_rng_state,
+)
 from stages.faults import FaultyEngine
 from stages.progress import Progress
 from stages.prompts import PromptStage, build_prompts
@@ -27,6 +40,9 @@ from stages.recipe import Recipe
 from stages.reward import RewardStage, resolve
 from stages.rollout import RolloutStage
 from stages.train import Evaluation, TrainStage
+
+
+log = logging.getLogger("stages.program")
 
 
 class RunSummary(msgspec.Struct, frozen=True, kw_only=True):
@@ -46,11 +62,20 @@ async def run_program(
     time_source: TimeSource | None = None,
     stop: StopRequest | None = None,
     echo: Callable[[dict[str, Any]], None] | None = None,
+    checkpoint_hook: Callable[[str], None] | None = None,
 ) -> RunSummary:
     """Run `recipe` to its last step (or a clean stop). `engine`/`trainer` replace the backend."""
     run_dir = Path(recipe.run.dir)
+    resume_from = find_resume(run_dir, recipe.checkpoint.resume)
+    resumed: PipelineState | None = None
+    if resume_from is not None:
+        saved_recipe = yaml.safe_load((resume_from / "recipe.yaml").read_text())
+        check_compatible(saved_recipe, msgspec.to_builtins(recipe), resume_from)
+        resumed = msgspec.msgpack.decode((resume_from / "state.msgpack").read_bytes(), type=PipelineState)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "recipe.yaml").write_text(dump(recipe))
+    checkpoints = Checkpointer(run_dir / "checkpoints", keep_last=recipe.checkpoint.keep_last, hook=checkpoint_hook)
+    clean_orphans(checkpoints.root)
     seed = recipe.run.seed
     random.seed(seed)
     prompts = build_prompts(recipe.prompts, seed)
@@ -60,15 +85,28 @@ async def run_program(
         engine, trainer = build_backend(
             recipe, vocab_size=prompts.tokenizer.vocab_size, eos_id=prompts.tokenizer.eos_id
         )
+    if resumed is not None:
+        assert resume_from is not None
+        start = time.perf_counter()
+        await anyio.to_thread.run_sync(_load_backend_state, resume_from, trainer, engine)
+        load_s = time.perf_counter() - start
+        prompts.train.skip(resumed.next_batch * recipe.prompts.prompts_per_step)
+        set_python_rng_state(resumed.python_rng)
+        _truncate_metrics(run_dir / "metrics.jsonl", resumed.step)
+        log.info("resumed from %s (step %d) in %.3f s", resume_from, resumed.step, load_s)
     clock = DeadlineClock(time_source)
     if recipe.faults.enabled:
         engine = FaultyEngine(engine, recipe.faults, time=clock.source, seed=seed)
     stop = stop or StopRequest()
     trace = Trace(clock.source.now())
-    gate = EngineGate(engine, clock, on_transition=lambda name, start, end: trace.span(name, start, end, track="gate"))
+    version = resumed.policy_version if resumed else 0
+    first_batch = resumed.next_batch if resumed else 0
+    gate = EngineGate(
+        engine, clock, version=version, on_transition=lambda name, start, end: trace.span(name, start, end, track="gate")
+    )
     lookahead = recipe.async_rl.max_lookahead_versions
-    tickets = TicketBox(lookahead)
-    progress = Progress(steps=recipe.run.steps)
+    tickets = TicketBox(lookahead, first_batch=first_batch)
+    progress = Progress(steps=recipe.run.steps, steps_done=resumed.step if resumed else 0)
     per_step = recipe.prompts.prompts_per_step
     batches: Channel[Batch] = Channel("batches", lookahead + 1)
     generated: Channel[Group | Dropped] = Channel("generated", per_step * (lookahead + 1))
@@ -81,6 +119,29 @@ async def run_program(
     reward = RewardStage(
         recipe.reward, fn=reward_fn, tokenizer=prompts.tokenizer, clock=clock, inp=generated, out=scored, watchdog=watchdog
     )
+    if resumed is not None:
+        for key, value in resumed.counters.items():
+            stage_name, _, counter = key.partition("/")
+            {"rollout": rollout, "reward": reward}[stage_name].counts[counter] = value
+    last_saved = [resumed.step if resumed else -1]
+
+    async def save(step: int, next_batch: int) -> None:
+        state = PipelineState(
+            step=step,
+            policy_version=gate.engine_version,
+            next_batch=next_batch,
+            counters={f"rollout/{k}": v for k, v in rollout.counts.items()}
+            | {f"reward/{k}": v for k, v in reward.counts.items()},
+            python_rng=python_rng_state(),
+        )
+        files = {"trainer.pt": _torch_writer(trainer.state())}  # type: ignore[attr-defined]
+        engine_state = getattr(engine, "state", None)
+        if engine_state is not None:
+            files["engine.pt"] = _torch_writer(engine_state())
+        files["state.msgpack"] = lambda path: path.write_bytes(msgspec.msgpack.encode(state))
+        await anyio.to_thread.run_sync(checkpoints.save, step, files, recipe)
+        last_saved[0] = step
+        trace.span(f"save {step}", clock.source.now() - checkpoints.last_save_s, clock.source.now(), track="checkpoint")
 
     def counters() -> dict[str, float]:
         return {
@@ -106,8 +167,10 @@ async def run_program(
         clock=clock,
         watchdog=watchdog,
         prompts_per_step=per_step,
-        first_batch=0,
+        first_batch=first_batch,
         counters=counters,
+        save_due=lambda step: bool(recipe.checkpoint.every_steps) and step % recipe.checkpoint.every_steps == 0,
+        save=save if hasattr(trainer, "state") else None,
         evaluation=evaluation,
         echo=echo,
     )
@@ -129,10 +192,25 @@ async def run_program(
         progress.stop()
         tickets.close()
 
+    def consistent() -> bool:
+        # A step cancelled after its worker thread finished has changed the weights without
+        # being published: saving then would label step k+1's weights as step k.
+        return getattr(trainer, "steps", progress.steps_done) == progress.steps_done
+
+    async def final_save() -> None:
+        if hasattr(trainer, "state") and progress.steps_done > max(0, last_saved[0]) and consistent():
+            await save(progress.steps_done, train.next_batch)
+
     try:
         outcome = await run_stages(
             stages, clock=clock, watchdog=watchdog, stop=stop, on_stop=on_stop, grace_s=recipe.run.stop_grace_s
         )
+        if outcome.stopped:
+            await final_save()
+    except anyio.get_cancelled_exc_class():
+        with anyio.CancelScope(shield=True):
+            await final_save()
+        raise
     finally:
         metrics.close()
         trace.write(run_dir / "trace.json")
@@ -157,3 +235,30 @@ def _wandb(recipe: Recipe, run_dir: Path) -> Any:
         dir=str(run_dir),
         config=msgspec.to_builtins(recipe),
     )
+
+
+def _torch_writer(state: Any) -> Callable[[Path], None]:
+    def write(path: Path) -> None:
+        import torch
+
+        torch.save(state, path)
+
+    return write
+
+
+def _load_backend_state(checkpoint: Path, trainer: Any, engine: Any) -> None:
+    import torch
+
+    trainer.load_state(torch.load(checkpoint / "trainer.pt", weights_only=False))
+    if (checkpoint / "engine.pt").exists() and hasattr(engine, "load_state"):
+        engine.load_state(torch.load(checkpoint / "engine.pt", weights_only=False))
+
+
+def _truncate_metrics(path: Path, step: int) -> None:
+    """Drop records of steps after the checkpoint (logged by the run that was interrupted)."""
+    if not path.exists():
+        return
+    keep = [line for line in path.read_text().splitlines() if line and msgspec.json.decode(line).get("step", 0) <= step]
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(line + "\n" for line in keep))
+    tmp.replace(path)

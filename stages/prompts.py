@@ -26,7 +26,12 @@ from stages.tokenizer import CharTokenizer
 
 
 class SyntheticSource(Section, tag="synthetic", tag_field="kind"):
-    task: Literal["reverse"] = "reverse"
+    """Digit-string tasks: `reverse` ("12345=" -> "54321") or `increment` each digit mod 10
+    ("12349=" -> "23450"). Increment keeps every answer digit at a fixed distance from its
+    source, which rotary attention learns fast; reverse needs the distance to change with the
+    output position, which a tiny model learns far more slowly."""
+
+    task: Literal["reverse", "increment"] = "reverse"
     min_digits: PositiveInt = 5
     max_digits: PositiveInt = 5
     num_heldout: Annotated[int, msgspec.Meta(ge=0)] = 256
@@ -53,23 +58,52 @@ class PromptsSection(Section):
 DIGITS = "0123456789"
 
 
+class PromptStream:
+    """An endless, deterministic stream of training prompts that counts what it has handed out.
+
+    Resuming is replay: a fresh stream built from the same recipe and seed, advanced by
+    `skip(n)`, continues exactly where one that had handed out n prompts stood.
+    """
+
+    def __init__(self, prompts: Iterator[Prompt]) -> None:
+        self._prompts = prompts
+        self.drawn = 0
+
+    def __iter__(self) -> Iterator[Prompt]:
+        return self
+
+    def __next__(self) -> Prompt:
+        self.drawn += 1
+        return next(self._prompts)
+
+    def skip(self, n: int) -> None:
+        for _ in range(n):
+            next(self)
+
+
 class PromptSet:
     """A tokenizer, an endless stream of training prompts and a held-out list."""
 
     def __init__(self, tokenizer: CharTokenizer, train: Iterator[Prompt], heldout: list[Prompt]) -> None:
         self.tokenizer = tokenizer
-        self.train = train
+        self.train = PromptStream(train)
         self.heldout = heldout
 
 
 def build_prompts(section: PromptsSection, seed: int) -> PromptSet:
     source = section.source
     if isinstance(source, SyntheticSource):
-        return _reverse_task(source, seed)
+        return _digit_task(source, seed)
     return _jsonl(source, seed)
 
 
-def _reverse_task(source: SyntheticSource, seed: int) -> PromptSet:
+ANSWERS = {
+    "reverse": lambda digits: digits[::-1],
+    "increment": lambda digits: "".join(str((int(d) + 1) % 10) for d in digits),
+}
+
+
+def _digit_task(source: SyntheticSource, seed: int) -> PromptSet:
     tokenizer = CharTokenizer(DIGITS + "=")
     # The held-out split comes from its own stream and is excluded from training.
     heldout_rng = random.Random(f"heldout-{seed}")
@@ -78,7 +112,12 @@ def _reverse_task(source: SyntheticSource, seed: int) -> PromptSet:
         heldout_texts[_digits(heldout_rng, source)] = None
 
     def make(text: str, prompt_id: str) -> Prompt:
-        return Prompt(prompt_id=prompt_id, text=text + "=", tokens=tuple(tokenizer.encode(text + "=")), answer=text[::-1])
+        return Prompt(
+            prompt_id=prompt_id,
+            text=text + "=",
+            tokens=tuple(tokenizer.encode(text + "=")),
+            answer=ANSWERS[source.task](text),
+        )
 
     heldout = [make(text, f"heldout-{i}") for i, text in enumerate(heldout_texts)]
 

@@ -6,11 +6,16 @@ from collections.abc import Sequence
 
 from pipeline.errors import RecipeError
 
-PAD, EOS = "<pad>", "<eos>"
+SPECIAL = 3  # padding (0), end of sequence (1), beginning of sequence (2)
 
 
 class CharTokenizer:
-    """One token per character of `alphabet`, plus padding (id 0) and end of sequence (id 1)."""
+    """One token per character of `alphabet`, after padding (0), end (1) and beginning (2).
+
+    `encode` starts every text with the beginning-of-sequence token, as Llama tokenizers do:
+    with rotary (relative) positions only, attending to that fixed first token is how a small
+    model finds out how far into the sequence it is.
+    """
 
     def __init__(self, alphabet: str) -> None:
         if len(set(alphabet)) != len(alphabet):
@@ -18,12 +23,13 @@ class CharTokenizer:
         self.alphabet = alphabet
         self.pad_id = 0
         self.eos_id = 1
-        self._ids = {ch: i + 2 for i, ch in enumerate(alphabet)}
-        self.vocab_size = len(alphabet) + 2
+        self.bos_id = 2
+        self._ids = {ch: i + SPECIAL for i, ch in enumerate(alphabet)}
+        self.vocab_size = len(alphabet) + SPECIAL
 
     def encode(self, text: str, *, where: str = "text") -> list[int]:
         try:
-            return [self._ids[ch] for ch in text]
+            return [self.bos_id] + [self._ids[ch] for ch in text]
         except KeyError as error:
             raise RecipeError(
                 f"{where}: character {error.args[0]!r} is not in the tokenizer's alphabet {self.alphabet!r}"
@@ -32,13 +38,13 @@ class CharTokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         """Text of `ids` up to the first end-of-sequence token.
 
-        Padding is skipped; ids past the alphabet (a model's vocabulary may be padded beyond the
+        Special tokens are skipped; ids past the alphabet (a model's vocabulary may be padded beyond the
         tokenizer's) decode as U+FFFD, so they can never match an answer.
         """
         chars = []
         for i in ids:
             if i == self.eos_id:
                 break
-            if i >= 2:
-                chars.append(self.alphabet[i - 2] if i - 2 < len(self.alphabet) else "\ufffd")
+            if i >= SPECIAL:
+                chars.append(self.alphabet[i - SPECIAL] if i - SPECIAL < len(self.alphabet) else "\ufffd")
         return "".join(chars)

@@ -57,7 +57,7 @@ class EvalSection(Section):
     num_prompts: PositiveInt = 256
 
 
-Saver = Callable[[int], Awaitable[None]]
+Saver = Callable[[int, int], Awaitable[None]]  # (step, next batch)
 
 
 class TrainStage:
@@ -137,7 +137,9 @@ class TrainStage:
         if not samples:
             self.tickets.give_back(Ticket(batch=batch))
             self.progress.batch_finished(trained=False)
-            self.metrics.write({**record, "train/empty_batch": 1, "policy_version": version, **self.counters()})
+            self.metrics.write(
+                {"step": self.progress.steps_done, **record, "train/empty_batch": 1, "policy_version": version, **self.counters()}
+            )
             return
         step = self.progress.steps_done + 1
         saving = self.save is not None and (self.save_due(step) or step == self.progress.steps)
@@ -145,7 +147,7 @@ class TrainStage:
         with self.watchdog.waiting(self.name, f"train step {step}"):
             result, timings = await self.gate.step(
                 lambda: self.trainer.train_step(samples, advantages),
-                save=(lambda: self.save(step)) if saving else None,  # type: ignore[misc]
+                save=(lambda: self.save(step, batch + 1)) if saving else None,  # type: ignore[misc]
             )
         end = self.clock.source.now()
         self.trace.span(f"step {step}", start, end, track="train", batch=batch)

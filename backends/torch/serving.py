@@ -15,6 +15,7 @@ new weights in between two batches.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import anyio
 import torch
@@ -145,6 +146,15 @@ class TorchEngine:
     def _copy_weights(self) -> None:
         for target, value in zip(self.sampler.model.parameters(), self.source.parameters(), strict=True):
             target.copy_(value)
+
+    def state(self) -> dict[str, Any]:
+        return {"generator": self.generator.get_state()}
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        """Restore the sampling RNG; weights come from the trainer (shared, or a refit)."""
+        self.generator.set_state(state["generator"])
+        if self.sampler.model is not self.source:
+            self._copy_weights()
 
     def memory_in_use(self) -> int | None:
         cache = self.sampler._cache

@@ -1,0 +1,1 @@
+"""Benchmarks (nox -s bench on CPU, nox -s gpu on a CUDA machine); results go to bench/*.json."""

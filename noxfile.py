@@ -1,0 +1,48 @@
+"""nox sessions: tests, lint, typecheck, bench (CPU) and gpu (on a CUDA machine)."""
+
+from __future__ import annotations
+
+import nox
+
+nox.options.sessions = ["tests", "lint"]
+nox.options.default_venv_backend = "venv"
+
+CPU_TORCH = "torch==2.13.0"  # the CPU build on this project's CI machines; GPU users keep theirs
+
+
+def _install(session: nox.Session, *extras: str) -> None:
+    session.install(CPU_TORCH)
+    session.install("-e", f".[{','.join(extras)}]" if extras else ".")
+
+
+@nox.session
+def tests(session: nox.Session) -> None:
+    _install(session, "test")
+    session.run("pytest", "-m", "not gpu", *session.posargs)
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    session.install("ruff")
+    session.run("ruff", "check", "pipeline", "stages", "backends", "tests")
+
+
+@nox.session
+def typecheck(session: nox.Session) -> None:
+    _install(session, "test")
+    session.install("mypy")
+    session.run("mypy")
+
+
+@nox.session
+def bench(session: nox.Session) -> None:
+    """CPU benchmarks; results go to bench/results-cpu.json."""
+    _install(session, "test")
+    session.run("python", "-m", "bench.cpu", *session.posargs)
+
+
+@nox.session(python=False)
+def gpu(session: nox.Session) -> None:
+    """GPU tests and benchmarks, run in the current environment of a CUDA machine."""
+    session.run("python", "-m", "pytest", "-m", "gpu", "tests/gpu", *session.posargs)
+    session.run("python", "-m", "bench.gpu", *session.posargs)

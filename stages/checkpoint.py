@@ -1,0 +1,186 @@
+"""Checkpoints: atomic saves, retention and resume.
+
+Layout under `run.dir/checkpoints/`:
+
+    step-000010/            a committed checkpoint
+        trainer.pt          model, optimizer, scheduler and trainer RNG (torch.save)
+        engine.pt           the engine's sampling RNG (when the engine has one)
+        state.msgpack       policy version, step, batch and prompt cursors, counters, Python RNG
+        recipe.yaml         the resolved recipe it was written with
+        COMMITTED           written last: a directory without it is not a checkpoint
+    .tmp-step-000012-*      a save in progress (or an orphan of a killed one, removed at start)
+
+Save: write each file into a temporary directory and fsync it, write the marker and fsync it,
+fsync the directory, rename it into place, fsync `checkpoints/`. A kill at any point leaves
+either the previous committed checkpoints untouched or the new one complete. After a save only
+the newest `keep_last` committed checkpoints are kept; a failed purge is logged, never fatal.
+
+Resume reads committed checkpoints only. Work admitted after the checkpoint's step (batches
+still generating, or generated and not yet trained) is not saved: the prompt cursor points
+just past the last trained batch, so those prompts are drawn and generated again after a
+resume and every prompt is trained exactly once.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from pipeline.errors import RecipeError
+from pipeline.recipe import dump
+
+log = logging.getLogger("stages.checkpoint")
+
+MARKER = "COMMITTED"
+PREFIX = "step-"
+TMP_PREFIX = ".tmp-"
+
+
+class PipelineState(msgspec.Struct, kw_only=True):
+    """What the pipeline itself needs to continue exactly where it stopped."""
+
+    step: int
+    policy_version: int
+    next_batch: int
+    prompts_drawn: int
+    counters: dict[str, int]
+    python_rng: list[Any]
+
+
+def _fsync_file(path: Path) -> None:
+    with path.open("rb+") as handle:
+        os.fsync(handle.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def committed(root: Path) -> list[Path]:
+    """Committed checkpoints under `root`, oldest first."""
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if p.name.startswith(PREFIX) and (p / MARKER).is_file()]
+    return sorted(found, key=lambda p: int(p.name[len(PREFIX) :]))
+
+
+def clean_orphans(root: Path) -> None:
+    """Remove temporary directories left by saves that never finished."""
+    if not root.is_dir():
+        return
+    for path in root.iterdir():
+        if path.name.startswith(TMP_PREFIX) or (path.name.startswith(PREFIX) and not (path / MARKER).exists()):
+            log.warning("removing unfinished checkpoint %s", path)
+            shutil.rmtree(path, ignore_errors=True)
+
+
+Writer = Callable[[Path], None]
+
+
+class Checkpointer:
+    """Writes committed checkpoints; `hook(stage_name)` lets tests kill the process mid-save."""
+
+    def __init__(self, root: Path, *, keep_last: int, hook: Callable[[str], None] | None = None) -> None:
+        self.root = root
+        self.keep_last = keep_last
+        self.hook = hook or (lambda point: None)
+        self.last_save_s = 0.0
+
+    def save(self, step: int, files: dict[str, Writer], recipe: msgspec.Struct) -> Path:
+        start = time.perf_counter()
+        self.root.mkdir(parents=True, exist_ok=True)
+        final = self.root / f"{PREFIX}{step:06d}"
+        tmp = self.root / f"{TMP_PREFIX}{PREFIX}{step:06d}-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        self.hook("before_files")
+        for name, write in files.items():
+            write(tmp / name)
+            _fsync_file(tmp / name)
+            self.hook(f"after:{name}")
+        (tmp / "recipe.yaml").write_text(dump(recipe))
+        _fsync_file(tmp / "recipe.yaml")
+        self.hook("before_marker")
+        (tmp / MARKER).write_text(f"{step}\n")
+        _fsync_file(tmp / MARKER)
+        _fsync_dir(tmp)
+        self.hook("before_rename")
+        if final.exists():  # a re-save of the same step (a stop right after a scheduled save)
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        _fsync_dir(self.root)
+        self.hook("after_rename")
+        self._purge()
+        self.last_save_s = time.perf_counter() - start
+        return final
+
+    def _purge(self) -> None:
+        for old in committed(self.root)[: -self.keep_last]:
+            try:
+                shutil.rmtree(old)
+            except OSError as error:
+                log.warning("could not remove old checkpoint %s: %s", old, error)
+
+
+def find_resume(run_dir: Path, resume: str) -> Path | None:
+    """The checkpoint to resume from, per `checkpoint.resume`; None to start fresh."""
+    root = run_dir / "checkpoints"
+    if resume == "never":
+        if run_dir.exists() and any(run_dir.iterdir()):
+            raise RecipeError(
+                f"checkpoint.resume: run.dir {run_dir} is not empty and resume is 'never'; "
+                "choose another run.dir or set checkpoint.resume: auto"
+            )
+        return None
+    if resume == "auto":
+        found = committed(root)
+        return found[-1] if found else None
+    path = Path(resume)
+    if not (path / MARKER).is_file():
+        raise RecipeError(f"checkpoint.resume: {path} is not a committed checkpoint (no {MARKER} file)")
+    return path
+
+
+# Recipe fields a checkpoint cannot survive changing.
+BINDING_FIELDS = ("model", "prompts.prompts_per_step", "prompts.source", "rollout.samples_per_prompt")
+
+
+def check_compatible(saved: dict[str, Any], current: dict[str, Any], checkpoint: Path) -> None:
+    for field in BINDING_FIELDS:
+        old, new = _get(saved, field), _get(current, field)
+        if field == "model":
+            old = {k: v for k, v in (old or {}).items() if k not in ("threads", "device")}
+            new = {k: v for k, v in (new or {}).items() if k not in ("threads", "device")}
+        if old != new:
+            raise RecipeError(
+                f"{field}: differs from checkpoint {checkpoint} (was {old!r}, now {new!r}); "
+                "resume with the recipe the checkpoint was written with, or start a new run.dir"
+            )
+
+
+def _get(data: dict[str, Any], field: str) -> Any:
+    node: Any = data
+    for part in field.split("."):
+        node = node.get(part) if isinstance(node, dict) else None
+    return node
+
+
+def python_rng_state() -> list[Any]:
+    version, internal, gauss = random.getstate()
+    return [version, list(internal), gauss]
+
+
+def set_python_rng_state(state: list[Any]) -> None:
+    random.setstate((state[0], tuple(state[1]), state[2]))
