@@ -103,8 +103,10 @@ class EngineGate:
         """Run one train step in the capability-driven order; returns its result and timings."""
         self._timings = {}
         if self.engine.blocks_training:
-            await self._stand_down()
             try:
+                # Inside the try: a stand-down that fails or is cancelled still resumes the
+                # clock and reopens the gate.
+                await self._stand_down()
                 result = await self._timed("train", train)
                 self.engine_version += 1
                 if save is not None:

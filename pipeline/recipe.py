@@ -112,7 +112,7 @@ def _validation_message(
         known = _field_names(_type_at(root, data, field))
         field = f"{field}.{name}" if field else name
         problem = "unknown field"
-        close = difflib.get_close_matches(name, known, n=1)
+        close = difflib.get_close_matches(name, known, n=1, cutoff=0.75)
         if close:
             problem += f" (did you mean `{close[0]}`?)"
         if known:

@@ -49,8 +49,7 @@ class PipelineState(msgspec.Struct, kw_only=True):
 
     step: int
     policy_version: int
-    next_batch: int
-    prompts_drawn: int
+    next_batch: int  # batches before it are trained or dropped; its prompts are drawn again
     counters: dict[str, int]
     python_rng: list[Any]
 

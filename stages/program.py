@@ -195,7 +195,7 @@ async def run_program(
     def consistent() -> bool:
         # A step cancelled after its worker thread finished has changed the weights without
         # being published: saving then would label step k+1's weights as step k.
-        return getattr(trainer, "steps", progress.steps_done) == progress.steps_done
+        return getattr(trainer, "completed_steps", progress.steps_done) == progress.steps_done
 
     async def final_save() -> None:
         if hasattr(trainer, "state") and progress.steps_done > max(0, last_saved[0]) and consistent():

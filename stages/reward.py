@@ -2,7 +2,7 @@
 
 A reward function takes `(prompt: Prompt, completion: str)` and returns a float or a dict of
 floats with a `"reward"` key (the other keys are logged as `reward/<key>`). It may be a plain
-or an `async` function; plain ones run in a worker thread. Built-ins are named (`reverse`);
+or an `async` function; plain ones run in a worker thread. Built-ins are named (`positional`, `exact_match`);
 anything else is given as `module:function`. Each group is scored under `reward_s` of wall time
 (the gate does not block reward work). A function that raises, or a group that times out, is a
 counted data failure: those samples get no reward and are not trained on. More than
@@ -36,13 +36,13 @@ RewardFn = Callable[[Prompt, str], float | dict[str, float] | Awaitable[float | 
 
 
 class RewardSection(Section):
-    function: str = "reverse"
+    function: str = "positional"
     reward_s: PositiveFloat = 60.0
     max_failures: NonNegativeInt = 64
 
 
-def reverse_reward(prompt: Prompt, completion: str) -> dict[str, float]:
-    """Digit positions correct / max(len(answer), len(completion)); exact match logged beside."""
+def positional_reward(prompt: Prompt, completion: str) -> dict[str, float]:
+    """Positions correct / max(len(answer), len(completion)); exact match logged beside."""
     answer = prompt.answer
     longest = max(len(answer), len(completion))
     correct = sum(a == b for a, b in zip(answer, completion))
@@ -56,7 +56,7 @@ def exact_match_reward(prompt: Prompt, completion: str) -> float:
     return float(completion.strip() == prompt.answer.strip())
 
 
-BUILTIN: dict[str, RewardFn] = {"reverse": reverse_reward, "exact_match": exact_match_reward}
+BUILTIN: dict[str, RewardFn] = {"positional": positional_reward, "exact_match": exact_match_reward}
 
 
 def resolve(name: str) -> RewardFn:

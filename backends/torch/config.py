@@ -66,13 +66,13 @@ class ModelConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
                     f"hidden_size ({self.hidden_size}) must be divisible by num_attention_heads "
                     f"({self.num_attention_heads}) when head_dim is not given"
                 )
-            msgspec.structs.force_setattr(
-                self, "head_dim", self.hidden_size // self.num_attention_heads
-            )
+            msgspec.structs.force_setattr(self, "head_dim", self.hidden_size // self.num_attention_heads)
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
         if self.rope_scaling is not None:
             _check_rope_scaling(self.rope_scaling)
+            # A private copy: the caller's dict may be mutated later (transformers does so).
+            msgspec.structs.force_setattr(self, "rope_scaling", dict(self.rope_scaling))
 
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any], *, source: str = "config.json") -> "ModelConfig":
@@ -86,8 +86,7 @@ class ModelConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
         arch = architectures[0] if len(architectures) == 1 else tuple(architectures)
         if arch not in _ARCHITECTURES:
             raise UnsupportedModelError(
-                f"{source}: unsupported architecture {arch!r}; "
-                f"supported: {', '.join(_ARCHITECTURES)}"
+                f"{source}: unsupported architecture {arch!r}; supported: {', '.join(_ARCHITECTURES)}"
             )
 
         def unsupported(feature: str) -> UnsupportedModelError:
@@ -181,9 +180,7 @@ def _check_rope_scaling(spec: dict[str, Any]) -> None:
     need = _ROPE_SCALING_KEYS[rope_type]
     keys = set(spec) - {"rope_type"}
     if keys != need:
-        raise ValueError(
-            f"rope_scaling of type {rope_type!r} needs keys {sorted(need)}, got {sorted(keys)}"
-        )
+        raise ValueError(f"rope_scaling of type {rope_type!r} needs keys {sorted(need)}, got {sorted(keys)}")
     for key in need:
         value = spec[key]
         if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:

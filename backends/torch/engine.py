@@ -101,10 +101,11 @@ class Sampler:
         real = columns >= pad
         # Real tokens get positions 0..len-1 whatever their padding; padding gets 0.
         position_ids = (columns - pad).clamp_(min=0)
-        prefill_mask = None if min(lengths) == width else real
-        hidden = self.model.hidden_states(
-            input_ids, position_ids, prefill_mask, cache.rows(len(unique)), 0
-        )[:, -1]
+        # Without padding every key is real, and SDPA runs faster with no mask at all.
+        padded = min(lengths) < width
+        prefill_mask = real if padded else None
+        prefill = self.model.hidden_states(input_ids, position_ids, prefill_mask, cache.rows(len(unique)))
+        hidden = prefill[:, -1]
         if len(unique) < batch:
             gather = torch.tensor(row_to_unique, device=dev)
             hidden, real = hidden[gather], real[gather]
@@ -134,9 +135,10 @@ class Sampler:
             if step == max_new_tokens or (stop.numel() and bool(done.all())):
                 break
             start = width + step - 1
-            hidden = self.model.hidden_states(
-                token.unsqueeze(1), next_position, key_mask[:, : start + 1], cache, start
-            )[:, -1]
+            step_mask = key_mask[:, : start + 1] if padded else None
+            hidden = self.model.hidden_states(token.unsqueeze(1), next_position, step_mask, cache, start)[
+                :, -1
+            ]
             next_position += 1
 
         n_tokens = generated.tolist()
@@ -153,14 +155,15 @@ class Sampler:
         """Cache and key mask views of exactly ``batch`` rows, at least ``length`` positions."""
         cache = self._cache
         if cache is None or cache.batch < batch or cache.length < length:
+            rows, positions = batch, length
             if cache is not None:
-                batch, length = max(batch, cache.batch), max(length, cache.length)
+                rows, positions = max(rows, cache.batch), max(positions, cache.length)
             # Drop the old buffers first so peak memory is one cache, not two.
             self.release()
             self._cache = KVCache.allocate(
-                self.model.config, batch, length, dtype=self.dtype, device=self.device
+                self.model.config, rows, positions, dtype=self.dtype, device=self.device
             )
-            self._key_mask = torch.empty(batch, length, dtype=torch.bool, device=self.device)
+            self._key_mask = torch.empty(rows, positions, dtype=torch.bool, device=self.device)
         assert self._cache is not None and self._key_mask is not None
         return self._cache.rows(batch), self._key_mask[:batch]
 

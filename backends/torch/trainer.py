@@ -69,7 +69,7 @@ class TorchTrainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, factor)
         self.generator = torch.Generator().manual_seed(seed)
         self.skipped_steps = 0
-        self.steps = 0
+        self.completed_steps = 0
 
     async def train_step(self, samples: Sequence[Sample], advantages: Sequence[float]) -> dict[str, float]:
         return await anyio.to_thread.run_sync(self._train_step, list(samples), list(advantages))
@@ -170,7 +170,7 @@ class TorchTrainer:
         )
         if reference is not None:
             metrics["train/kl_ref"] = totals["kl_ref"] / tokens
-        self.steps += 1
+        self.completed_steps += 1
         return metrics
 
     def state(self) -> dict[str, Any]:
@@ -180,7 +180,7 @@ class TorchTrainer:
             "scheduler": self.scheduler.state_dict(),
             "generator": self.generator.get_state(),
             "skipped_steps": self.skipped_steps,
-            "steps": self.steps,
+            "completed_steps": self.completed_steps,
         }
 
     def load_state(self, state: dict[str, Any]) -> None:
@@ -189,4 +189,4 @@ class TorchTrainer:
         self.scheduler.load_state_dict(state["scheduler"])
         self.generator.set_state(state["generator"])
         self.skipped_steps = int(state["skipped_steps"])
-        self.steps = int(state["steps"])
+        self.completed_steps = int(state["completed_steps"])

@@ -26,14 +26,19 @@ def _generate(sampler: Sampler, prompts: list[list[int]], seed: int = 0, **kw) -
     return sampler.generate(prompts, generator=torch.Generator().manual_seed(seed), **args)
 
 
-def _recomputed(model: Decoder, prompts: list[list[int]], outs: list[Completion], temperature: float) -> list[list[float]]:
-    seqs = [p + o.tokens for p, o in zip(prompts, outs)]
+def _recomputed(
+    model: Decoder, prompts: list[list[int]], outs: list[Completion], temperature: float
+) -> list[list[float]]:
+    seqs = [p + o.tokens for p, o in zip(prompts, outs, strict=True)]
     width = max(map(len, seqs))
     ids = torch.tensor([s + [0] * (width - len(s)) for s in seqs])
     mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs])
     with torch.no_grad():
         lp = token_logprobs(model, ids, mask, temperature=temperature)
-    return [lp[i, len(p) - 1 : len(p) - 1 + len(o.tokens)].tolist() for i, (p, o) in enumerate(zip(prompts, outs))]
+    return [
+        lp[i, len(p) - 1 : len(p) - 1 + len(o.tokens)].tolist()
+        for i, (p, o) in enumerate(zip(prompts, outs, strict=True))
+    ]
 
 
 @pytest.mark.parametrize(("temperature", "top_p"), [(0.7, 0.9), (1.3, 1.0), (0.0, 1.0)])
@@ -42,7 +47,7 @@ def test_reported_logprobs_equal_training_recomputation(temperature: float, top_
     outs = _generate(sampler, PROMPTS, temperature=temperature, top_p=top_p)
     # Greedy reports logprobs at temperature 1.
     want = _recomputed(sampler.model, PROMPTS, outs, temperature or 1.0)
-    for out, expected in zip(outs, want):
+    for out, expected in zip(outs, want, strict=True):
         assert len(out.tokens) == len(out.logprobs) == 6 and out.finish_reason == "length"
         torch.testing.assert_close(torch.tensor(out.logprobs), torch.tensor(expected), atol=1e-5, rtol=0)
 
@@ -50,10 +55,12 @@ def test_reported_logprobs_equal_training_recomputation(temperature: float, top_
 def test_prompt_alone_equals_prompt_in_padded_batch_greedy() -> None:
     sampler = _sampler()
     batch = _generate(sampler, PROMPTS, temperature=0.0)
-    for prompt, out in zip(PROMPTS, batch):
+    for prompt, out in zip(PROMPTS, batch, strict=True):
         alone = _generate(sampler, [prompt], temperature=0.0)[0]
         assert alone.tokens == out.tokens
-        torch.testing.assert_close(torch.tensor(alone.logprobs), torch.tensor(out.logprobs), atol=1e-5, rtol=0)
+        torch.testing.assert_close(
+            torch.tensor(alone.logprobs), torch.tensor(out.logprobs), atol=1e-5, rtol=0
+        )
 
 
 def test_stop_token_ends_sequence_and_is_included() -> None:
@@ -61,7 +68,7 @@ def test_stop_token_ends_sequence_and_is_included() -> None:
     free = _generate(sampler, PROMPTS, temperature=0.0, max_new_tokens=8)
     stop = free[0].tokens[2]
     outs = _generate(sampler, PROMPTS, temperature=0.0, max_new_tokens=8, stop_token_ids=[stop])
-    for f, o in zip(free, outs):
+    for f, o in zip(free, outs, strict=True):
         if stop in f.tokens:
             cut = f.tokens.index(stop) + 1
             assert (o.tokens, o.logprobs, o.finish_reason) == (f.tokens[:cut], f.logprobs[:cut], "stop")
@@ -97,6 +104,8 @@ def test_reused_and_released_cache_do_not_change_results() -> None:
     big = [[3] * 12] * 9
     _generate(sampler, big, max_new_tokens=10)  # leaves a larger cache full of stale values
     reused = _generate(sampler, PROMPTS, seed=1)
+    longer = _generate(sampler, PROMPTS[:2], seed=1, max_new_tokens=30)  # grows length only
+    assert longer == _generate(_sampler(), PROMPTS[:2], seed=1, max_new_tokens=30)
     sampler.release()
     fresh = _generate(sampler, PROMPTS, seed=1)
     assert reused == fresh == _generate(_sampler(), PROMPTS, seed=1)

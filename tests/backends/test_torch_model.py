@@ -38,7 +38,9 @@ def test_kv_cache_incremental_matches_full_forward(attention_bias: bool) -> None
         pieces = [model(ids[:, :4], _positions(3, 4), kv_cache=cache, cache_start=0)]
         pieces.append(model(ids[:, 4:7], _positions(3, 7)[:, 4:], kv_cache=cache, cache_start=4))
         for t in range(7, 11):
-            pieces.append(model(ids[:, t : t + 1], _positions(3, t + 1)[:, t:], kv_cache=cache, cache_start=t))
+            pieces.append(
+                model(ids[:, t : t + 1], _positions(3, t + 1)[:, t:], kv_cache=cache, cache_start=t)
+            )
     torch.testing.assert_close(torch.cat(pieces, dim=1), full, atol=1e-5, rtol=0)
 
 
@@ -101,7 +103,9 @@ def test_tied_embeddings_share_one_tensor() -> None:
 
 
 def test_state_dict_names_follow_hugging_face() -> None:
-    names = set(Decoder(msgspec.structs.replace(CONFIG, num_hidden_layers=1, attention_bias=True)).state_dict())
+    names = set(
+        Decoder(msgspec.structs.replace(CONFIG, num_hidden_layers=1, attention_bias=True)).state_dict()
+    )
     attn = "model.layers.0.self_attn"
     assert names == {
         "model.embed_tokens.weight",
@@ -133,6 +137,7 @@ def test_config_decodes_from_recipe_with_tiny_defaults() -> None:
 def test_from_hf_dict_rejects_unsupported_architecture() -> None:
     with pytest.raises(
         UnsupportedModelError,
-        match=r"^x/config.json: unsupported architecture 'GPT2LMHeadModel'; supported: LlamaForCausalLM, Qwen2ForCausalLM$",
+        match=r"^x/config\.json: unsupported architecture 'GPT2LMHeadModel'; "
+        r"supported: LlamaForCausalLM, Qwen2ForCausalLM$",
     ):
         ModelConfig.from_hf_dict({"architectures": ["GPT2LMHeadModel"]}, source="x/config.json")

@@ -1,0 +1,166 @@
+"""Checkpoint I/O against transformers: logits parity both ways, shards, clear errors."""
+
+import json
+from pathlib import Path
+
+import msgspec
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from backends.torch.config import ModelConfig
+from backends.torch.errors import ModelLoadError, UnsupportedModelError
+from backends.torch.hf import load_pretrained, save_pretrained
+from backends.torch.model import Decoder
+
+SHAPE = dict(
+    vocab_size=61,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+)
+ROPE = {
+    "llama3": {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 16,
+    },
+    "linear": {"rope_type": "linear", "factor": 2.0},
+}
+
+
+def _qwen2() -> Qwen2ForCausalLM:
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(Qwen2Config(**SHAPE, tie_word_embeddings=True, rope_theta=1000.0))
+    return _randomize(model)
+
+
+def _llama(rope: str) -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    # transformers adds keys to the rope dict it is given, so it gets a copy.
+    config = LlamaConfig(**SHAPE, head_dim=24, tie_word_embeddings=False, rope_scaling=dict(ROPE[rope]))
+    return _randomize(LlamaForCausalLM(config))
+
+
+def _randomize(model: torch.nn.Module) -> torch.nn.Module:
+    # Default init zeroes biases and sets norms to 1; perturb them so every tensor is tested.
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    return model.eval()
+
+
+def _inputs() -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.randint(0, SHAPE["vocab_size"], (2, 40), generator=torch.Generator().manual_seed(1))
+    return ids, torch.arange(40).expand(2, 40)
+
+
+def _hf_logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=ids).logits.float()
+
+
+def _ours(model: Decoder, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model(ids, positions)
+
+
+@pytest.mark.parametrize(
+    "build",
+    [_qwen2, lambda: _llama("llama3"), lambda: _llama("linear")],
+    ids=["qwen2-tied-bias", "llama-llama3-rope", "llama-linear-rope"],
+)
+def test_transformers_checkpoint_loads_with_matching_logits(build, tmp_path: Path) -> None:
+    hf = build()
+    hf.save_pretrained(tmp_path)
+    config, model = load_pretrained(tmp_path)
+    assert config.attention_bias == isinstance(hf, Qwen2ForCausalLM)
+    assert config.tie_word_embeddings == isinstance(hf, Qwen2ForCausalLM)
+    ids, positions = _inputs()
+    torch.testing.assert_close(_ours(model, ids, positions), _hf_logits(hf, ids), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        ModelConfig(**SHAPE, attention_bias=True, tie_word_embeddings=True),
+        ModelConfig(**SHAPE, head_dim=24, rope_scaling=ROPE["linear"]),
+        ModelConfig(**SHAPE, rope_theta=500.0, rope_scaling=ROPE["llama3"]),
+    ],
+    ids=["qwen2", "llama-linear", "llama-llama3"],
+)
+def test_our_checkpoint_loads_in_transformers(config: ModelConfig, tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = _randomize(Decoder(config))
+    save_pretrained(config, model, tmp_path)
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert type(hf).__name__ == config.architecture
+    ids, positions = _inputs()
+    torch.testing.assert_close(_hf_logits(hf, ids), _ours(model, ids, positions), atol=1e-4, rtol=0)
+    reloaded_config, reloaded = load_pretrained(tmp_path)
+    assert reloaded_config == config
+    assert torch.equal(_ours(reloaded, ids, positions), _ours(model, ids, positions))
+
+
+def test_sharded_checkpoint_loads(tmp_path: Path) -> None:
+    hf = _llama("llama3")
+    hf.save_pretrained(tmp_path, max_shard_size="50KB")
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    assert len(list(tmp_path.glob("model-*.safetensors"))) > 1
+    _, model = load_pretrained(tmp_path)
+    ids, positions = _inputs()
+    torch.testing.assert_close(_ours(model, ids, positions), _hf_logits(hf, ids), atol=1e-4, rtol=0)
+
+
+def test_missing_shard_is_named(tmp_path: Path) -> None:
+    _qwen2().save_pretrained(tmp_path, max_shard_size="50KB")
+    shard = sorted(tmp_path.glob("model-*.safetensors"))[-1]
+    shard.unlink()
+    index = tmp_path / "model.safetensors.index.json"
+    with pytest.raises(ModelLoadError) as err:
+        load_pretrained(tmp_path)
+    assert str(err.value) == f"{index}: shard {shard.name} named by the index is missing"
+
+
+def test_unsupported_architecture_is_named(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["MistralForCausalLM"]}))
+    with pytest.raises(UnsupportedModelError) as err:
+        load_pretrained(tmp_path)
+    assert isinstance(err.value, ModelLoadError)
+    assert str(err.value) == (
+        f"{tmp_path / 'config.json'}: unsupported architecture 'MistralForCausalLM'; "
+        "supported: LlamaForCausalLM, Qwen2ForCausalLM"
+    )
+
+
+def test_missing_files_are_named(tmp_path: Path) -> None:
+    with pytest.raises(ModelLoadError, match=r"missing config\.json$"):
+        load_pretrained(tmp_path)
+    config = ModelConfig(vocab_size=8, hidden_size=16, intermediate_size=16)
+    save_pretrained(config, Decoder(config), tmp_path)
+    (tmp_path / "model.safetensors").unlink()
+    with pytest.raises(
+        ModelLoadError, match=r"missing model\.safetensors \(and no model\.safetensors\.index\.json\)$"
+    ):
+        load_pretrained(tmp_path)
+
+
+def test_mismatched_tensor_names_are_listed(tmp_path: Path) -> None:
+    small = ModelConfig(vocab_size=8, hidden_size=16, intermediate_size=16, num_hidden_layers=1)
+    save_pretrained(small, Decoder(small), tmp_path)
+    bigger = msgspec.structs.replace(small, num_hidden_layers=2)
+    (tmp_path / "config.json").write_text(json.dumps(bigger.to_hf_dict()))
+    with pytest.raises(
+        ModelLoadError, match=r"missing model\.layers\.1\.input_layernorm\.weight, .*; unexpected none$"
+    ):
+        load_pretrained(tmp_path)
+    tied = msgspec.structs.replace(small, tie_word_embeddings=True)
+    save_pretrained(tied, Decoder(tied), tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps(small.to_hf_dict()))
+    with pytest.raises(ModelLoadError, match=r"missing lm_head\.weight; unexpected none$"):
+        load_pretrained(tmp_path)

@@ -1,0 +1,169 @@
+"""The command line in a subprocess: exit codes, one-line errors, a real tiny run, signals."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).parents[2]
+QUICKSTART = ROOT / "recipes" / "quickstart.yaml"
+
+# DESIGN.md, "What a run leaves behind".
+METRIC_KEYS = {
+    "step",
+    "policy_version",
+    "reward/mean",
+    "train/loss",
+    "train/grad_norm",
+    "train/gen_kl_error",
+    "train/token_mult_prob_error",
+    "rollout/max_lag",
+    "rollout/timeouts",
+    "rollout/poisoned_samples",
+    "timing/step_s",
+    "throughput/tokens_per_s_per_gpu",
+}
+SMALL = ["prompts.prompts_per_step=8", "rollout.samples_per_prompt=4", "eval.every_steps=0"]
+
+
+def cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "pipeline", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def start(*args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "pipeline", *args],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def read_until(process: subprocess.Popen[str], needle: str) -> list[str]:
+    """Lines of output up to and including the first one containing `needle` (blocks on the pipe)."""
+    assert process.stdout is not None
+    seen = []
+    for line in process.stdout:
+        seen.append(line)
+        if needle in line:
+            return seen
+    raise AssertionError(f"{needle!r} never printed; output:\n{''.join(seen)}")
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        (
+            "run:\n  stepz: 3\n",
+            "run.stepz: unknown field (did you mean `steps`?); valid fields: "
+            "dir, steps, seed, stop_grace_s, progress",
+        ),
+        (
+            "run:\n  steps: [\n",
+            "invalid YAML: line 3, column 1: expected the node content, but found '<stream end>'",
+        ),
+    ],
+    ids=["unknown-key", "yaml-syntax"],
+)
+def test_validate_bad_recipe_exits_2_with_one_line(tmp_path: Path, text: str, message: str) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    result = cli("validate", str(path))
+    assert result.returncode == 2
+    assert result.stderr == f"error: {path}: {message}\n"
+    assert "Traceback" not in result.stdout + result.stderr
+
+
+def test_validate_missing_file_and_bad_override(tmp_path: Path) -> None:
+    missing = cli("validate", str(tmp_path / "nope.yaml"))
+    assert (missing.returncode, missing.stderr) == (
+        2,
+        f"error: {tmp_path / 'nope.yaml'}: recipe file not found\n",
+    )
+    bad = cli("validate", str(QUICKSTART), "run.steps")
+    assert (bad.returncode, bad.stderr) == (
+        2,
+        "error: override 'run.steps': expected key.path=value, e.g. run.steps=20\n",
+    )
+
+
+def test_validate_good_recipe_exits_0() -> None:
+    result = cli("validate", str(QUICKSTART))
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == f"{QUICKSTART}: ok\n"
+
+
+def test_small_real_run(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    result = cli("run", str(QUICKSTART), "run.steps=3", f"run.dir={run_dir}", *SMALL, "--quiet", timeout=240)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "Traceback" not in result.stderr
+    assert result.stdout.splitlines()[-1] == f"finished after 3 steps (policy version 3); run dir {run_dir}"
+    assert {"recipe.yaml", "metrics.jsonl", "trace.json"} <= {p.name for p in run_dir.iterdir()}
+
+    def refuse(constant: str) -> None:
+        raise AssertionError(f"{constant} in metrics.jsonl")
+
+    lines = [
+        json.loads(line, parse_constant=refuse)
+        for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+    ]
+    assert [m["step"] for m in lines] == [1, 2, 3]
+    for line in lines:
+        assert METRIC_KEYS <= set(line), METRIC_KEYS - set(line)
+        assert all(math.isfinite(v) for v in line.values() if isinstance(v, float))
+    assert json.loads((run_dir / "trace.json").read_text())["traceEvents"]
+
+
+def test_sigterm_stops_cleanly(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    process = start(
+        "run", str(QUICKSTART), "run.steps=1000", f"run.dir={run_dir}", "run.stop_grace_s=120", *SMALL
+    )
+    try:
+        read_until(process, "step 1/1000")
+        process.send_signal(signal.SIGTERM)
+        output, _ = process.communicate(timeout=120)
+    finally:
+        process.kill()
+    assert process.returncode == 0, output
+    assert "SIGTERM received: stopping admission" in output
+    last = output.strip().splitlines()[-1]
+    assert last.startswith("stopped after ") and last.endswith(f"run dir {run_dir}"), output
+    assert "Traceback" not in output
+
+
+def test_second_signal_exits_at_once(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    # Slow generation (1 s per request, real time) keeps the drain going for many seconds.
+    process = start(
+        "run",
+        str(QUICKSTART),
+        "run.steps=1000",
+        f"run.dir={run_dir}",
+        "run.stop_grace_s=600",
+        "faults.engine_latency_s=1.0",
+        *SMALL,
+    )
+    try:
+        read_until(process, "step 1/1000")
+        process.send_signal(signal.SIGTERM)
+        read_until(process, "stopping admission")
+        process.send_signal(signal.SIGTERM)
+        output, _ = process.communicate(timeout=30)
+    finally:
+        process.kill()
+    assert process.returncode == 128 + signal.SIGTERM, output
+    assert "second SIGTERM: exiting now" in output
+    assert "stopped after" not in output
+    assert os.path.isdir(run_dir)

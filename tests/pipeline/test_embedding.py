@@ -1,0 +1,120 @@
+"""Embedding: the pipeline as one task of a host application's event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import anyio
+
+import pipeline
+from pipeline.messages import Sample
+from pipeline.recipe import convert
+from pipeline.testing import FakeEngine, FakeTime, FakeTrainer
+
+
+def make_recipe(tmp_path: Path, steps: int) -> Any:
+    from stages.recipe import Recipe
+
+    data = {
+        "run": {"dir": str(tmp_path / "run"), "steps": steps, "stop_grace_s": 1.0e6},
+        "async_rl": {"max_lookahead_versions": 1},
+        "prompts": {"prompts_per_step": 2, "source": {"kind": "synthetic", "num_heldout": 4}},
+        "rollout": {"samples_per_prompt": 2},
+        "reward": {"reward_s": 1.0e9},
+        "eval": {"every_steps": 0},
+    }
+    return convert(data, Recipe, source="test")
+
+
+async def test_runs_inside_a_running_loop_next_to_a_host_task(tmp_path: Path) -> None:
+    fake = FakeTime()
+    host_ticks = 0
+
+    async def host() -> None:  # stands for a web server: it must keep getting turns
+        nonlocal host_ticks
+        while True:
+            await fake.sleep(1)
+            host_ticks += 1
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(fake.autojump)
+        tg.start_soon(host)
+        summary = await pipeline.run(
+            make_recipe(tmp_path, steps=3),
+            engine=FakeEngine(time=fake, latency=1.0),
+            trainer=FakeTrainer(time=fake, latency=10.0),
+            time_source=fake,
+        )
+        tg.cancel_scope.cancel()
+    assert (summary.steps_done, summary.policy_version, summary.stopped) == (3, 3, False)
+    assert host_ticks >= 30  # the host ran all along the ~33 s of (fake) pipeline time
+
+
+async def test_cancelling_the_awaiting_task_leaves_no_task_running(tmp_path: Path) -> None:
+    fake = FakeTime()
+    two_steps = anyio.Event()
+
+    def on_step(step: int, samples: Sequence[Sample]) -> None:
+        if step == 2:
+            two_steps.set()
+
+    before = asyncio.all_tasks()
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(fake.autojump)
+        async with anyio.create_task_group() as run_group:
+            run_group.start_soon(
+                lambda: pipeline.run(
+                    make_recipe(tmp_path, steps=1000),
+                    engine=FakeEngine(time=fake, latency=1.0),
+                    trainer=FakeTrainer(time=fake, latency=10.0, on_step=on_step),
+                    time_source=fake,
+                )
+            )
+            await two_steps.wait()
+            assert len(asyncio.all_tasks()) > len(before) + 3  # the stages are running
+            run_group.cancel_scope.cancel()
+        tg.cancel_scope.cancel()
+    assert asyncio.all_tasks() == before
+    assert (tmp_path / "run" / "trace.json").is_file()
+
+
+async def test_stop_request_stops_admission_and_drains(tmp_path: Path) -> None:
+    fake = FakeTime()
+    stop = pipeline.StopRequest()
+    trained_batches: list[int] = []
+
+    def on_step(step: int, samples: Sequence[Sample]) -> None:
+        trained_batches.append(samples[0].target_step)
+        if step == 1:
+            stop.request("host asked to stop")
+
+    trainer = FakeTrainer(time=fake, latency=10.0, on_step=on_step)
+    engine = FakeEngine(time=fake, latency=1.0, blocks_training=False)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(fake.autojump)
+        summary = await pipeline.run(
+            make_recipe(tmp_path, steps=1000), engine=engine, trainer=trainer, time_source=fake, stop=stop
+        )
+        tg.cancel_scope.cancel()
+    assert summary.stopped
+    # Batches 0-2 were admitted when the stop came (L = 1: the step-0 ticket came back and
+    # admitted batch 2); they drain and train; nothing new is admitted.
+    assert trained_batches == [0, 1, 2]
+    assert (summary.steps_done, summary.policy_version) == (3, 3)
+    assert engine.calls == 3 * 2
+    assert fake.now() < 1.0e6  # drained long before the grace period ran out
+
+
+def test_import_pipeline_loads_no_heavy_framework() -> None:
+    code = (
+        "import sys, pipeline, pipeline.testing, pipeline.cli\n"
+        "heavy = sorted(m for m in sys.modules if m.split('.')[0] in {'torch', 'ray', 'megatron'})\n"
+        "print(heavy)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "[]"

@@ -1,0 +1,155 @@
+"""Checkpoints: exact resume, exactly-once prompts, kills during a save, clean stops."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+
+import pipeline
+from pipeline.metrics import read
+from pipeline.runner import StopRequest
+from pipeline.testing import FakeEngine, FakeTrainer
+from stages.checkpoint import MARKER, committed
+from stages.program import run_program
+
+KEYS = ("train/loss", "train/grad_norm", "reward/mean")
+SMALL = ["run.progress=false", "eval.every_steps=0", "async_rl.max_lookahead_versions=0", "prompts.prompts_per_step=8"]
+
+
+def _recipe(run_dir: Path, *overrides: str) -> Any:
+    return pipeline.load_recipe("recipes/quickstart.yaml", [f"run.dir={run_dir}", *SMALL, *overrides])
+
+
+def _figures(run_dir: Path) -> dict[int, tuple[str, ...]]:
+    return {
+        r["step"]: tuple(float(r[k]).hex() for k in KEYS)
+        for r in read(run_dir / "metrics.jsonl")
+        if "train/loss" in r
+    }
+
+
+def _run_stopping_after(recipe: Any, step: int) -> None:
+    stop = StopRequest()
+
+    def echo(record: dict[str, Any]) -> None:
+        if record.get("step") == step:
+            stop.request("test stop")
+
+    anyio.run(lambda: pipeline.run(recipe, stop=stop, echo=echo))
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> dict[int, tuple[str, ...]]:
+    run_dir = tmp_path_factory.mktemp("straight") / "run"
+    anyio.run(pipeline.run, _recipe(run_dir, "run.steps=6"))
+    return _figures(run_dir)
+
+
+def test_stop_and_resume_is_bit_exact(tmp_path: Path, uninterrupted: dict[int, tuple[str, ...]]) -> None:
+    run_dir = tmp_path / "run"
+    _run_stopping_after(_recipe(run_dir, "run.steps=6"), 3)
+    # Work admitted before the stop drains (with L = 0, at most the next batch).
+    assert [p.name for p in committed(run_dir / "checkpoints")] in (["step-000003"], ["step-000004"])
+    anyio.run(pipeline.run, _recipe(run_dir, "run.steps=6"))
+    assert _figures(run_dir) == uninterrupted
+
+
+def test_sigkill_after_a_save_then_resume_is_bit_exact(tmp_path: Path, uninterrupted: dict[int, tuple[str, ...]]) -> None:
+    run_dir = tmp_path / "run"
+    args = [sys.executable, "-m", "pipeline", "run", "recipes/quickstart.yaml", f"run.dir={run_dir}", *SMALL]
+    args += ["run.steps=6", "checkpoint.every_steps=1", "--quiet"]
+    process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while not committed(run_dir / "checkpoints") and time.monotonic() < deadline and process.poll() is None:
+        time.sleep(0.01)
+    time.sleep(random.uniform(0.0, 0.3))
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    anyio.run(pipeline.run, _recipe(run_dir, "run.steps=6"))
+    assert _figures(run_dir) == uninterrupted
+
+
+KILL_SCRIPT = """
+import os, sys, anyio, pipeline
+from stages.program import run_program
+point = sys.argv[2]
+saves = []
+def hook(where):
+    if where == "before_files":
+        saves.append(1)
+    if len(saves) == 2 and where == point:
+        os._exit(9)
+recipe = pipeline.load_recipe("recipes/quickstart.yaml", [f"run.dir={sys.argv[1]}", "run.progress=false",
+    "eval.every_steps=0", "prompts.prompts_per_step=4", "run.steps=4", "checkpoint.every_steps=1"])
+anyio.run(lambda: run_program(recipe, checkpoint_hook=hook))
+"""
+
+
+@pytest.mark.parametrize(
+    "point", ["before_files", "after:trainer.pt", "after:engine.pt", "before_marker", "before_rename"]
+)
+def test_a_kill_during_a_save_leaves_the_previous_checkpoint_intact(tmp_path: Path, point: str) -> None:
+    run_dir = tmp_path / "run"
+    done = subprocess.run([sys.executable, "-c", KILL_SCRIPT, str(run_dir), point], check=False)
+    assert done.returncode == 9
+    found = committed(run_dir / "checkpoints")
+    assert [p.name for p in found] == ["step-000001"]
+    assert (found[0] / MARKER).read_text() == "1\n"
+    # Resume cleans the orphan and continues from step 1 to the end.
+    summary = anyio.run(pipeline.run, pipeline.load_recipe(str(run_dir / "recipe.yaml")))
+    assert summary.steps_done == 4
+    assert not [p for p in (run_dir / "checkpoints").iterdir() if p.name.startswith(".tmp")]
+    assert [r["step"] for r in read(run_dir / "metrics.jsonl") if "train/loss" in r] == [1, 2, 3, 4]
+
+
+def test_every_prompt_is_trained_exactly_once_across_stop_and_resume(tmp_path: Path) -> None:
+    trained: list[str] = []
+
+    def record(step: int, samples: Any) -> None:
+        trained.extend(sorted({s.prompt_id for s in samples}))
+
+    overrides = ["async_rl.max_lookahead_versions=2", "run.steps=8", "prompts.prompts_per_step=3"]
+    recipe = pipeline.load_recipe("recipes/quickstart.yaml", [f"run.dir={tmp_path / 'run'}", "run.progress=false", *overrides])
+    stop = StopRequest()
+
+    def echo(record_: dict[str, Any]) -> None:
+        if record_.get("step") == 3:
+            stop.request("test stop")
+
+    async def first() -> None:
+        await run_program(recipe, engine=FakeEngine(), trainer=FakeTrainer(on_step=record), stop=stop, echo=echo)
+
+    anyio.run(first)
+    stopped_at = len(trained)
+    assert 3 * 3 <= stopped_at < 8 * 3
+    summary = anyio.run(lambda: run_program(recipe, engine=FakeEngine(), trainer=FakeTrainer(on_step=record)))
+    assert summary.steps_done == 8
+    assert len(trained) == len(set(trained)) == 8 * 3
+    assert set(trained) == {f"train-{i}" for i in range(8 * 3)}
+
+
+def test_resume_never_refuses_a_used_run_dir(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    anyio.run(pipeline.run, _recipe(run_dir, "run.steps=1"))
+    with pytest.raises(pipeline.RecipeError) as error:
+        anyio.run(pipeline.run, _recipe(run_dir, "run.steps=2", "checkpoint.resume=never"))
+    assert str(error.value) == (
+        f"checkpoint.resume: run.dir {run_dir} is not empty and resume is 'never'; "
+        "choose another run.dir or set checkpoint.resume: auto"
+    )
+
+
+def test_resume_with_a_changed_model_names_the_field(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    anyio.run(pipeline.run, _recipe(run_dir, "run.steps=1"))
+    with pytest.raises(pipeline.RecipeError, match=r"^model: differs from checkpoint"):
+        anyio.run(pipeline.run, _recipe(run_dir, "run.steps=2", "model.config.hidden_size=64"))

@@ -1,0 +1,386 @@
+"""The whole pipeline on fakes: versions and lag, admission, backpressure, drops, timeouts, errors.
+
+Every test runs `stages.program.run_program` with a FakeEngine, a FakeTrainer and fake time that
+jumps whenever every task is blocked, so minutes of simulated latency take milliseconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+
+import stages.program
+from pipeline.channel import Channel
+from pipeline.errors import DropBudgetExceeded, StageFailed
+from pipeline.messages import Batch, Dropped, Sample
+from pipeline.recipe import convert
+from pipeline.testing import FakeEngine, FakeTime, FakeTrainer, FaultInjector, InjectedFault
+from pipeline.tickets import TicketBox
+from stages.program import RunSummary, run_program
+from stages.recipe import Recipe
+
+PROMPTS_PER_STEP = 2
+
+# What DESIGN.md promises in every metrics line that a FakeTrainer can provide (the mismatch
+# figures, train/gen_kl_error and train/token_mult_prob_error, come from a real trainer).
+METRIC_KEYS = {
+    "step",
+    "policy_version",
+    "reward/mean",
+    "train/loss",
+    "train/grad_norm",
+    "rollout/max_lag",
+    "rollout/timeouts",
+    "rollout/poisoned_samples",
+    "timing/step_s",
+    "throughput/tokens_per_s_per_gpu",
+}
+
+
+def merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in extra.items():
+        out[key] = (
+            merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+        )
+    return out
+
+
+def make_recipe(tmp_path: Path, *, steps: int = 4, lookahead: int = 1, **sections: Any) -> Recipe:
+    data = {
+        "run": {"dir": str(tmp_path / "run"), "steps": steps},
+        "async_rl": {"max_lookahead_versions": lookahead},
+        "prompts": {"prompts_per_step": PROMPTS_PER_STEP, "source": {"kind": "synthetic", "num_heldout": 4}},
+        "rollout": {"samples_per_prompt": 2},
+        # Reward work runs on wall time in a worker thread; fake time jumps while it runs.
+        "reward": {"reward_s": 1.0e9},
+        "eval": {"every_steps": 0},
+    }
+    return convert(merge(data, sections), Recipe, source="test")
+
+
+async def drive(
+    recipe: Recipe, engine: FakeEngine, trainer: FakeTrainer, fake: FakeTime, **options: Any
+) -> RunSummary:
+    """run_program next to fake time's autojump; its own error (not a group) reaches the caller."""
+    outcome: dict[str, Any] = {}
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(fake.autojump)
+        try:
+            outcome["summary"] = await run_program(
+                recipe, engine=engine, trainer=trainer, time_source=fake, **options
+            )
+        except Exception as error:
+            outcome["error"] = error
+        tg.cancel_scope.cancel()
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["summary"]
+
+
+def metrics(recipe: Recipe) -> list[dict[str, Any]]:
+    def refuse(constant: str) -> None:
+        raise AssertionError(f"{constant} in metrics.jsonl")
+
+    text = (Path(recipe.run.dir) / "metrics.jsonl").read_text()
+    return [json.loads(line, parse_constant=refuse) for line in text.splitlines()]
+
+
+@pytest.fixture
+def fake() -> FakeTime:
+    return FakeTime()
+
+
+@pytest.fixture
+def channels(monkeypatch: pytest.MonkeyPatch) -> dict[str, Channel[Any]]:
+    """Every channel run_program creates, by name, so tests can read their statistics."""
+    made: dict[str, Channel[Any]] = {}
+
+    class RecordingChannel(Channel):  # type: ignore[type-arg]
+        def __init__(self, name: str, capacity: int) -> None:
+            super().__init__(name, capacity)
+            made[name] = self
+
+    monkeypatch.setattr(stages.program, "Channel", RecordingChannel)
+    return made
+
+
+@pytest.fixture
+def tickets(monkeypatch: pytest.MonkeyPatch) -> list[TicketBox]:
+    made: list[TicketBox] = []
+
+    class RecordingTicketBox(TicketBox):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    monkeypatch.setattr(stages.program, "TicketBox", RecordingTicketBox)
+    return made
+
+
+class RecordingEngine(FakeEngine):
+    """Adds a `generate` event, so the exact interleaving with train/refit/wake can be asserted."""
+
+    async def generate(self, prompt_tokens: Sequence[int], n: int, *, greedy: bool = False) -> Any:
+        self.events.append("generate")
+        return await super().generate(prompt_tokens, n, greedy=greedy)
+
+
+# -- versions and lag ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("lookahead", [1, 2])
+async def test_lag_reaches_but_never_exceeds_lookahead(
+    tmp_path: Path, fake: FakeTime, lookahead: int
+) -> None:
+    lags: list[int] = []
+
+    def on_step(version: int, samples: Sequence[Sample]) -> None:
+        lags.extend(version - s.gen_version[0] for s in samples)
+
+    recipe = make_recipe(tmp_path, steps=5, lookahead=lookahead)
+    # Separate engine (keeps serving while training), fast generation, slow trainer.
+    engine = FakeEngine(time=fake, latency=1.0, blocks_training=False)
+    trainer = FakeTrainer(time=fake, latency=20.0, on_step=on_step)
+    summary = await drive(recipe, engine, trainer, fake)
+    assert summary.steps_done == 5
+    assert max(lags) == lookahead
+    assert min(lags) >= 0
+    assert [m["rollout/max_lag"] for m in metrics(recipe)][-1] == lookahead
+    assert all(m["rollout/max_lag"] <= lookahead for m in metrics(recipe))
+
+
+async def test_lookahead_zero_generates_each_batch_after_the_previous_step_is_published(
+    tmp_path: Path, fake: FakeTime
+) -> None:
+    events: list[str] = []
+    recipe = make_recipe(tmp_path, steps=3, lookahead=0)
+    engine = RecordingEngine(time=fake, latency=1.0, blocks_training=False, events=events)
+    trainer = FakeTrainer(time=fake, latency=20.0, events=events)
+    await drive(recipe, engine, trainer, fake)
+    assert events == (["generate"] * PROMPTS_PER_STEP + ["train", "refit"]) * 3
+    assert all(m["rollout/max_lag"] == 0 for m in metrics(recipe))
+
+
+async def test_lookahead_zero_colocated_order(tmp_path: Path, fake: FakeTime) -> None:
+    events: list[str] = []
+    recipe = make_recipe(tmp_path, steps=3, lookahead=0)
+    engine = RecordingEngine(time=fake, latency=1.0, events=events)
+    trainer = FakeTrainer(time=fake, latency=20.0, events=events)
+    await drive(recipe, engine, trainer, fake)
+    assert events == (["generate"] * PROMPTS_PER_STEP + ["stand_down", "train", "wake"]) * 3
+
+
+# -- admission and backpressure --------------------------------------------------------------
+
+
+async def test_slow_trainer_fills_no_channel_past_capacity_and_admission_blocks(
+    tmp_path: Path, fake: FakeTime, channels: dict[str, Channel[Any]], tickets: list[TicketBox]
+) -> None:
+    lookahead = 2
+    waiting_for_tickets: list[int] = []
+    outstanding: list[int] = []
+
+    def on_step(version: int, samples: Sequence[Sample]) -> None:
+        (box,) = tickets
+        waiting_for_tickets.append(box.statistics().waiters)
+        outstanding.append(box.statistics().outstanding)
+
+    recipe = make_recipe(tmp_path, steps=5, lookahead=lookahead)
+    engine = FakeEngine(time=fake, latency=1.0, blocks_training=False)
+    trainer = FakeTrainer(time=fake, latency=50.0, on_step=on_step)
+    await drive(recipe, engine, trainer, fake)
+    assert set(channels) == {"batches", "generated", "scored"}
+    for channel in channels.values():
+        stats = channel.statistics()
+        assert stats.peak_depth <= stats.capacity, stats
+        assert stats.closed and stats.depth == 0
+    # While step k trains, the next L batches are generated and scored and wait in front of it:
+    # one more admitted batch (a leaked ticket) would show as a deeper queue.
+    assert channels["scored"].statistics().peak_depth == lookahead * PROMPTS_PER_STEP
+    # The prompt stage (the producer at the head) is held back by admission, never by memory.
+    assert max(waiting_for_tickets) == 1
+    assert max(outstanding) == lookahead + 1
+
+
+async def test_a_full_channel_blocks_the_rollout_producer(fake: FakeTime) -> None:
+    from pipeline.clock import DeadlineClock
+    from pipeline.gate import EngineGate
+    from pipeline.messages import Prompt
+    from pipeline.watchdog import Watchdog
+    from stages.rollout import RolloutSection, RolloutStage
+
+    clock = DeadlineClock(source=fake)
+    inp: Channel[Batch] = Channel("batches", 1)
+    out: Channel[Any] = Channel("generated", 1)
+    engine = FakeEngine(time=fake)
+    stage = RolloutStage(
+        RolloutSection(samples_per_prompt=2),
+        gate=EngineGate(engine, clock),
+        clock=clock,
+        inp=inp,
+        out=out,
+        watchdog=Watchdog(fake, stall_s=1e9, fail=False),
+    )
+    prompts = tuple(Prompt(prompt_id=f"p{i}", text="1=", tokens=(3, 12)) for i in range(4))
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(clock.run)
+        tg.start_soon(stage.run)
+        await inp.send(Batch(batch=0, prompts=prompts))
+        await anyio.wait_all_tasks_blocked()
+        stats = out.statistics()
+        assert (stats.depth, stats.peak_depth, stats.waiting_senders) == (1, 1, 3)
+        assert engine.calls == 4
+        inp.close()
+        received = [await out.receive() for _ in range(4)]
+        tg.cancel_scope.cancel()
+    assert sorted(g.prompt.prompt_id for g in received) == ["p0", "p1", "p2", "p3"]
+
+
+# -- every admitted prompt is accounted for ---------------------------------------------------
+
+
+async def test_every_admitted_prompt_ends_trained_dropped_or_poisoned(
+    tmp_path: Path, fake: FakeTime, channels: dict[str, Channel[Any]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    admitted: list[str] = []
+    dropped: list[Dropped] = []
+    original_send = Channel.send
+
+    async def spy(self: Channel[Any], item: Any) -> None:
+        if self.name == "batches":
+            admitted.extend(p.prompt_id for p in item.prompts)
+        if self.name == "scored" and isinstance(item, Dropped):
+            dropped.append(item)
+        await original_send(self, item)
+
+    monkeypatch.setattr(Channel, "send", spy)
+    recipe = make_recipe(
+        tmp_path,
+        steps=6,
+        rollout={"samples_per_prompt": 2, "max_retries": 0, "generation_s": 10.0},
+    )
+    engine = FakeEngine(
+        time=fake,
+        latency=lambda call: 30.0 if call == 7 else 1.0,  # call 7 times out
+        crash_calls=[1, 4],
+        nonfinite_calls=[2, 9],
+        blocks_training=False,
+    )
+    trainer = FakeTrainer(time=fake, latency=5.0)
+    summary = await drive(recipe, engine, trainer, fake)
+    trained = {s.prompt_id for step in trainer.steps for s in step}
+    dropped_ids = {d.prompt_id for d in dropped}
+    assert sorted(d.reason.split(":")[0] for d in dropped) == [
+        "engine_error",
+        "engine_error",
+        "generation_timeout",
+    ]
+    assert all(d.reason for d in dropped)
+    poisoned = set(admitted) - trained - dropped_ids
+    assert len(poisoned) == 2  # each nonfinite call poisons a whole group: counted, never trained
+    assert trained.isdisjoint(dropped_ids)
+    assert len(admitted) == len(set(admitted))
+    assert all(not s.poisoned and math.isfinite(sum(s.logprobs)) for step in trainer.steps for s in step)
+    lines = metrics(recipe)
+    assert sum(m["rollout/dropped_groups"] for m in lines) == 3 == summary.dropped_groups
+    assert sum(m["rollout/poisoned_samples"] for m in lines) == 2 * 2
+    assert lines[-1]["rollout/timeouts"] == 1
+    assert summary.steps_done == 6
+
+
+async def test_drop_budget_exceeded_stops_the_run(tmp_path: Path, fake: FakeTime) -> None:
+    recipe = make_recipe(
+        tmp_path, steps=4, rollout={"samples_per_prompt": 2, "max_retries": 0, "max_dropped_groups": 1}
+    )
+    engine = FakeEngine(time=fake, latency=1.0, crash_calls=[0, 1, 2, 3])
+    trainer = FakeTrainer(time=fake, latency=5.0)
+    with pytest.raises(DropBudgetExceeded) as raised:
+        await drive(recipe, engine, trainer, fake)
+    assert str(raised.value) == (
+        "2 groups dropped, over rollout.max_dropped_groups=1; "
+        "last reason: engine_error: EngineCrash: fake engine crashed on call 1"
+    )
+    assert trainer.steps == []
+
+
+# -- deadlines and the gate -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("latency", "timeouts"), [(1.0, 0), (6.0, 1)])
+async def test_time_stood_down_is_not_charged_to_rollout_deadlines(
+    tmp_path: Path, fake: FakeTime, latency: float, timeouts: int
+) -> None:
+    # The trainer takes 100 s per step with the engine stood down; generation waits at the gate
+    # for most of it. Deadlines of 5-20 s fire only for a request that truly takes too long.
+    recipe = make_recipe(
+        tmp_path,
+        steps=4,
+        lookahead=1,
+        rollout={
+            "samples_per_prompt": 2,
+            "generation_s": 5.0,
+            "sample_s": 8.0,
+            "batch_s": 20.0,
+            "max_retries": 0,
+        },
+    )
+    engine = FakeEngine(time=fake, latency=lambda call: latency if call == 5 else 1.0)
+    trainer = FakeTrainer(time=fake, latency=100.0)
+    summary = await drive(recipe, engine, trainer, fake)
+    assert summary.steps_done == 4
+    assert fake.now() > 400
+    assert metrics(recipe)[-1]["rollout/timeouts"] == timeouts
+    assert summary.dropped_groups == timeouts
+
+
+# -- failures ---------------------------------------------------------------------------------
+
+
+async def test_a_failing_stage_cancels_the_rest_and_its_error_reaches_the_caller(
+    tmp_path: Path, fake: FakeTime
+) -> None:
+    injector = FaultInjector("train", 2)
+    recipe = make_recipe(tmp_path, steps=10, lookahead=2)
+    engine = FakeEngine(time=fake, latency=1.0, blocks_training=False)
+    trainer = FakeTrainer(time=fake, latency=5.0, on_step=lambda step, _: injector.check("train", step))
+    before = asyncio.all_tasks()
+    with pytest.raises(StageFailed) as raised:
+        await drive(recipe, engine, trainer, fake)
+    assert (
+        str(raised.value) == "stage 'train' failed: InjectedFault: injected fault in stage 'train' at step 2"
+    )
+    assert isinstance(raised.value.error, InjectedFault)
+    assert raised.value.stage == "train"
+    assert len(trainer.steps) == 2
+    assert asyncio.all_tasks() == before
+    assert len(metrics(recipe)) == 2
+
+
+# -- what a run leaves behind -----------------------------------------------------------------
+
+
+async def test_metrics_have_the_documented_keys_and_no_nan(tmp_path: Path, fake: FakeTime) -> None:
+    recipe = make_recipe(tmp_path, steps=3)
+    engine = FakeEngine(time=fake, latency=1.0, nonfinite_calls=[0])
+    trainer = FakeTrainer(time=fake, latency=5.0)
+    await drive(recipe, engine, trainer, fake)
+    lines = metrics(recipe)
+    assert [m["step"] for m in lines] == [1, 2, 3]
+    assert [m["policy_version"] for m in lines] == [1, 2, 3]
+    for line in lines:
+        assert METRIC_KEYS <= set(line), METRIC_KEYS - set(line)
+        assert all(math.isfinite(v) for v in line.values() if isinstance(v, float))
+    assert lines[0]["rollout/poisoned_samples"] == 2
+    run_dir = Path(recipe.run.dir)
+    assert (run_dir / "recipe.yaml").is_file()
+    trace = json.loads((run_dir / "trace.json").read_text())
+    names = [e["name"] for e in trace["traceEvents"]]
+    assert names.count("stand_down") == names.count("wake") == 3
