@@ -12,6 +12,7 @@ import os
 import signal
 import sys
 import traceback
+from pathlib import Path
 from collections.abc import Sequence
 from typing import Any
 
@@ -32,6 +33,9 @@ def _parser() -> argparse.ArgumentParser:
         command.add_argument("recipe", help="recipe YAML file")
         command.add_argument("overrides", nargs="*", help="dotted overrides, e.g. run.steps=20")
         command.add_argument("--quiet", action="store_true", help="no per-step progress lines")
+    inspect = commands.add_parser("inspect", help="show what a checkpoint holds")
+    inspect.add_argument("checkpoint", help="a checkpoint directory (run.dir/checkpoints/step-NNNNNN)")
+    inspect.add_argument("--recipe", help="compare the checkpoint's recipe with this one")
     return parser
 
 
@@ -39,6 +43,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
+        if args.command == "inspect":
+            return _inspect(args.checkpoint, args.recipe)
         recipe = pipeline.load_recipe(args.recipe, args.overrides)
         if args.command == "validate":
             print(f"{args.recipe}: ok")
@@ -52,6 +58,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         return error.exit_code
     state = "stopped" if summary.stopped else "finished"
     print(f"{state} after {summary.steps_done} steps (policy version {summary.policy_version}); run dir {summary.run_dir}")
+    return 0
+
+
+def _inspect(checkpoint: str, recipe_path: str | None) -> int:
+    import msgspec
+
+    from stages.checkpoint import describe
+
+    against = msgspec.to_builtins(pipeline.load_recipe(recipe_path)) if recipe_path else None
+    print(describe(Path(checkpoint), against))
     return 0
 
 

@@ -42,6 +42,7 @@ class RunSection(Section):
     seed: int = 0
     stop_grace_s: PositiveFloat = 30.0
     progress: bool = True
+    plot: bool = False  # write run.dir/curve.png at the end (needs matplotlib)
 
 
 class AsyncRLSection(Section):

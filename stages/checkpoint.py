@@ -183,3 +183,35 @@ def python_rng_state() -> list[Any]:
 
 def set_python_rng_state(state: list[Any]) -> None:
     random.setstate((state[0], tuple(state[1]), state[2]))
+
+
+def describe(checkpoint: Path, against: dict[str, Any] | None = None) -> str:
+    """What `python -m pipeline inspect` prints: step, version, files, recipe differences."""
+    import yaml
+
+    if not (checkpoint / MARKER).is_file():
+        raise RecipeError(f"{checkpoint}: not a committed checkpoint (no {MARKER} file)")
+    state = msgspec.msgpack.decode((checkpoint / "state.msgpack").read_bytes(), type=PipelineState)
+    lines = [
+        f"checkpoint {checkpoint}",
+        f"  step {state.step}, policy_version {state.policy_version}, next batch {state.next_batch}",
+        "  files:",
+    ]
+    for path in sorted(checkpoint.iterdir()):
+        lines.append(f"    {path.name:<16} {path.stat().st_size:>12,} bytes")
+    if state.counters:
+        lines.append("  counters: " + ", ".join(f"{k}={v}" for k, v in sorted(state.counters.items())))
+    if against is not None:
+        saved = yaml.safe_load((checkpoint / "recipe.yaml").read_text())
+        diffs = list(_diff(saved, against, ""))
+        lines.append("  recipe: same as given" if not diffs else "  recipe differences (checkpoint -> given):")
+        lines.extend(f"    {field}: {old!r} -> {new!r}" for field, old, new in diffs)
+    return "\n".join(lines)
+
+
+def _diff(old: Any, new: Any, prefix: str) -> Any:
+    if isinstance(old, dict) and isinstance(new, dict):
+        for key in sorted(set(old) | set(new)):
+            yield from _diff(old.get(key), new.get(key), f"{prefix}.{key}" if prefix else key)
+    elif old != new:
+        yield prefix, old, new

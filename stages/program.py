@@ -19,6 +19,7 @@ from pipeline.gate import EngineGate
 from pipeline.messages import Batch, Dropped, Group
 from pipeline.metrics import MetricsLog
 from pipeline.protocols import Engine, Trainer
+from pipeline.plot import plot_curves
 from pipeline.recipe import dump
 from pipeline.runner import StopRequest, run_stages
 from pipeline.tickets import TicketBox
@@ -214,6 +215,8 @@ async def run_program(
     finally:
         metrics.close()
         trace.write(run_dir / "trace.json")
+    if recipe.run.plot:
+        await anyio.to_thread.run_sync(plot_curves, run_dir)
     return RunSummary(
         run_dir=str(run_dir),
         steps_done=progress.steps_done,
