@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from stages.checkpoint import committed
+
 ROOT = Path(__file__).parents[2]
 QUICKSTART = ROOT / "recipes" / "quickstart.yaml"
 
@@ -66,7 +68,7 @@ def read_until(process: subprocess.Popen[str], needle: str) -> list[str]:
         (
             "run:\n  stepz: 3\n",
             "run.stepz: unknown field (did you mean `steps`?); valid fields: "
-            "dir, steps, seed, stop_grace_s, progress",
+            "dir, steps, seed, stop_grace_s, progress, plot",
         ),
         (
             "run:\n  steps: [\n",
@@ -141,6 +143,9 @@ def test_sigterm_stops_cleanly(tmp_path: Path) -> None:
     last = output.strip().splitlines()[-1]
     assert last.startswith("stopped after ") and last.endswith(f"run dir {run_dir}"), output
     assert "Traceback" not in output
+    # The stop saved a committed checkpoint at the step it stopped at.
+    steps = int(last.split()[2])
+    assert [p.name for p in committed(run_dir / "checkpoints")] == [f"step-{steps:06d}"]
 
 
 def test_second_signal_exits_at_once(tmp_path: Path) -> None:

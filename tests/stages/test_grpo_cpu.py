@@ -51,8 +51,8 @@ def test_on_policy_step_engine_and_trainer_agree(tmp_path: Path) -> None:
 def test_quickstart_learns(tmp_path: Path, colocated: bool, lookahead: int) -> None:
     records = _run(
         tmp_path,
-        "run.steps=100",
-        "eval.every_steps=50",
+        "run.steps=200",
+        "eval.every_steps=100",
         "eval.num_prompts=128",
         f"colocated={str(colocated).lower()}",
         f"async_rl.max_lookahead_versions={lookahead}",

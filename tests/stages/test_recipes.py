@@ -23,7 +23,7 @@ def test_every_recipe_loads(path: Path) -> None:
     assert isinstance(recipe, Recipe)
 
 
-VALID_RUN_FIELDS = "dir, steps, seed, stop_grace_s, progress"
+VALID_RUN_FIELDS = "dir, steps, seed, stop_grace_s, progress, plot"
 
 
 @pytest.mark.parametrize(
