@@ -12,8 +12,8 @@ import os
 import signal
 import sys
 import traceback
-from pathlib import Path
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -28,7 +28,10 @@ log = logging.getLogger("pipeline")
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m pipeline", description="Asynchronous GRPO trainer")
     commands = parser.add_subparsers(dest="command", required=True)
-    for name, help_text in (("run", "train with a recipe"), ("validate", "check a recipe without running it")):
+    for name, help_text in (
+        ("run", "train with a recipe"),
+        ("validate", "check a recipe without running it"),
+    ):
         command = commands.add_parser(name, help=help_text)
         command.add_argument("recipe", help="recipe YAML file")
         command.add_argument("overrides", nargs="*", help="dotted overrides, e.g. run.steps=20")
@@ -57,7 +60,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {error}", file=sys.stderr)
         return error.exit_code
     state = "stopped" if summary.stopped else "finished"
-    print(f"{state} after {summary.steps_done} steps (policy version {summary.policy_version}); run dir {summary.run_dir}")
+    print(
+        f"{state} after {summary.steps_done} steps (policy version {summary.policy_version}); "
+        f"run dir {summary.run_dir}"
+    )
     return 0
 
 

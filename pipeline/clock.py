@@ -61,7 +61,7 @@ class ClockStatistics(msgspec.Struct, frozen=True):
 
 
 class _Deadline:
-    __slots__ = ("expires_at", "suspendable", "scope", "fired")
+    __slots__ = ("expires_at", "fired", "scope", "suspendable")
 
     def __init__(self, expires_at: float, suspendable: bool) -> None:
         self.expires_at = expires_at
@@ -137,9 +137,7 @@ class DeadlineClock:
     # -- deadlines --------------------------------------------------------------------------
 
     @contextmanager
-    def fail_after(
-        self, seconds: float, what: str, *, suspendable: bool = True
-    ) -> Iterator[None]:
+    def fail_after(self, seconds: float, what: str, *, suspendable: bool = True) -> Iterator[None]:
         """Cancel the body and raise `DeadlineExceeded(what)` once `seconds` have passed.
 
         Service time for suspendable deadlines, source (wall) time otherwise.

@@ -26,7 +26,7 @@ def plot_curves(run_dir: Path) -> Path | None:
     for key in CURVES:
         points = [(r["step"], r[key]) for r in records if key in r and "step" in r]
         if points:
-            steps, values = zip(*points)
+            steps, values = zip(*points, strict=True)
             axes.plot(steps, values, label=key, marker="o" if key.startswith("eval") else None, markersize=3)
     axes.set_xlabel("step")
     axes.set_ylim(0, 1.05)

@@ -113,7 +113,9 @@ class FakeEngine:
         self.down = False
         self.version = 0
 
-    async def generate(self, prompt_tokens: Sequence[int], n: int, *, greedy: bool = False) -> list[Completion]:
+    async def generate(
+        self, prompt_tokens: Sequence[int], n: int, *, greedy: bool = False
+    ) -> list[Completion]:
         call = self.calls
         self.calls += 1
         if self.down:

@@ -80,7 +80,9 @@ def clean_orphans(root: Path) -> None:
     if not root.is_dir():
         return
     for path in root.iterdir():
-        if path.name.startswith(TMP_PREFIX) or (path.name.startswith(PREFIX) and not (path / MARKER).exists()):
+        if path.name.startswith(TMP_PREFIX) or (
+            path.name.startswith(PREFIX) and not (path / MARKER).exists()
+        ):
             log.warning("removing unfinished checkpoint %s", path)
             shutil.rmtree(path, ignore_errors=True)
 
@@ -204,7 +206,9 @@ def describe(checkpoint: Path, against: dict[str, Any] | None = None) -> str:
     if against is not None:
         saved = yaml.safe_load((checkpoint / "recipe.yaml").read_text())
         diffs = list(_diff(saved, against, ""))
-        lines.append("  recipe: same as given" if not diffs else "  recipe differences (checkpoint -> given):")
+        lines.append(
+            "  recipe: same as given" if not diffs else "  recipe differences (checkpoint -> given):"
+        )
         lines.extend(f"    {field}: {old!r} -> {new!r}" for field, old, new in diffs)
     return "\n".join(lines)
 

@@ -45,7 +45,9 @@ class FaultyEngine:
         self.blocks_training = engine.blocks_training
         self.wake_carries_weights = engine.wake_carries_weights
 
-    async def generate(self, prompt_tokens: Sequence[int], n: int, *, greedy: bool = False) -> list[Completion]:
+    async def generate(
+        self, prompt_tokens: Sequence[int], n: int, *, greedy: bool = False
+    ) -> list[Completion]:
         if self.section.engine_latency_s:
             await self.time.sleep(self.section.engine_latency_s)
         if self.rng.random() < self.section.engine_crash_rate:
@@ -53,7 +55,7 @@ class FaultyEngine:
         completions = await self.engine.generate(prompt_tokens, n, greedy=greedy)
         rate = self.section.nonfinite_logprob_rate
         return [
-            msgspec.structs.replace(c, logprobs=(math.nan,) + c.logprobs[1:])
+            msgspec.structs.replace(c, logprobs=(math.nan, *c.logprobs[1:]))
             if c.logprobs and not greedy and self.rng.random() < rate
             else c
             for c in completions

@@ -18,8 +18,8 @@ from pipeline.clock import DeadlineClock, TimeSource
 from pipeline.gate import EngineGate
 from pipeline.messages import Batch, Dropped, Group
 from pipeline.metrics import MetricsLog
-from pipeline.protocols import Engine, Trainer
 from pipeline.plot import plot_curves
+from pipeline.protocols import Engine, Trainer
 from pipeline.recipe import dump
 from pipeline.runner import StopRequest, run_stages
 from pipeline.tickets import TicketBox
@@ -41,7 +41,6 @@ from stages.recipe import Recipe
 from stages.reward import RewardStage, resolve
 from stages.rollout import RolloutStage
 from stages.train import Evaluation, TrainStage
-
 
 log = logging.getLogger("stages.program")
 
@@ -75,7 +74,9 @@ async def run_program(
         resumed = msgspec.msgpack.decode((resume_from / "state.msgpack").read_bytes(), type=PipelineState)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "recipe.yaml").write_text(dump(recipe))
-    checkpoints = Checkpointer(run_dir / "checkpoints", keep_last=recipe.checkpoint.keep_last, hook=checkpoint_hook)
+    checkpoints = Checkpointer(
+        run_dir / "checkpoints", keep_last=recipe.checkpoint.keep_last, hook=checkpoint_hook
+    )
     clean_orphans(checkpoints.root)
     seed = recipe.run.seed
     random.seed(seed)
@@ -103,7 +104,10 @@ async def run_program(
     version = resumed.policy_version if resumed else 0
     first_batch = resumed.next_batch if resumed else 0
     gate = EngineGate(
-        engine, clock, version=version, on_transition=lambda name, start, end: trace.span(name, start, end, track="gate")
+        engine,
+        clock,
+        version=version,
+        on_transition=lambda name, start, end: trace.span(name, start, end, track="gate"),
     )
     lookahead = recipe.async_rl.max_lookahead_versions
     tickets = TicketBox(lookahead, first_batch=first_batch)
@@ -116,9 +120,17 @@ async def run_program(
     reward_fn = resolve(recipe.reward.function)
     metrics = MetricsLog(run_dir / "metrics.jsonl", wandb_run=_wandb(recipe, run_dir))
 
-    rollout = RolloutStage(recipe.rollout, gate=gate, clock=clock, inp=batches, out=generated, watchdog=watchdog)
+    rollout = RolloutStage(
+        recipe.rollout, gate=gate, clock=clock, inp=batches, out=generated, watchdog=watchdog
+    )
     reward = RewardStage(
-        recipe.reward, fn=reward_fn, tokenizer=prompts.tokenizer, clock=clock, inp=generated, out=scored, watchdog=watchdog
+        recipe.reward,
+        fn=reward_fn,
+        tokenizer=prompts.tokenizer,
+        clock=clock,
+        inp=generated,
+        out=scored,
+        watchdog=watchdog,
     )
     if resumed is not None:
         for key, value in resumed.counters.items():
@@ -142,7 +154,12 @@ async def run_program(
         files["state.msgpack"] = lambda path: path.write_bytes(msgspec.msgpack.encode(state))
         await anyio.to_thread.run_sync(checkpoints.save, step, files, recipe)
         last_saved[0] = step
-        trace.span(f"save {step}", clock.source.now() - checkpoints.last_save_s, clock.source.now(), track="checkpoint")
+        trace.span(
+            f"save {step}",
+            clock.source.now() - checkpoints.last_save_s,
+            clock.source.now(),
+            track="checkpoint",
+        )
 
     def counters() -> dict[str, float]:
         return {
@@ -156,7 +173,9 @@ async def run_program(
 
     evaluation = None
     if recipe.eval.every_steps:
-        evaluation = Evaluation(recipe.eval, prompts=prompts.heldout, fn=reward_fn, decode=prompts.tokenizer.decode)
+        evaluation = Evaluation(
+            recipe.eval, prompts=prompts.heldout, fn=reward_fn, decode=prompts.tokenizer.decode
+        )
     train = TrainStage(
         trainer=trainer,
         gate=gate,
@@ -170,7 +189,9 @@ async def run_program(
         prompts_per_step=per_step,
         first_batch=first_batch,
         counters=counters,
-        save_due=lambda step: bool(recipe.checkpoint.every_steps) and step % recipe.checkpoint.every_steps == 0,
+        save_due=lambda step: (
+            bool(recipe.checkpoint.every_steps) and step % recipe.checkpoint.every_steps == 0
+        ),
         save=save if hasattr(trainer, "state") else None,
         evaluation=evaluation,
         echo=echo,
@@ -204,7 +225,12 @@ async def run_program(
 
     try:
         outcome = await run_stages(
-            stages, clock=clock, watchdog=watchdog, stop=stop, on_stop=on_stop, grace_s=recipe.run.stop_grace_s
+            stages,
+            clock=clock,
+            watchdog=watchdog,
+            stop=stop,
+            on_stop=on_stop,
+            grace_s=recipe.run.stop_grace_s,
         )
         if outcome.stopped:
             await final_save()
@@ -261,7 +287,11 @@ def _truncate_metrics(path: Path, step: int) -> None:
     """Drop records of steps after the checkpoint (logged by the run that was interrupted)."""
     if not path.exists():
         return
-    keep = [line for line in path.read_text().splitlines() if line and msgspec.json.decode(line).get("step", 0) <= step]
+    keep = [
+        line
+        for line in path.read_text().splitlines()
+        if line and msgspec.json.decode(line).get("step", 0) <= step
+    ]
     tmp = path.with_suffix(".tmp")
     tmp.write_text("".join(line + "\n" for line in keep))
     tmp.replace(path)

@@ -38,9 +38,7 @@ class SyntheticSource(Section, tag="synthetic", tag_field="kind"):
 
     def __post_init__(self) -> None:
         if self.min_digits > self.max_digits:
-            raise ValueError(
-                f"min_digits ({self.min_digits}) must be <= max_digits ({self.max_digits})"
-            )
+            raise ValueError(f"min_digits ({self.min_digits}) must be <= max_digits ({self.max_digits})")
 
 
 class JsonlSource(Section, tag="jsonl", tag_field="kind"):

@@ -45,7 +45,7 @@ def positional_reward(prompt: Prompt, completion: str) -> dict[str, float]:
     """Positions correct / max(len(answer), len(completion)); exact match logged beside."""
     answer = prompt.answer
     longest = max(len(answer), len(completion))
-    correct = sum(a == b for a, b in zip(answer, completion))
+    correct = sum(a == b for a, b in zip(answer, completion, strict=False))
     return {
         "reward": correct / longest if longest else 1.0,
         "exact_match": float(completion == answer),
@@ -86,7 +86,9 @@ def _normalise(result: Any) -> dict[str, float]:
     return {"reward": float(result)}
 
 
-def _score_all_sync(fn: RewardFn, prompt: Prompt, texts: list[str | None]) -> list[dict[str, float] | Exception | None]:
+def _score_all_sync(
+    fn: RewardFn, prompt: Prompt, texts: list[str | None]
+) -> list[dict[str, float] | Exception | None]:
     results: list[dict[str, float] | Exception | None] = []
     for text in texts:
         if text is None:
@@ -99,10 +101,14 @@ def _score_all_sync(fn: RewardFn, prompt: Prompt, texts: list[str | None]) -> li
     return results
 
 
-async def score_all(fn: RewardFn, prompt: Prompt, texts: list[str | None]) -> list[dict[str, float] | Exception | None]:
+async def score_all(
+    fn: RewardFn, prompt: Prompt, texts: list[str | None]
+) -> list[dict[str, float] | Exception | None]:
     """Score each text (None: skip); a plain function runs in one worker-thread call per group."""
     if not inspect.iscoroutinefunction(fn):
-        return await anyio.to_thread.run_sync(partial(_score_all_sync, fn, prompt, texts), abandon_on_cancel=True)
+        return await anyio.to_thread.run_sync(
+            partial(_score_all_sync, fn, prompt, texts), abandon_on_cancel=True
+        )
     results: list[dict[str, float] | Exception | None] = []
     for text in texts:
         if text is None:
@@ -152,7 +158,9 @@ class RewardStage:
 
     async def _score_group(self, group: Group) -> Group:
         texts = [self.tokenizer.decode(s.tokens) for s in group.samples]
-        wanted: list[str | None] = [None if s.poisoned else t for s, t in zip(group.samples, texts)]
+        wanted: list[str | None] = [
+            None if s.poisoned else t for s, t in zip(group.samples, texts, strict=True)
+        ]
         results: list[dict[str, float] | Exception | None] = [None] * len(texts)
         try:
             with self.clock.fail_after(
@@ -162,7 +170,7 @@ class RewardStage:
         except DeadlineExceeded as error:
             self._failure(str(error))
         samples: list[Sample] = []
-        for sample, text, result in zip(group.samples, texts, results):
+        for sample, text, result in zip(group.samples, texts, results, strict=True):
             if isinstance(result, Exception):
                 self._failure(f"{type(result).__name__}: {result}")
                 result = None

@@ -143,10 +143,14 @@ class RolloutStage:
             except Exception as error:  # an engine failure is retried like a timeout
                 self.counts["engine_errors"] += 1
                 reason = f"engine_error: {type(error).__name__}: {error}"
-                log.warning("generation for %s failed (attempt %d): %s", prompt.prompt_id, attempt + 1, reason)
+                log.warning(
+                    "generation for %s failed (attempt %d): %s", prompt.prompt_id, attempt + 1, reason
+                )
         raise _GiveUp(reason)
 
-    async def _drop(self, prompt: Prompt, group_id: str, batch: int, reason: str, pending: dict[str, Prompt]) -> None:
+    async def _drop(
+        self, prompt: Prompt, group_id: str, batch: int, reason: str, pending: dict[str, Prompt]
+    ) -> None:
         pending.pop(group_id, None)
         self.counts["dropped_groups"] += 1
         if self.counts["dropped_groups"] > self.section.max_dropped_groups:
@@ -154,4 +158,6 @@ class RolloutStage:
                 f"{self.counts['dropped_groups']} groups dropped, over rollout.max_dropped_groups="
                 f"{self.section.max_dropped_groups}; last reason: {reason}"
             )
-        await self.out.send(Dropped(prompt_id=prompt.prompt_id, group_id=group_id, target_step=batch, reason=reason))
+        await self.out.send(
+            Dropped(prompt_id=prompt.prompt_id, group_id=group_id, target_step=batch, reason=reason)
+        )

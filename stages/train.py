@@ -105,7 +105,13 @@ class TrainStage:
     async def run(self) -> None:
         try:
             if self.evaluation is not None and self.progress.steps_done == 0:
-                self._emit({"step": 0, "policy_version": self.gate.engine_version, **await self.evaluation.run(self.gate)})
+                self._emit(
+                    {
+                        "step": 0,
+                        "policy_version": self.gate.engine_version,
+                        **await self.evaluation.run(self.gate),
+                    }
+                )
             with self.watchdog.waiting(self.name, f"groups of batch {self.next_batch}"):
                 async for item in self.inp:
                     self.pending[item.target_step].append(item)
@@ -132,13 +138,21 @@ class TrainStage:
             "batch": batch,
             "rollout/dropped_groups": len(dropped),
             "rollout/poisoned_samples": sum(s.poisoned for g in groups for s in g.samples),
-            "rollout/unscored_samples": sum(not s.poisoned and s.reward is None for g in groups for s in g.samples),
+            "rollout/unscored_samples": sum(
+                not s.poisoned and s.reward is None for g in groups for s in g.samples
+            ),
         }
         if not samples:
             self.tickets.give_back(Ticket(batch=batch))
             self.progress.batch_finished(trained=False)
             self.metrics.write(
-                {"step": self.progress.steps_done, **record, "train/empty_batch": 1, "policy_version": version, **self.counters()}
+                {
+                    "step": self.progress.steps_done,
+                    **record,
+                    "train/empty_batch": 1,
+                    "policy_version": version,
+                    **self.counters(),
+                }
             )
             return
         step = self.progress.steps_done + 1
@@ -199,7 +213,14 @@ def _info_means(samples: Sequence[Sample]) -> dict[str, float]:
 class Evaluation:
     """Greedy generation on held-out prompts, scored by the recipe's reward function."""
 
-    def __init__(self, section: EvalSection, *, prompts: Sequence[Prompt], fn: RewardFn, decode: Callable[[Sequence[int]], str]) -> None:
+    def __init__(
+        self,
+        section: EvalSection,
+        *,
+        prompts: Sequence[Prompt],
+        fn: RewardFn,
+        decode: Callable[[Sequence[int]], str],
+    ) -> None:
         self.section = section
         self.prompts = list(prompts)[: section.num_prompts]
         self.fn = fn
@@ -221,7 +242,7 @@ class Evaluation:
             for i, prompt in enumerate(self.prompts):
                 tg.start_soon(one, i, prompt)
         records: list[dict[str, float]] = []
-        for prompt, text in zip(self.prompts, texts):
+        for prompt, text in zip(self.prompts, texts, strict=True):
             (result,) = await score_all(self.fn, prompt, [text])
             records.append(result if isinstance(result, dict) else {"reward": 0.0})
         keys = sorted({key for r in records for key in r})

@@ -8,11 +8,11 @@ import pytest
 import uvloop
 
 
-def pytest_asyncio_loop_factories(config, item):  # noqa: ARG001 - pytest-asyncio hook signature
+def pytest_asyncio_loop_factories(config, item):
     return {"asyncio": asyncio.new_event_loop, "uvloop": uvloop.new_event_loop}
 
 
-def pytest_collection_modifyitems(config, items):  # noqa: ARG001
+def pytest_collection_modifyitems(config, items):
     try:
         import torch
 

@@ -26,7 +26,7 @@ from pipeline.messages import Completion
 
 
 class _Request:
-    __slots__ = ("prompt", "n", "greedy", "result", "done")
+    __slots__ = ("done", "greedy", "n", "prompt", "result")
 
     def __init__(self, prompt: Sequence[int], n: int, greedy: bool) -> None:
         self.prompt = list(prompt)
@@ -64,7 +64,9 @@ class TorchEngine:
         self._weights = anyio.Lock()
         self.calls = 0
 
-    async def generate(self, prompt_tokens: Sequence[int], n: int, *, greedy: bool = False) -> list[Completion]:
+    async def generate(
+        self, prompt_tokens: Sequence[int], n: int, *, greedy: bool = False
+    ) -> list[Completion]:
         request = _Request(prompt_tokens, n, greedy)
         self._queue.append(request)
         try:
@@ -100,7 +102,7 @@ class TorchEngine:
                     for request in batch:
                         request.result, request.done = error, True
                     return
-        for request, completions in zip(batch, results):
+        for request, completions in zip(batch, results, strict=True):
             request.result, request.done = completions, True
         self._notify()
 
@@ -119,7 +121,9 @@ class TorchEngine:
         for request in batch:
             results.append(
                 [
-                    Completion(tokens=tuple(c.tokens), logprobs=tuple(c.logprobs), finish_reason=c.finish_reason)
+                    Completion(
+                        tokens=tuple(c.tokens), logprobs=tuple(c.logprobs), finish_reason=c.finish_reason
+                    )
                     for c in out[start : start + request.n]
                 ]
             )

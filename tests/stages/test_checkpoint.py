@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import random
 import signal
 import subprocess
@@ -22,7 +21,12 @@ from stages.checkpoint import MARKER, committed
 from stages.program import run_program
 
 KEYS = ("train/loss", "train/grad_norm", "reward/mean")
-SMALL = ["run.progress=false", "eval.every_steps=0", "async_rl.max_lookahead_versions=0", "prompts.prompts_per_step=8"]
+SMALL = [
+    "run.progress=false",
+    "eval.every_steps=0",
+    "async_rl.max_lookahead_versions=0",
+    "prompts.prompts_per_step=8",
+]
 
 
 def _recipe(run_dir: Path, *overrides: str) -> Any:
@@ -63,7 +67,9 @@ def test_stop_and_resume_is_bit_exact(tmp_path: Path, uninterrupted: dict[int, t
     assert _figures(run_dir) == uninterrupted
 
 
-def test_sigkill_after_a_save_then_resume_is_bit_exact(tmp_path: Path, uninterrupted: dict[int, tuple[str, ...]]) -> None:
+def test_sigkill_after_a_save_then_resume_is_bit_exact(
+    tmp_path: Path, uninterrupted: dict[int, tuple[str, ...]]
+) -> None:
     run_dir = tmp_path / "run"
     args = [sys.executable, "-m", "pipeline", "run", "recipes/quickstart.yaml", f"run.dir={run_dir}", *SMALL]
     args += ["run.steps=6", "checkpoint.every_steps=1", "--quiet"]
@@ -118,7 +124,9 @@ def test_every_prompt_is_trained_exactly_once_across_stop_and_resume(tmp_path: P
         trained.extend(sorted({s.prompt_id for s in samples}))
 
     overrides = ["async_rl.max_lookahead_versions=2", "run.steps=8", "prompts.prompts_per_step=3"]
-    recipe = pipeline.load_recipe("recipes/quickstart.yaml", [f"run.dir={tmp_path / 'run'}", "run.progress=false", *overrides])
+    recipe = pipeline.load_recipe(
+        "recipes/quickstart.yaml", [f"run.dir={tmp_path / 'run'}", "run.progress=false", *overrides]
+    )
     stop = StopRequest()
 
     def echo(record_: dict[str, Any]) -> None:
@@ -126,7 +134,9 @@ def test_every_prompt_is_trained_exactly_once_across_stop_and_resume(tmp_path: P
             stop.request("test stop")
 
     async def first() -> None:
-        await run_program(recipe, engine=FakeEngine(), trainer=FakeTrainer(on_step=record), stop=stop, echo=echo)
+        await run_program(
+            recipe, engine=FakeEngine(), trainer=FakeTrainer(on_step=record), stop=stop, echo=echo
+        )
 
     anyio.run(first)
     stopped_at = len(trained)
