@@ -4,7 +4,7 @@ Runs `recipes/reverse-digits.yaml` (2 layers, width 128, 32 prompts x 8 samples 
 fixed number of steps without evaluation, for each pipeline mode, in one process one after the
 other, and writes the medians to bench/results-cpu.json. Steps 1-5 are warm-up and excluded.
 
-    python -m bench.cpu [--steps 60]
+    python -m bench.cpu [--steps 60] [key.path=value ...]
 """
 
 from __future__ import annotations
@@ -32,19 +32,21 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--out", default="bench/results-cpu.json")
+    parser.add_argument("overrides", nargs="*", help="recipe overrides applied to every mode")
     args = parser.parse_args()
     results = {}
     for mode, overrides in MODES.items():
         with tempfile.TemporaryDirectory() as tmp:
             recipe = pipeline.load_recipe(
                 "recipes/reverse-digits.yaml",
-                [*overrides, f"run.steps={args.steps}", f"run.dir={tmp}/run", "eval.every_steps=0"],
+                [*overrides, *args.overrides, f"run.steps={args.steps}", f"run.dir={tmp}/run", "eval.every_steps=0"],
             )
             start = time.perf_counter()
             anyio.run(pipeline.run, recipe)
             wall = time.perf_counter() - start
             records = [r for r in read(Path(tmp) / "run" / "metrics.jsonl") if "train/loss" in r][5:]
         results[mode] = {
+            "overrides": args.overrides,
             "step_s_median": statistics.median(r["timing/step_s"] for r in records),
             "train_s_median": statistics.median(r["timing/train_s"] for r in records),
             "wall_s": wall,
