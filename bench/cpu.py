@@ -39,7 +39,13 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as tmp:
             recipe = pipeline.load_recipe(
                 "recipes/reverse-digits.yaml",
-                [*overrides, *args.overrides, f"run.steps={args.steps}", f"run.dir={tmp}/run", "eval.every_steps=0"],
+                [
+                    *overrides,
+                    *args.overrides,
+                    f"run.steps={args.steps}",
+                    f"run.dir={tmp}/run",
+                    "eval.every_steps=0",
+                ],
             )
             start = time.perf_counter()
             anyio.run(pipeline.run, recipe)

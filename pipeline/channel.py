@@ -79,15 +79,6 @@ class Channel(Generic[T]):
             self._closed = True
             self._send.close()
 
-    def drain_nowait(self) -> list[T]:
-        """Take every buffered item without waiting (used when checkpointing queued work)."""
-        items: list[T] = []
-        while True:
-            try:
-                items.append(self.receive_nowait())
-            except (anyio.WouldBlock, anyio.EndOfStream):
-                return items
-
     async def __aiter__(self) -> AsyncIterator[T]:
         while True:
             try:

@@ -107,7 +107,7 @@ def _validation_message(
     problem = _PATH_RE.sub("", message)
     unknown = re.match(r"Object contains unknown field `([^`]+)`", problem)
     missing = re.match(r"Object missing required field `([^`]+)`", problem)
-    value = _lookup(data, field)
+    value = lookup(data, field)
     if unknown:
         name = unknown.group(1)
         known = _field_names(_type_at(root, data, field))
@@ -138,7 +138,8 @@ def _validation_message(
         if field and (key == field or key.startswith(field + ".") or field.startswith(key + ".")):
             source = f"{source}: override {override!r}"
             break
-    return f"{source}: {field or '<root>'}: {problem}"
+    # A cross-section rule (a root `__post_init__`) names its own fields.
+    return f"{source}: {field}: {problem}" if field else f"{source}: {problem}"
 
 
 def _type_at(root: type, data: Any, field: str) -> Any:
@@ -193,7 +194,8 @@ def _choices(root: type, data: Any, field: str) -> list[str]:
     return []
 
 
-def _lookup(data: Any, field: str) -> Any:
+def lookup(data: Any, field: str) -> Any:
+    """The value at a dotted field path of decoded YAML, or None where there is none."""
     node = data
     for part in re.findall(r"[^.\[\]]+", field):
         if isinstance(node, dict) and part in node:

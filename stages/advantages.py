@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
+from statistics import pstdev
 
 
 def leave_one_out(rewards: Sequence[float]) -> list[float]:
@@ -12,8 +12,7 @@ def leave_one_out(rewards: Sequence[float]) -> list[float]:
     if n < 2:
         return [0.0] * n
     total = sum(rewards)
-    mean = total / n
-    std = math.sqrt(sum((r - mean) ** 2 for r in rewards) / n)
+    std = pstdev(rewards)
     advantages = [r - (total - r) / (n - 1) for r in rewards]
     if std > 0:
         advantages = [a / std for a in advantages]

@@ -27,7 +27,6 @@ import logging
 import os
 import random
 import shutil
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -35,7 +34,7 @@ from typing import Any
 import msgspec
 
 from pipeline.errors import RecipeError
-from pipeline.recipe import dump
+from pipeline.recipe import dump, lookup
 
 log = logging.getLogger("stages.checkpoint")
 
@@ -50,7 +49,8 @@ class PipelineState(msgspec.Struct, kw_only=True):
     step: int
     policy_version: int
     next_batch: int  # batches before it are trained or dropped; its prompts are drawn again
-    counters: dict[str, int]
+    rollout_counts: dict[str, int]
+    reward_counts: dict[str, int]
     python_rng: list[Any]
 
 
@@ -97,10 +97,9 @@ class Checkpointer:
         self.root = root
         self.keep_last = keep_last
         self.hook = hook or (lambda point: None)
-        self.last_save_s = 0.0
+        self.last_step = 0  # the step of the newest checkpoint this run wrote or resumed from
 
     def save(self, step: int, files: dict[str, Writer], recipe: msgspec.Struct) -> Path:
-        start = time.perf_counter()
         self.root.mkdir(parents=True, exist_ok=True)
         final = self.root / f"{PREFIX}{step:06d}"
         tmp = self.root / f"{TMP_PREFIX}{PREFIX}{step:06d}-{os.getpid()}"
@@ -124,7 +123,7 @@ class Checkpointer:
         _fsync_dir(self.root)
         self.hook("after_rename")
         self._purge()
-        self.last_save_s = time.perf_counter() - start
+        self.last_step = step
         return final
 
     def _purge(self) -> None:
@@ -160,7 +159,7 @@ BINDING_FIELDS = ("model", "prompts.prompts_per_step", "prompts.source", "rollou
 
 def check_compatible(saved: dict[str, Any], current: dict[str, Any], checkpoint: Path) -> None:
     for field in BINDING_FIELDS:
-        old, new = _get(saved, field), _get(current, field)
+        old, new = lookup(saved, field), lookup(current, field)
         if field == "model":
             old = {k: v for k, v in (old or {}).items() if k not in ("threads", "device")}
             new = {k: v for k, v in (new or {}).items() if k not in ("threads", "device")}
@@ -169,13 +168,6 @@ def check_compatible(saved: dict[str, Any], current: dict[str, Any], checkpoint:
                 f"{field}: differs from checkpoint {checkpoint} (was {old!r}, now {new!r}); "
                 "resume with the recipe the checkpoint was written with, or start a new run.dir"
             )
-
-
-def _get(data: dict[str, Any], field: str) -> Any:
-    node: Any = data
-    for part in field.split("."):
-        node = node.get(part) if isinstance(node, dict) else None
-    return node
 
 
 def python_rng_state() -> list[Any]:
@@ -201,8 +193,10 @@ def describe(checkpoint: Path, against: dict[str, Any] | None = None) -> str:
     ]
     for path in sorted(checkpoint.iterdir()):
         lines.append(f"    {path.name:<16} {path.stat().st_size:>12,} bytes")
-    if state.counters:
-        lines.append("  counters: " + ", ".join(f"{k}={v}" for k, v in sorted(state.counters.items())))
+    counters = {f"rollout/{k}": v for k, v in state.rollout_counts.items()}
+    counters |= {f"reward/{k}": v for k, v in state.reward_counts.items()}
+    if counters:
+        lines.append("  counters: " + ", ".join(f"{k}={v}" for k, v in sorted(counters.items())))
     if against is not None:
         saved = yaml.safe_load((checkpoint / "recipe.yaml").read_text())
         diffs = list(_diff(saved, against, ""))

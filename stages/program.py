@@ -34,13 +34,14 @@ from stages.checkpoint import (
     python_rng_state,
     set_python_rng_state,
 )
+from stages.evaluation import Evaluation
 from stages.faults import FaultyEngine
 from stages.progress import Progress
 from stages.prompts import PromptStage, build_prompts
 from stages.recipe import Recipe
 from stages.reward import RewardStage, resolve
 from stages.rollout import RolloutStage
-from stages.train import Evaluation, TrainStage
+from stages.train import TrainStage
 
 log = logging.getLogger("stages.program")
 
@@ -97,6 +98,7 @@ async def run_program(
         _truncate_metrics(run_dir / "metrics.jsonl", resumed.step)
         log.info("resumed from %s (step %d) in %.3f s", resume_from, resumed.step, load_s)
     clock = DeadlineClock(time_source)
+    backend_engine = engine  # checkpoints hold its state; the fault wrapper has none of its own
     if recipe.faults.enabled:
         engine = FaultyEngine(engine, recipe.faults, time=clock.source, seed=seed)
     stop = stop or StopRequest()
@@ -133,33 +135,25 @@ async def run_program(
         watchdog=watchdog,
     )
     if resumed is not None:
-        for key, value in resumed.counters.items():
-            stage_name, _, counter = key.partition("/")
-            {"rollout": rollout, "reward": reward}[stage_name].counts[counter] = value
-    last_saved = [resumed.step if resumed else -1]
+        rollout.counts.update(resumed.rollout_counts)
+        reward.counts.update(resumed.reward_counts)
+        checkpoints.last_step = resumed.step
 
     async def save(step: int, next_batch: int) -> None:
         state = PipelineState(
             step=step,
             policy_version=gate.engine_version,
             next_batch=next_batch,
-            counters={f"rollout/{k}": v for k, v in rollout.counts.items()}
-            | {f"reward/{k}": v for k, v in reward.counts.items()},
+            rollout_counts=dict(rollout.counts),
+            reward_counts=dict(reward.counts),
             python_rng=python_rng_state(),
         )
         files = {"trainer.pt": _torch_writer(trainer.state())}  # type: ignore[attr-defined]
-        engine_state = getattr(engine, "state", None)
+        engine_state = getattr(backend_engine, "state", None)
         if engine_state is not None:
             files["engine.pt"] = _torch_writer(engine_state())
         files["state.msgpack"] = lambda path: path.write_bytes(msgspec.msgpack.encode(state))
         await anyio.to_thread.run_sync(checkpoints.save, step, files, recipe)
-        last_saved[0] = step
-        trace.span(
-            f"save {step}",
-            clock.source.now() - checkpoints.last_save_s,
-            clock.source.now(),
-            track="checkpoint",
-        )
 
     def counters() -> dict[str, float]:
         return {
@@ -220,8 +214,11 @@ async def run_program(
         return getattr(trainer, "completed_steps", progress.steps_done) == progress.steps_done
 
     async def final_save() -> None:
-        if hasattr(trainer, "state") and progress.steps_done > max(0, last_saved[0]) and consistent():
+        """The save of a clean stop; in-step saves go through the gate (which traces them)."""
+        if hasattr(trainer, "state") and progress.steps_done > checkpoints.last_step and consistent():
+            start = clock.source.now()
             await save(progress.steps_done, train.next_batch)
+            trace.span("save", start, clock.source.now(), track="gate")
 
     try:
         outcome = await run_stages(

@@ -45,6 +45,7 @@ class JsonlSource(Section, tag="jsonl", tag_field="kind"):
     path: str
     prompt_field: str = "prompt"
     answer_field: str = "answer"
+    num_heldout: Annotated[int, msgspec.Meta(ge=0)] = 0  # the file's last lines, never trained on
     alphabet: str = "0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ +-*/=?.,:;()'\"!"
 
 
@@ -163,8 +164,12 @@ def _jsonl(source: JsonlSource, seed: int) -> PromptSet:
                     answer=str(row[source.answer_field]),
                 )
             )
+    heldout = prompts[len(prompts) - source.num_heldout :] if source.num_heldout else []
+    prompts = prompts[: len(prompts) - len(heldout)]
     if not prompts:
-        raise RecipeError(f"{path}: no prompts in file")
+        raise RecipeError(
+            f"{path}: no training prompts ({len(heldout)} lines held out by prompts.source.num_heldout)"
+        )
 
     def train() -> Iterator[Prompt]:
         rng = random.Random(f"jsonl-{seed}")
@@ -177,7 +182,7 @@ def _jsonl(source: JsonlSource, seed: int) -> PromptSet:
                 yield msgspec.structs.replace(p, prompt_id=f"{p.prompt_id}-e{epoch}")
             epoch += 1
 
-    return PromptSet(tokenizer, train(), prompts[: min(len(prompts), 64)])
+    return PromptSet(tokenizer, train(), heldout)
 
 
 class PromptStage:

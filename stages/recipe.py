@@ -14,11 +14,12 @@ from pipeline.recipe import (
     WandbSection,
     WatchdogSection,
 )
+from stages.evaluation import EvalSection
 from stages.faults import FaultsSection
 from stages.prompts import PromptsSection
 from stages.reward import RewardSection
 from stages.rollout import RolloutSection
-from stages.train import EvalSection, TrainSection
+from stages.train import TrainSection
 
 
 def _default_model() -> ModelSection:
@@ -39,3 +40,10 @@ class Recipe(Section):
     train: TrainSection = msgspec.field(default_factory=TrainSection)
     eval: EvalSection = msgspec.field(default_factory=EvalSection)
     faults: FaultsSection = msgspec.field(default_factory=FaultsSection)
+
+    def __post_init__(self) -> None:
+        if self.eval.every_steps and not self.prompts.source.num_heldout:
+            raise ValueError(
+                "eval.every_steps needs held-out prompts: set prompts.source.num_heldout > 0 "
+                "or eval.every_steps: 0"
+            )

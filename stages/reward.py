@@ -86,11 +86,12 @@ def _normalise(result: Any) -> dict[str, float]:
     return {"reward": float(result)}
 
 
-def _score_all_sync(
-    fn: RewardFn, prompt: Prompt, texts: list[str | None]
-) -> list[dict[str, float] | Exception | None]:
-    results: list[dict[str, float] | Exception | None] = []
-    for text in texts:
+Scored = dict[str, float] | Exception | None
+
+
+def _score_all_sync(fn: RewardFn, items: list[tuple[Prompt, str | None]]) -> list[Scored]:
+    results: list[Scored] = []
+    for prompt, text in items:
         if text is None:
             results.append(None)
             continue
@@ -101,16 +102,15 @@ def _score_all_sync(
     return results
 
 
-async def score_all(
-    fn: RewardFn, prompt: Prompt, texts: list[str | None]
-) -> list[dict[str, float] | Exception | None]:
-    """Score each text (None: skip); a plain function runs in one worker-thread call per group."""
+async def score_all(fn: RewardFn, items: list[tuple[Prompt, str | None]]) -> list[Scored]:
+    """Score each (prompt, text) pair (text None: skip); an exception is returned, not raised.
+
+    A plain function scores all pairs in one worker-thread call; an async one is awaited in turn.
+    """
     if not inspect.iscoroutinefunction(fn):
-        return await anyio.to_thread.run_sync(
-            partial(_score_all_sync, fn, prompt, texts), abandon_on_cancel=True
-        )
-    results: list[dict[str, float] | Exception | None] = []
-    for text in texts:
+        return await anyio.to_thread.run_sync(partial(_score_all_sync, fn, items), abandon_on_cancel=True)
+    results: list[Scored] = []
+    for prompt, text in items:
         if text is None:
             results.append(None)
             continue
@@ -161,12 +161,12 @@ class RewardStage:
         wanted: list[str | None] = [
             None if s.poisoned else t for s, t in zip(group.samples, texts, strict=True)
         ]
-        results: list[dict[str, float] | Exception | None] = [None] * len(texts)
+        results: list[Scored] = [None] * len(texts)
         try:
             with self.clock.fail_after(
                 self.section.reward_s, f"reward of group {group.group_id}", suspendable=False
             ):
-                results = await score_all(self.fn, group.prompt, wanted)
+                results = await score_all(self.fn, [(group.prompt, text) for text in wanted])
         except DeadlineExceeded as error:
             self._failure(str(error))
         samples: list[Sample] = []

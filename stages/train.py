@@ -13,16 +13,15 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from collections.abc import Awaitable, Callable, Sequence
-from statistics import fmean
+from statistics import fmean, pstdev
 from typing import Annotated, Any, Literal
 
-import anyio
 import msgspec
 
 from pipeline.channel import Channel
 from pipeline.clock import DeadlineClock
 from pipeline.gate import EngineGate
-from pipeline.messages import Dropped, Group, Prompt, Sample
+from pipeline.messages import Dropped, Group, Sample
 from pipeline.metrics import MetricsLog
 from pipeline.protocols import Trainer
 from pipeline.recipe import NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, Section
@@ -30,8 +29,8 @@ from pipeline.tickets import Ticket, TicketBox
 from pipeline.trace import Trace
 from pipeline.watchdog import Watchdog
 from stages.advantages import leave_one_out
+from stages.evaluation import Evaluation
 from stages.progress import Progress
-from stages.reward import RewardFn, score_all
 
 
 class TrainSection(Section):
@@ -50,11 +49,6 @@ class TrainSection(Section):
     kl_coef: NonNegativeFloat = 0.0
     is_correction: Literal["none", "tis", "icepop"] = "tis"
     is_cap: Annotated[float, msgspec.Meta(gt=1)] = 2.0
-
-
-class EvalSection(Section):
-    every_steps: NonNegativeInt = 0  # 0: no held-out evaluation
-    num_prompts: PositiveInt = 256
 
 
 Saver = Callable[[int, int], Awaitable[None]]  # (step, next batch)
@@ -177,7 +171,7 @@ class TrainStage:
                 "step": step,
                 "policy_version": self.gate.engine_version,
                 "reward/mean": fmean(s.reward for s in samples),  # type: ignore[misc]
-                "reward/std": _std([s.reward for s in samples]),  # type: ignore[misc]
+                "reward/std": pstdev(s.reward for s in samples),  # type: ignore[misc]
                 **_info_means(samples),
                 "rollout/max_lag": max(lags),
                 "rollout/mean_lag": fmean(lags),
@@ -200,50 +194,6 @@ class TrainStage:
             self.echo(clean)
 
 
-def _std(values: Sequence[float]) -> float:
-    mean = fmean(values)
-    return math.sqrt(fmean((v - mean) ** 2 for v in values))
-
-
 def _info_means(samples: Sequence[Sample]) -> dict[str, float]:
     keys = {key for s in samples for key in s.reward_info}
     return {f"reward/{key}": fmean(s.reward_info.get(key, 0.0) for s in samples) for key in sorted(keys)}
-
-
-class Evaluation:
-    """Greedy generation on held-out prompts, scored by the recipe's reward function."""
-
-    def __init__(
-        self,
-        section: EvalSection,
-        *,
-        prompts: Sequence[Prompt],
-        fn: RewardFn,
-        decode: Callable[[Sequence[int]], str],
-    ) -> None:
-        self.section = section
-        self.prompts = list(prompts)[: section.num_prompts]
-        self.fn = fn
-        self.decode = decode
-
-    def due(self, step: int, last_step: int) -> bool:
-        every = self.section.every_steps
-        return bool(every) and (step % every == 0 or step == last_step)
-
-    async def run(self, gate: EngineGate) -> dict[str, float]:
-        texts: list[str] = [""] * len(self.prompts)
-
-        async def one(i: int, prompt: Prompt) -> None:
-            async with gate.serving():
-                (completion,) = await gate.engine.generate(prompt.tokens, 1, greedy=True)  # type: ignore[call-arg]
-            texts[i] = self.decode(completion.tokens)
-
-        async with anyio.create_task_group() as tg:
-            for i, prompt in enumerate(self.prompts):
-                tg.start_soon(one, i, prompt)
-        records: list[dict[str, float]] = []
-        for prompt, text in zip(self.prompts, texts, strict=True):
-            (result,) = await score_all(self.fn, prompt, [text])
-            records.append(result if isinstance(result, dict) else {"reward": 0.0})
-        keys = sorted({key for r in records for key in r})
-        return {f"eval/{key}": fmean(r.get(key, 0.0) for r in records) for key in keys}

@@ -1,26 +1,18 @@
-"""Synchronous batched sampler over a `Decoder` with a preallocated KV cache."""
+"""Synchronous batched sampler over a `Decoder` with a preallocated KV cache.
+
+Each `Completion`'s ``logprobs[i]`` is log_softmax(logits / temperature)[tokens[i]] before top-p
+truncation (temperature 1 when sampling greedily); a stop token, when hit, is the last token.
+"""
 
 import copy
 from collections.abc import Sequence
 from typing import Literal
 
-import msgspec
 import torch
 from torch import Tensor
 
 from backends.torch.model import Decoder, KVCache
-
-
-class Completion(msgspec.Struct, frozen=True, kw_only=True):
-    """Generated continuation of one prompt.
-
-    ``logprobs[i]`` is log_softmax(logits / temperature)[tokens[i]] before top-p truncation
-    (temperature 1 when sampling greedily). A stop token, when hit, is the last token.
-    """
-
-    tokens: list[int]
-    logprobs: list[float]
-    finish_reason: Literal["stop", "length"]
+from pipeline.messages import Completion
 
 
 class Sampler:
@@ -148,8 +140,14 @@ class Sampler:
         results = []
         for n, toks, lps in zip(n_tokens, token_rows, logprob_rows, strict=True):
             reason: Literal["stop", "length"] = "stop" if toks[n - 1] in stop_ids else "length"
-            results.append(Completion(tokens=toks[:n], logprobs=lps[:n], finish_reason=reason))
+            results.append(Completion(tokens=tuple(toks[:n]), logprobs=tuple(lps[:n]), finish_reason=reason))
         return results
+
+    def cache_bytes(self) -> int:
+        """Bytes held by the KV cache (0 after `release`)."""
+        if self._cache is None:
+            return 0
+        return sum(t.numel() * t.element_size() for t in self._cache.keys + self._cache.values)
 
     def _buffers(self, batch: int, length: int) -> tuple[KVCache, Tensor]:
         """Cache and key mask views of exactly ``batch`` rows, at least ``length`` positions."""

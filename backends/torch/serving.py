@@ -119,14 +119,7 @@ class TorchEngine:
         )
         results, start = [], 0
         for request in batch:
-            results.append(
-                [
-                    Completion(
-                        tokens=tuple(c.tokens), logprobs=tuple(c.logprobs), finish_reason=c.finish_reason
-                    )
-                    for c in out[start : start + request.n]
-                ]
-            )
+            results.append(out[start : start + request.n])
             start += request.n
         return results
 
@@ -161,7 +154,4 @@ class TorchEngine:
             self._copy_weights()
 
     def memory_in_use(self) -> int | None:
-        cache = self.sampler._cache
-        if cache is None:
-            return 0
-        return sum(t.numel() * t.element_size() for t in cache.keys + cache.values)
+        return self.sampler.cache_bytes()

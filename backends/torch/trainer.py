@@ -76,23 +76,21 @@ class TorchTrainer:
 
     def _tensors(self, samples: Sequence[Sample], advantages: Sequence[float]) -> dict[str, torch.Tensor]:
         """Right-padded sequences with response masks aligned to `token_logprobs` output."""
-        lengths = [len(s.prompt_tokens) + len(s.tokens) for s in samples]
-        width = max(lengths)
-        ids = torch.zeros(len(samples), width, dtype=torch.long)
-        attention = torch.zeros(len(samples), width, dtype=torch.bool)
-        mask = torch.zeros(len(samples), width - 1)
-        gen = torch.zeros(len(samples), width - 1)
-        for row, sample in enumerate(samples):
+        # Rows are built as Python lists and converted once: one tensor per row would cost a
+        # few hundred small allocations per step on the CPU quickstart's hot path.
+        width = max(len(s.prompt_tokens) + len(s.tokens) for s in samples)
+        ids, attention, mask, gen = [], [], [], []
+        for sample in samples:
             p, r = len(sample.prompt_tokens), len(sample.tokens)
-            ids[row, : p + r] = torch.tensor(sample.prompt_tokens + sample.tokens)
-            attention[row, : p + r] = True
-            mask[row, p - 1 : p + r - 1] = 1.0
-            gen[row, p - 1 : p + r - 1] = torch.tensor(sample.logprobs)
+            ids.append([*sample.prompt_tokens, *sample.tokens] + [0] * (width - p - r))
+            attention.append([True] * (p + r) + [False] * (width - p - r))
+            mask.append([0.0] * (p - 1) + [1.0] * r + [0.0] * (width - p - r))
+            gen.append([0.0] * (p - 1) + list(sample.logprobs) + [0.0] * (width - p - r))
         return {
-            "ids": ids.to(self.device),
-            "attention": attention.to(self.device),
-            "mask": mask.to(self.device),
-            "gen": gen.to(self.device),
+            "ids": torch.tensor(ids, dtype=torch.long, device=self.device),
+            "attention": torch.tensor(attention, dtype=torch.bool, device=self.device),
+            "mask": torch.tensor(mask, device=self.device),
+            "gen": torch.tensor(gen, device=self.device),
             "advantages": torch.tensor(advantages, dtype=torch.float32, device=self.device),
         }
 

@@ -4,8 +4,9 @@ import pytest
 import torch
 
 from backends.torch.config import ModelConfig
-from backends.torch.engine import Completion, Sampler
+from backends.torch.engine import Sampler
 from backends.torch.model import Decoder, token_logprobs
+from pipeline.messages import Completion
 
 VOCAB = 29
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7], [8, 9], [10, 11, 12, 13], [8, 9]]
@@ -29,7 +30,7 @@ def _generate(sampler: Sampler, prompts: list[list[int]], seed: int = 0, **kw) -
 def _recomputed(
     model: Decoder, prompts: list[list[int]], outs: list[Completion], temperature: float
 ) -> list[list[float]]:
-    seqs = [p + o.tokens for p, o in zip(prompts, outs, strict=True)]
+    seqs = [p + list(o.tokens) for p, o in zip(prompts, outs, strict=True)]
     width = max(map(len, seqs))
     ids = torch.tensor([s + [0] * (width - len(s)) for s in seqs])
     mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs])

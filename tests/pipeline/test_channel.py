@@ -87,7 +87,7 @@ async def test_statistics_depth_peak_and_waiters() -> None:
         sent=3,
         closed=False,
     )
-    assert channel.drain_nowait() == ["c"]
+    assert channel.receive_nowait() == "c"
     channel.close()
     stats = channel.statistics()
     assert (stats.depth, stats.peak_depth, stats.closed) == (0, 3, True)

@@ -170,3 +170,14 @@ def test_overrides_are_applied_as_yaml_values(tmp_path: Path) -> None:
         path, ["run.steps=7", "train.lr=2.0e-5", "async_rl.max_lookahead_versions=0"]
     )
     assert (recipe.run.steps, recipe.train.lr, recipe.async_rl.max_lookahead_versions) == (7, 2.0e-5, 0)
+
+
+def test_evaluation_without_held_out_prompts_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "recipe.yaml"
+    path.write_text("prompts:\n  source:\n    kind: jsonl\n    path: data.jsonl\neval:\n  every_steps: 5\n")
+    with pytest.raises(RecipeError) as error:
+        pipeline.load_recipe(path)
+    assert str(error.value) == (
+        f"{path}: eval.every_steps needs held-out prompts: set prompts.source.num_heldout > 0 "
+        "or eval.every_steps: 0"
+    )
