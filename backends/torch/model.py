@@ -283,8 +283,7 @@ def token_logprobs(
 
     ``input_ids``: [B, T]; ``attention_mask``: [B, T] bool/int, 1 = real token, RIGHT-padded
     (ValueError otherwise). Returns float32 [B, T-1], differentiable w.r.t. the model;
-    entries whose target token is padding are 0. Logits are produced in row chunks so at
-    most one float32 [B, T, V] worth of them is alive (the chunks autograd saves).
+    entries whose target token is padding are 0.
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
@@ -297,15 +296,26 @@ def token_logprobs(
     # any placeholder (e.g. -100) embeds safely.
     ids = input_ids.masked_fill(~real, 0)
     positions = torch.arange(t - 1, device=ids.device).expand(b, t - 1)
-    hidden = model.hidden_states(ids[:, :-1], positions).reshape(b * (t - 1), -1)
-    targets = ids[:, 1:].reshape(-1, 1)
+    hidden = model.hidden_states(ids[:, :-1], positions)
+    return picked_logprobs(model, hidden, ids[:, 1:], temperature).masked_fill(~real[:, 1:], 0.0)
+
+
+def picked_logprobs(model: Decoder, hidden: Tensor, targets: Tensor, temperature: float) -> Tensor:
+    """float32 [B, T] log_softmax(lm_head(hidden) / temperature) at `targets` [B, T].
+
+    Logits are produced in row chunks so at most one float32 [B, T, V] worth of them is alive
+    (the chunks autograd saves).
+    """
+    b, t = targets.shape
+    flat = hidden.reshape(b * t, -1)
+    flat_targets = targets.reshape(-1, 1)
     rows = max(1, _LOGPROB_CHUNK_ELEMENTS // model.config.vocab_size)
     chunks = []
-    for i in range(0, hidden.shape[0], rows):
-        logits = model.lm_head(hidden[i : i + rows]).float()
+    for i in range(0, flat.shape[0], rows):
+        logits = model.lm_head(flat[i : i + rows]).float()
         if temperature != 1.0:
             logits = logits / temperature
-        picked = logits.gather(-1, targets[i : i + rows]).squeeze(-1)
+        picked = logits.gather(-1, flat_targets[i : i + rows]).squeeze(-1)
         chunks.append(picked - torch.logsumexp(logits, dim=-1))
-    logprobs = torch.cat(chunks) if chunks else hidden.new_zeros(0, dtype=torch.float32)
-    return logprobs.view(b, t - 1).masked_fill(~real[:, 1:], 0.0)
+    logprobs = torch.cat(chunks) if chunks else flat.new_zeros(0, dtype=torch.float32)
+    return logprobs.view(b, t)

@@ -12,14 +12,30 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import anyio
 import torch
 
+from backends.torch.grouped import response_logprobs
 from backends.torch.grpo_loss import LossConfig, grpo_token_loss, mismatch_metrics
-from backends.torch.model import Decoder, token_logprobs
+from backends.torch.model import Decoder
 from pipeline.messages import Sample
+
+
+@dataclass
+class _Chunk:
+    """A micro-batch of whole groups and, once computed, its logprob tensors [n, R]."""
+
+    prompts: list[tuple[int, ...]]
+    owner: list[int]
+    responses: list[tuple[int, ...]]
+    gen: torch.Tensor
+    advantages: torch.Tensor
+    mask: torch.Tensor | None = None
+    old: torch.Tensor | None = None
+    reference: torch.Tensor | None = None
 
 
 class TorchTrainer:
@@ -74,65 +90,76 @@ class TorchTrainer:
     async def train_step(self, samples: Sequence[Sample], advantages: Sequence[float]) -> dict[str, float]:
         return await anyio.to_thread.run_sync(self._train_step, list(samples), list(advantages))
 
-    def _tensors(self, samples: Sequence[Sample], advantages: Sequence[float]) -> dict[str, torch.Tensor]:
-        """Right-padded sequences with response masks aligned to `token_logprobs` output."""
-        # Rows are built as Python lists and converted once: one tensor per row would cost a
-        # few hundred small allocations per step on the CPU quickstart's hot path.
-        width = max(len(s.prompt_tokens) + len(s.tokens) for s in samples)
-        ids, attention, mask, gen = [], [], [], []
-        for sample in samples:
-            p, r = len(sample.prompt_tokens), len(sample.tokens)
-            ids.append([*sample.prompt_tokens, *sample.tokens] + [0] * (width - p - r))
-            attention.append([True] * (p + r) + [False] * (width - p - r))
-            mask.append([0.0] * (p - 1) + [1.0] * r + [0.0] * (width - p - r))
-            gen.append([0.0] * (p - 1) + list(sample.logprobs) + [0.0] * (width - p - r))
-        return {
-            "ids": torch.tensor(ids, dtype=torch.long, device=self.device),
-            "attention": torch.tensor(attention, dtype=torch.bool, device=self.device),
-            "mask": torch.tensor(mask, device=self.device),
-            "gen": torch.tensor(gen, device=self.device),
-            "advantages": torch.tensor(advantages, dtype=torch.float32, device=self.device),
-        }
+    def _chunk(self, samples: list[Sample], advantages: list[float]) -> _Chunk:
+        """One micro-batch: whole groups, each distinct prompt stored once."""
+        prompt_index: dict[tuple[int, ...], int] = {}
+        owner = [prompt_index.setdefault(s.prompt_tokens, len(prompt_index)) for s in samples]
+        longest = max(len(s.tokens) for s in samples)
+        gen = [list(s.logprobs) + [0.0] * (longest - len(s.logprobs)) for s in samples]
+        return _Chunk(
+            prompts=list(prompt_index),
+            owner=owner,
+            responses=[s.tokens for s in samples],
+            gen=torch.tensor(gen, device=self.device),
+            advantages=torch.tensor(advantages, dtype=torch.float32, device=self.device),
+        )
 
-    def _logprobs(self, model: Decoder, batch: dict[str, torch.Tensor], rows: torch.Tensor) -> torch.Tensor:
-        return token_logprobs(model, batch["ids"][rows], batch["attention"][rows], self.temperature)
+    def _chunks(self, samples: list[Sample], advantages: list[float]) -> list[list[_Chunk]]:
+        """Minibatches (one per optimizer update) of micro-batches, split between groups.
 
-    @torch.no_grad()
-    def _recompute(self, model: Decoder, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        n = batch["ids"].shape[0]
-        chunks = [
-            self._logprobs(model, batch, torch.arange(i, min(n, i + self.micro_batch_samples)))
-            for i in range(0, n, self.micro_batch_samples)
-        ]
-        return torch.cat(chunks)
+        Groups are shuffled with the trainer's generator and never split, so each micro-batch
+        computes each of its prompts once.
+        """
+        groups: dict[str, list[int]] = {}
+        for i, sample in enumerate(samples):
+            groups.setdefault(sample.group_id, []).append(i)
+        members = list(groups.values())
+        order = torch.randperm(len(members), generator=self.generator).tolist()
+        minibatches = []
+        for part in torch.tensor(order).tensor_split(min(self.updates_per_step, len(members))):
+            chunks, current = [], []
+            for g in part.tolist():
+                if current and len(current) + len(members[g]) > self.micro_batch_samples:
+                    chunks.append(current)
+                    current = []
+                current = current + members[g]
+            chunks.append(current)
+            minibatches.append(
+                [self._chunk([samples[i] for i in c], [advantages[i] for i in c]) for c in chunks]
+            )
+        return minibatches
+
+    def _logprobs(self, model: Decoder, chunk: _Chunk) -> tuple[torch.Tensor, torch.Tensor]:
+        return response_logprobs(model, chunk.prompts, chunk.owner, chunk.responses, self.temperature)
 
     def _train_step(self, samples: list[Sample], advantages: list[float]) -> dict[str, float]:
         self.model.train()
-        batch = self._tensors(samples, advantages)
-        n = len(samples)
-        old = self._recompute(self.model, batch) if self.updates_per_step > 1 else None
-        reference = self._recompute(self.reference, batch) if self.reference is not None else None
-        order = torch.randperm(n, generator=self.generator).to(self.device)
-        minibatches = [m for m in order.tensor_split(self.updates_per_step) if m.numel()]
+        minibatches = self._chunks(samples, advantages)
+        chunks = [c for minibatch in minibatches for c in minibatch]
+        with torch.no_grad():
+            if self.updates_per_step > 1:  # later updates compare against the pre-step policy
+                for chunk in chunks:
+                    chunk.old = self._logprobs(self.model, chunk)[0]
+            if self.reference is not None:
+                for chunk in chunks:
+                    chunk.reference = self._logprobs(self.reference, chunk)[0]
         totals: dict[str, float] = {"loss": 0.0, "clip_fraction": 0.0, "kl_ref": 0.0, "tokens": 0.0}
-        train_lp: list[torch.Tensor] = []
         grad_norms: list[float] = []
         for minibatch in minibatches:
-            tokens = batch["mask"][minibatch].sum().clamp(min=1.0)
+            tokens = float(sum(len(r) for c in minibatch for r in c.responses))
             self.optimizer.zero_grad(set_to_none=True)
             loss_sum = torch.zeros((), device=self.device)
-            for micro in minibatch.split(self.micro_batch_samples):
-                lp = self._logprobs(self.model, batch, micro)
-                before = lp.detach() if old is None else old[micro]
-                if old is None:
-                    train_lp.append(before)
+            for chunk in minibatch:
+                lp, chunk.mask = self._logprobs(self.model, chunk)
+                if chunk.old is None:  # one update: this forward's logprobs are the pre-step ones
+                    chunk.old = lp.detach()
                 parts = grpo_token_loss(
                     lp,
-                    old=before,
-                    gen=batch["gen"][micro],
-                    reference=None if reference is None else reference[micro],
-                    advantages=batch["advantages"][micro],
-                    mask=batch["mask"][micro],
+                    old=chunk.old,
+                    gen=chunk.gen,
+                    reference=chunk.reference,
+                    advantages=chunk.advantages,
+                    mask=chunk.mask,
                     config=self.loss,
                 )
                 (parts["loss_sum"] / tokens).backward()
@@ -140,7 +167,7 @@ class TorchTrainer:
                 totals["clip_fraction"] += float(parts["clipped"])
                 totals["kl_ref"] += float(parts["kl_sum"])
             totals["loss"] += float(loss_sum)
-            totals["tokens"] += float(tokens)
+            totals["tokens"] += tokens
             grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip))
             if math.isfinite(grad_norm) and math.isfinite(float(loss_sum)):
                 self.optimizer.step()
@@ -149,12 +176,12 @@ class TorchTrainer:
                 self.skipped_steps += 1
                 self.optimizer.zero_grad(set_to_none=True)
             self.scheduler.step()
-        if old is None:  # one update: the logprobs of its forward are the pre-step ones
-            trained_lp = torch.empty_like(batch["gen"])
-            trained_lp[torch.cat(minibatches)] = torch.cat(train_lp)
-        else:
-            trained_lp = old
-        metrics = mismatch_metrics(trained_lp, batch["gen"], batch["mask"])
+        masked = [c.mask.bool() for c in chunks]
+        metrics = mismatch_metrics(
+            torch.cat([c.old[m] for c, m in zip(chunks, masked, strict=True)]),
+            torch.cat([c.gen[m] for c, m in zip(chunks, masked, strict=True)]),
+            torch.ones(int(sum(m.sum() for m in masked)), device=self.device),
+        )
         tokens = max(1.0, totals["tokens"])
         metrics.update(
             {
@@ -166,7 +193,7 @@ class TorchTrainer:
                 "train/tokens": tokens,
             }
         )
-        if reference is not None:
+        if self.reference is not None:
             metrics["train/kl_ref"] = totals["kl_ref"] / tokens
         self.completed_steps += 1
         return metrics

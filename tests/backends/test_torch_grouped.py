@@ -1,0 +1,41 @@
+"""Group-shared prompt logprobs equal full-sequence recomputation, values and gradients."""
+
+from __future__ import annotations
+
+import torch
+
+from backends.torch.config import ModelConfig
+from backends.torch.grouped import response_logprobs
+from backends.torch.model import Decoder, token_logprobs
+
+
+def _full(model: Decoder, prompts, owner, responses, temperature):
+    seqs = [list(prompts[o]) + list(r) for o, r in zip(owner, responses, strict=True)]
+    width = max(len(s) for s in seqs)
+    ids = torch.tensor([s + [0] * (width - len(s)) for s in seqs])
+    attention = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs])
+    lp = token_logprobs(model, ids, attention, temperature)
+    longest = max(len(r) for r in responses)
+    rows = []
+    for o, r, row in zip(owner, responses, lp, strict=True):
+        start = len(prompts[o]) - 1
+        rows.append(torch.cat([row[start : start + len(r)], row.new_zeros(longest - len(r))]))
+    return torch.stack(rows)
+
+
+def test_grouped_logprobs_and_gradients_match_full_sequences() -> None:
+    torch.manual_seed(0)
+    model = Decoder(ModelConfig(vocab_size=23, hidden_size=64, intermediate_size=96, num_attention_heads=4))
+    prompts = [(2, 5, 7, 9), (2, 11), (3, 4, 5, 6, 7, 8)]
+    owner = [0, 0, 0, 1, 1, 2, 2, 2]
+    responses = [(4,), (5, 6, 1), (7, 8, 9, 10), (12, 13), (14,), (3, 3, 3), (1,), (9, 8)]
+    grouped, mask = response_logprobs(model, prompts, owner, responses, 0.7)
+    (grouped * mask).sum().backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    full = _full(model, prompts, owner, responses, 0.7)
+    (full * mask).sum().backward()
+    assert mask.sum() == sum(len(r) for r in responses)
+    torch.testing.assert_close(grouped, full, atol=1e-5, rtol=0)
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(grads[name], param.grad, atol=1e-5, rtol=1e-4, msg=name)
