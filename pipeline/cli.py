@@ -1,4 +1,5 @@
-"""The command line: `python -m pipeline run|validate RECIPE [key.path=value ...]`.
+"""The command line: `python -m pipeline run|validate RECIPE [key.path=value ...]`, and
+`inspect CHECKPOINT`, `export CHECKPOINT OUT_DIR`, `generate MODEL --prompt TEXT`.
 
 Exit codes: 0 success or clean stop, 1 a run error the user can act on, 2 a bad recipe or
 command line, 128+N a second signal N (exits at once).
@@ -39,7 +40,35 @@ def _parser() -> argparse.ArgumentParser:
     inspect = commands.add_parser("inspect", help="show what a checkpoint holds")
     inspect.add_argument("checkpoint", help="a checkpoint directory (run.dir/checkpoints/step-NNNNNN)")
     inspect.add_argument("--recipe", help="compare the checkpoint's recipe with this one")
+    export = commands.add_parser("export", help="write a checkpoint as a Hugging Face model directory")
+    export.add_argument("checkpoint", help="a checkpoint directory (run.dir/checkpoints/step-NNNNNN)")
+    export.add_argument("out_dir", help="the directory to write (config.json, model.safetensors, tokenizer)")
+    generate = commands.add_parser("generate", help="complete one prompt with a checkpoint or model")
+    generate.add_argument("model", help="a checkpoint directory or a Hugging Face model directory")
+    generate.add_argument("--prompt", required=True, help="the prompt text")
+    generate.add_argument("--max-new-tokens", type=_positive_int, default=128)
+    generate.add_argument("--temperature", type=_non_negative_float, default=0.0, help="0: greedy")
+    generate.add_argument("--top-p", type=float, default=1.0)
+    generate.add_argument("--seed", type=int, default=0)
+    generate.add_argument("--chat", action="store_true", help="render the prompt through the chat template")
+    generate.add_argument("--system", help="a system turn before the prompt (with --chat)")
+    generate.add_argument("--device", default="cpu")
+    generate.add_argument("--json", action="store_true", help="print token ids and logprobs as JSON")
     return parser
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    value = float(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -48,6 +77,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "inspect":
             return _inspect(args.checkpoint, args.recipe)
+        if args.command == "export":
+            return _export(args.checkpoint, args.out_dir)
+        if args.command == "generate":
+            return _generate(args)
         recipe = pipeline.load_recipe(args.recipe, args.overrides)
         if args.command == "validate":
             print(f"{args.recipe}: ok")
@@ -74,6 +107,33 @@ def _inspect(checkpoint: str, recipe_path: str | None) -> int:
 
     against = msgspec.to_builtins(pipeline.load_recipe(recipe_path)) if recipe_path else None
     print(describe(Path(checkpoint), against))
+    return 0
+
+
+def _export(checkpoint: str, out_dir: str) -> int:
+    from stages.model_files import export
+
+    print(f"exported {checkpoint} to {export(checkpoint, out_dir)}")
+    return 0
+
+
+def _generate(args: argparse.Namespace) -> int:
+    import msgspec
+
+    from stages.generate import generate
+    from stages.model_files import open_model
+
+    result = generate(
+        open_model(args.model, device=args.device),
+        args.prompt,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        chat=args.chat,
+        system=args.system,
+        seed=args.seed,
+    )
+    print(msgspec.json.encode(result).decode() if args.json else result.text)
     return 0
 
 

@@ -15,6 +15,7 @@ import yaml
 
 from pipeline.channel import Channel
 from pipeline.clock import DeadlineClock, TimeSource
+from pipeline.errors import RecipeError
 from pipeline.gate import EngineGate
 from pipeline.messages import Batch, Dropped, Group
 from pipeline.metrics import MetricsLog
@@ -81,13 +82,18 @@ async def run_program(
     clean_orphans(checkpoints.root)
     seed = recipe.run.seed
     random.seed(seed)
-    prompts = build_prompts(recipe.prompts, seed)
+    prompts = build_prompts(recipe.prompts, seed, model_path=recipe.model.path)
+    reward_fn = resolve(recipe.reward.function, source_reward=prompts.reward)
     if engine is None or trainer is None:
         from backends.torch.build import build_backend
+        from backends.torch.errors import ModelLoadError
 
-        engine, trainer = build_backend(
-            recipe, vocab_size=prompts.tokenizer.vocab_size, eos_id=prompts.tokenizer.eos_id
-        )
+        try:
+            engine, trainer = build_backend(
+                recipe, vocab_size=prompts.tokenizer.vocab_size, eos_id=prompts.tokenizer.eos_id
+            )
+        except ModelLoadError as error:  # a missing file or an unsupported model: the user's to fix
+            raise RecipeError(f"model.path: {error}") from None
     if resumed is not None:
         assert resume_from is not None
         start = time.perf_counter()
@@ -119,7 +125,6 @@ async def run_program(
     generated: Channel[Group | Dropped] = Channel("generated", per_step * (lookahead + 1))
     scored: Channel[Group | Dropped] = Channel("scored", per_step * (lookahead + 1))
     watchdog = Watchdog(clock.source, stall_s=recipe.watchdog.stall_s, fail=recipe.watchdog.fail)
-    reward_fn = resolve(recipe.reward.function)
     metrics = MetricsLog(run_dir / "metrics.jsonl", wandb_run=_wandb(recipe, run_dir))
 
     rollout = RolloutStage(

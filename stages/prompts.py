@@ -1,17 +1,25 @@
 """Prompt loading: sources of prompts and the stage that admits one batch per ticket.
 
 Sources are a tagged union on `kind` in the recipe's `prompts.source`:
-- `synthetic`: the built-in reverse-the-digits task (checkable answers, held-out split);
-- `jsonl`: a file with one JSON object per line and `prompt`/`answer` fields (names configurable).
+- `synthetic`: the built-in digit tasks (checkable answers, held-out split);
+- `jsonl` / `parquet`: a file of rows with a prompt and an answer field (names configurable);
+- `reasoning_gym`: a procedural task of the `reasoning-gym` package, which also supplies the
+  answer checker (`reward.function: reasoning_gym`).
+
+Tokenization: with `model.path` (a Hugging Face directory) prompts are tokenized by the model's
+own tokenizer, and `prompts.chat_template: true` renders each one as a user turn (after
+`prompts.system_prompt`, if given) through the model's chat template; without it, a character
+tokenizer over the source's alphabet.
 """
 
 from __future__ import annotations
 
 import json
 import random
-from collections.abc import Iterator
+import string
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 
@@ -22,7 +30,12 @@ from pipeline.recipe import PositiveInt, Section
 from pipeline.tickets import TicketBox
 from pipeline.watchdog import Watchdog
 from stages.progress import Progress
-from stages.tokenizer import CharTokenizer
+from stages.tokenizer import CharTokenizer, Tokenizer
+
+NonNegativeInt = Annotated[int, msgspec.Meta(ge=0)]
+FILE_ALPHABET = "0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ +-*/=?.,:;()'\"!"
+# Printable ASCII and the newline: what procedurally generated questions are written in.
+PRINTABLE_ALPHABET = string.digits + string.ascii_letters + string.punctuation + " \n"
 
 
 class SyntheticSource(Section, tag="synthetic", tag_field="kind"):
@@ -34,24 +47,56 @@ class SyntheticSource(Section, tag="synthetic", tag_field="kind"):
     task: Literal["reverse", "increment"] = "reverse"
     min_digits: PositiveInt = 5
     max_digits: PositiveInt = 5
-    num_heldout: Annotated[int, msgspec.Meta(ge=0)] = 256
+    num_heldout: NonNegativeInt = 256
 
     def __post_init__(self) -> None:
         if self.min_digits > self.max_digits:
             raise ValueError(f"min_digits ({self.min_digits}) must be <= max_digits ({self.max_digits})")
 
 
-class JsonlSource(Section, tag="jsonl", tag_field="kind"):
+class FileSource(Section):
+    """A file of rows, each with a prompt and an answer; the last `num_heldout` rows are held out
+    (never trained on). `alphabet` is the character tokenizer's (used without `model.path`)."""
+
     path: str
     prompt_field: str = "prompt"
     answer_field: str = "answer"
-    num_heldout: Annotated[int, msgspec.Meta(ge=0)] = 0  # the file's last lines, never trained on
-    alphabet: str = "0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ +-*/=?.,:;()'\"!"
+    num_heldout: NonNegativeInt = 0
+    alphabet: str = FILE_ALPHABET
+
+
+class JsonlSource(FileSource, tag="jsonl", tag_field="kind"):
+    """One JSON object per line."""
+
+
+class ParquetSource(FileSource, tag="parquet", tag_field="kind"):
+    """A Parquet file (needs the `parquet` extra: pyarrow)."""
+
+
+class ReasoningGymSource(Section, tag="reasoning_gym", tag_field="kind"):
+    """`reasoning_gym.create_dataset(name, size=size, seed=seed, **config)` (the `reasoning-gym`
+    extra); its last `num_heldout` entries are held out. `seed` None uses `run.seed`."""
+
+    name: str
+    size: PositiveInt = 1000
+    seed: int | None = None
+    config: dict[str, Any] = msgspec.field(default_factory=dict)
+    num_heldout: NonNegativeInt = 0
+    alphabet: str = PRINTABLE_ALPHABET
+
+
+Source = SyntheticSource | JsonlSource | ParquetSource | ReasoningGymSource
 
 
 class PromptsSection(Section):
-    source: SyntheticSource | JsonlSource = msgspec.field(default_factory=SyntheticSource)
+    source: Source = msgspec.field(default_factory=SyntheticSource)
     prompts_per_step: PositiveInt = 32
+    chat_template: bool = False  # render prompts through the model's chat template (needs model.path)
+    system_prompt: str | None = None  # the system turn before each prompt (needs chat_template)
+
+    def __post_init__(self) -> None:
+        if self.system_prompt is not None and not self.chat_template:
+            raise ValueError("system_prompt needs chat_template: true")
 
 
 DIGITS = "0123456789"
@@ -80,20 +125,82 @@ class PromptStream:
             next(self)
 
 
-class PromptSet:
-    """A tokenizer, an endless stream of training prompts and a held-out list."""
+SourceReward = Callable[[Prompt, str], float]
 
-    def __init__(self, tokenizer: CharTokenizer, train: Iterator[Prompt], heldout: list[Prompt]) -> None:
+
+class PromptSet:
+    """A tokenizer, an endless stream of training prompts, a held-out list and, for sources
+    that bring their own answer checker, that checker (`reward`)."""
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        train: Iterator[Prompt],
+        heldout: list[Prompt],
+        reward: SourceReward | None = None,
+    ) -> None:
         self.tokenizer = tokenizer
         self.train = PromptStream(train)
         self.heldout = heldout
+        self.reward = reward
 
 
-def build_prompts(section: PromptsSection, seed: int) -> PromptSet:
+Encode = Callable[[str, str], tuple[int, ...]]
+
+
+def build_tokenizer(section: PromptsSection, model_path: str | None) -> Tokenizer:
+    """The model's own tokenizer when `model_path` is set, else a character tokenizer."""
+    if model_path is not None:
+        from stages.hf_tokenizer import HFTokenizer
+
+        return HFTokenizer(model_path)
+    source = section.source
+    return CharTokenizer(DIGITS + "=" if isinstance(source, SyntheticSource) else source.alphabet)
+
+
+def build_prompts(section: PromptsSection, seed: int, *, model_path: str | None = None) -> PromptSet:
+    tokenizer = build_tokenizer(section, model_path)
+    encode = _encoder(section, tokenizer)
     source = section.source
     if isinstance(source, SyntheticSource):
-        return _digit_task(source, seed)
-    return _jsonl(source, seed)
+        return _digit_task(source, seed, tokenizer, encode)
+    if isinstance(source, ReasoningGymSource):
+        return _reasoning_gym(source, seed, tokenizer, encode)
+    rows = _jsonl_rows(source) if isinstance(source, JsonlSource) else _parquet_rows(source)
+    prompts = [
+        Prompt(
+            prompt_id=prompt_id,
+            text=str(row[source.prompt_field]),
+            tokens=encode(str(row[source.prompt_field]), where),
+            answer=str(row[source.answer_field]),
+        )
+        for prompt_id, where, row in rows
+    ]
+    where = str(Path(source.path))
+    train, heldout = _split(prompts, source.num_heldout, where)
+    return PromptSet(tokenizer, _epochs(train, f"jsonl-{seed}"), heldout)
+
+
+def _encoder(section: PromptsSection, tokenizer: Tokenizer) -> Encode:
+    if section.chat_template:
+        encode_chat = getattr(tokenizer, "encode_chat", None)
+        if encode_chat is None:
+            raise RecipeError(
+                "prompts.chat_template: needs model.path (a Hugging Face model with a chat template); "
+                "the character tokenizer has none"
+            )
+
+        def chat(text: str, where: str) -> tuple[int, ...]:
+            return _nonempty(encode_chat(text, system=section.system_prompt, where=where), where)
+
+        return chat
+    return lambda text, where: _nonempty(tokenizer.encode(text, where=where), where)
+
+
+def _nonempty(tokens: list[int], where: str) -> tuple[int, ...]:
+    if not tokens:
+        raise RecipeError(f"{where}: the prompt is empty after tokenization")
+    return tuple(tokens)
 
 
 ANSWERS = {
@@ -102,8 +209,7 @@ ANSWERS = {
 }
 
 
-def _digit_task(source: SyntheticSource, seed: int) -> PromptSet:
-    tokenizer = CharTokenizer(DIGITS + "=")
+def _digit_task(source: SyntheticSource, seed: int, tokenizer: Tokenizer, encode: Encode) -> PromptSet:
     # The held-out split comes from its own stream and is excluded from training.
     heldout_rng = random.Random(f"heldout-{seed}")
     heldout_texts: dict[str, None] = {}
@@ -114,7 +220,7 @@ def _digit_task(source: SyntheticSource, seed: int) -> PromptSet:
         return Prompt(
             prompt_id=prompt_id,
             text=text + "=",
-            tokens=tuple(tokenizer.encode(text + "=")),
+            tokens=encode(text + "=", "prompts.source"),
             answer=ANSWERS[source.task](text),
         )
 
@@ -138,51 +244,119 @@ def _digits(rng: random.Random, source: SyntheticSource) -> str:
     return "".join(rng.choice(DIGITS) for _ in range(length))
 
 
-def _jsonl(source: JsonlSource, seed: int) -> PromptSet:
-    path = Path(source.path)
-    if not path.is_file():
-        raise RecipeError(f"prompts.source.path: file not found: {path}")
-    tokenizer = CharTokenizer(source.alphabet)
-    prompts = []
+Row = tuple[str, str, dict[str, Any]]  # prompt id, where (for messages), the row
+
+
+def _jsonl_rows(source: FileSource) -> list[Row]:
+    path = _existing(source.path)
+    rows: list[Row] = []
     with path.open() as lines:
         for number, line in enumerate(lines, start=1):
             if not line.strip():
                 continue
+            where = f"{path}:{number}"
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as error:
-                raise RecipeError(f"{path}:{number}: not valid JSON: {error.msg}") from None
-            for field in (source.prompt_field, source.answer_field):
-                if not isinstance(row, dict) or field not in row:
-                    raise RecipeError(f"{path}:{number}: missing field {field!r}")
-            text = str(row[source.prompt_field])
-            prompts.append(
-                Prompt(
-                    prompt_id=f"line-{number}",
-                    text=text,
-                    tokens=tuple(tokenizer.encode(text, where=f"{path}:{number}")),
-                    answer=str(row[source.answer_field]),
-                )
-            )
-    heldout = prompts[len(prompts) - source.num_heldout :] if source.num_heldout else []
-    prompts = prompts[: len(prompts) - len(heldout)]
-    if not prompts:
+                raise RecipeError(f"{where}: not valid JSON: {error.msg}") from None
+            rows.append((f"line-{number}", where, _check_row(row, source, where)))
+    return rows
+
+
+def _parquet_rows(source: FileSource) -> list[Row]:
+    path = _existing(source.path)
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
         raise RecipeError(
-            f"{path}: no training prompts ({len(heldout)} lines held out by prompts.source.num_heldout)"
+            "prompts.source.kind: parquet needs pyarrow: pip install 'grpo-pipeline[parquet]'"
+        ) from None
+    try:
+        schema = pq.read_schema(path)
+    except Exception as error:  # pyarrow raises its own types for unreadable files
+        raise RecipeError(f"{path}: not a Parquet file: {error}") from None
+    for field in (source.prompt_field, source.answer_field):
+        if field not in schema.names:
+            raise RecipeError(f"{path}: missing column {field!r} (columns: {', '.join(schema.names)})")
+    table = pq.read_table(path, columns=list(dict.fromkeys([source.prompt_field, source.answer_field])))
+    return [
+        (f"row-{number}", f"{path}: row {number}", _check_row(row, source, f"{path}: row {number}"))
+        for number, row in enumerate(table.to_pylist(), start=1)
+    ]
+
+
+def _existing(path_text: str) -> Path:
+    path = Path(path_text)
+    if not path.is_file():
+        raise RecipeError(f"prompts.source.path: file not found: {path}")
+    return path
+
+
+def _check_row(row: Any, source: FileSource, where: str) -> dict[str, Any]:
+    for field in (source.prompt_field, source.answer_field):
+        if not isinstance(row, dict) or row.get(field) is None:
+            raise RecipeError(f"{where}: missing field {field!r}")
+    return row
+
+
+def _split(prompts: list[Prompt], num_heldout: int, where: str) -> tuple[list[Prompt], list[Prompt]]:
+    heldout = prompts[len(prompts) - num_heldout :] if num_heldout else []
+    train = prompts[: len(prompts) - len(heldout)]
+    if not train:
+        raise RecipeError(
+            f"{where}: no training prompts ({len(heldout)} held out by prompts.source.num_heldout)"
+        )
+    return train, heldout
+
+
+def _epochs(prompts: list[Prompt], rng_name: str) -> Iterator[Prompt]:
+    """Every prompt once per epoch, in a fresh shuffled order; ids get an `-e<epoch>` suffix."""
+    rng = random.Random(rng_name)
+    epoch = 0
+    while True:
+        order = list(range(len(prompts)))
+        rng.shuffle(order)
+        for i in order:
+            p = prompts[i]
+            yield msgspec.structs.replace(p, prompt_id=f"{p.prompt_id}-e{epoch}")
+        epoch += 1
+
+
+def _reasoning_gym(source: ReasoningGymSource, seed: int, tokenizer: Tokenizer, encode: Encode) -> PromptSet:
+    try:
+        import reasoning_gym
+    except ImportError:
+        raise RecipeError(
+            "prompts.source.kind: reasoning_gym needs the reasoning-gym package: "
+            "pip install 'grpo-pipeline[reasoning-gym]'"
+        ) from None
+    data_seed = seed if source.seed is None else source.seed
+    try:
+        dataset = reasoning_gym.create_dataset(source.name, size=source.size, seed=data_seed, **source.config)
+    except (ValueError, TypeError, AssertionError) as error:
+        raise RecipeError(f"prompts.source: reasoning_gym dataset {source.name!r}: {error}") from None
+    entries: dict[str, dict[str, Any]] = {}
+    prompts = []
+    for index, entry in enumerate(dataset):
+        prompt_id = f"{source.name}-{index}"
+        entries[prompt_id] = entry
+        where = f"prompts.source: {source.name} entry {index}"
+        prompts.append(
+            Prompt(
+                prompt_id=prompt_id,
+                text=entry["question"],
+                tokens=encode(entry["question"], where),
+                answer=str(entry["answer"]),
+            )
         )
 
-    def train() -> Iterator[Prompt]:
-        rng = random.Random(f"jsonl-{seed}")
-        epoch = 0
-        while True:
-            order = list(range(len(prompts)))
-            rng.shuffle(order)
-            for i in order:
-                p = prompts[i]
-                yield msgspec.structs.replace(p, prompt_id=f"{p.prompt_id}-e{epoch}")
-            epoch += 1
+    def score(prompt: Prompt, completion: str) -> float:
+        # Training ids carry an `-e<epoch>` suffix; held-out ids are the entry's own.
+        entry = entries.get(prompt.prompt_id) or entries[prompt.prompt_id.rpartition("-e")[0]]
+        return float(dataset.score_answer(completion.strip(), entry))
 
-    return PromptSet(tokenizer, train(), heldout)
+    train, heldout = _split(prompts, source.num_heldout, f"prompts.source: {source.name}")
+    return PromptSet(tokenizer, _epochs(train, f"reasoning_gym-{seed}"), heldout, reward=score)
 
 
 class PromptStage:

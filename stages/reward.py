@@ -1,12 +1,16 @@
 """Reward: scores every usable sample of a group with the recipe's reward function.
 
 A reward function takes `(prompt: Prompt, completion: str)` and returns a float or a dict of
-floats with a `"reward"` key (the other keys are logged as `reward/<key>`). It may be a plain
-or an `async` function; plain ones run in a worker thread. Built-ins are named (`positional`, `exact_match`);
-anything else is given as `module:function`. Each group is scored under `reward_s` of wall time
-(the gate does not block reward work). A function that raises, or a group that times out, is a
-counted data failure: those samples get no reward and are not trained on. More than
-`max_failures` failures stop the run.
+floats with a `"reward"` key (the other keys are logged as `reward/<key>`). `prompt.text` is
+the prompt as the source gave it (before any chat template), `prompt.answer` the reference
+answer, `prompt.prompt_id` its id; `completion` is the decoded text up to the end-of-sequence
+token. It may be a plain or an `async` function; plain ones run in a worker thread. Built-ins
+are named: `positional`, `exact_match`, `math` (math-verify equivalence of the final answer,
+`stages.math_reward`) and `reasoning_gym` (the prompt source's own answer checker); anything
+else is given as `module:function`, importable from the working directory or the environment.
+Each group is scored under `reward_s` of wall time (the gate does not block reward work). A
+function that raises, or a group that times out, is a counted data failure: those samples get
+no reward and are not trained on. More than `max_failures` failures stop the run.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from pipeline.errors import DeadlineExceeded, DropBudgetExceeded, RecipeError
 from pipeline.messages import Dropped, Group, Prompt, Sample
 from pipeline.recipe import NonNegativeInt, PositiveFloat, Section
 from pipeline.watchdog import Watchdog
-from stages.tokenizer import CharTokenizer
+from stages.tokenizer import Tokenizer
 
 log = logging.getLogger("stages.reward")
 
@@ -56,17 +60,41 @@ def exact_match_reward(prompt: Prompt, completion: str) -> float:
     return float(completion.strip() == prompt.answer.strip())
 
 
-BUILTIN: dict[str, RewardFn] = {"positional": positional_reward, "exact_match": exact_match_reward}
+def _math(prompt: Prompt, completion: str) -> dict[str, float]:
+    from stages.math_reward import math_reward
+
+    return math_reward(prompt, completion)
 
 
-def resolve(name: str) -> RewardFn:
+BUILTIN: dict[str, RewardFn] = {
+    "positional": positional_reward,
+    "exact_match": exact_match_reward,
+    "math": _math,
+}
+SOURCE_CHECKER = "reasoning_gym"
+
+
+def resolve(name: str, *, source_reward: RewardFn | None = None) -> RewardFn:
+    """The reward function `reward.function` names; `source_reward` is the prompt source's own
+    answer checker, if it has one. Raises `RecipeError` for a name that cannot be used."""
+    if name == "math":
+        from stages.math_reward import _math_verify
+
+        _math_verify()  # a missing package is a recipe error now, not a failure per sample
     if name in BUILTIN:
         return BUILTIN[name]
+    if name == SOURCE_CHECKER:
+        if source_reward is None:
+            raise RecipeError(
+                "reward.function: 'reasoning_gym' scores with the prompt source's own checker; "
+                "it needs prompts.source.kind: reasoning_gym"
+            )
+        return source_reward
     module_name, sep, attr = name.partition(":")
     if not sep:
         raise RecipeError(
-            f"reward.function: {name!r} is neither a built-in ({', '.join(sorted(BUILTIN))}) "
-            "nor module:function"
+            f"reward.function: {name!r} is neither a built-in "
+            f"({', '.join(sorted([*BUILTIN, SOURCE_CHECKER]))}) nor module:function"
         )
     try:
         module = importlib.import_module(module_name)
@@ -129,7 +157,7 @@ class RewardStage:
         section: RewardSection,
         *,
         fn: RewardFn,
-        tokenizer: CharTokenizer,
+        tokenizer: Tokenizer,
         clock: DeadlineClock,
         inp: Channel[Group | Dropped],
         out: Channel[Group | Dropped],

@@ -1,10 +1,36 @@
-"""A character tokenizer for built-in synthetic tasks (no files, no downloads)."""
+"""The tokenizer protocol the stages use, and a character tokenizer for built-in tasks.
+
+Two implementations: `CharTokenizer` here (no files, no downloads; models trained from random
+weights) and `stages.hf_tokenizer.HFTokenizer` (a Hugging Face model's own tokenizer files).
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Protocol
 
 from pipeline.errors import RecipeError
+
+
+class Tokenizer(Protocol):
+    """Text to token ids and back.
+
+    `encode` raises `RecipeError` naming `where` for text it cannot encode. `decode` returns
+    the text up to the first stop token (`stop_ids`, which holds `eos_id`), special tokens
+    skipped. `vocab_size` counts every id the tokenizer can produce.
+    """
+
+    @property
+    def eos_id(self) -> int: ...
+    @property
+    def pad_id(self) -> int: ...
+    @property
+    def vocab_size(self) -> int: ...
+    @property
+    def stop_ids(self) -> tuple[int, ...]: ...
+    def encode(self, text: str, *, where: str = "text") -> list[int]: ...
+    def decode(self, ids: Sequence[int]) -> str: ...
+
 
 SPECIAL = 3  # padding (0), end of sequence (1), beginning of sequence (2)
 
@@ -26,6 +52,7 @@ class CharTokenizer:
         self.bos_id = 2
         self._ids = {ch: i + SPECIAL for i, ch in enumerate(alphabet)}
         self.vocab_size = len(alphabet) + SPECIAL
+        self.stop_ids = (self.eos_id,)
 
     def encode(self, text: str, *, where: str = "text") -> list[int]:
         try:

@@ -68,8 +68,9 @@ VALID_RUN_FIELDS = "dir, steps, seed, stop_grace_s, progress, plot"
             id="bad-literal",
         ),
         pytest.param(
-            "prompts:\n  source:\n    kind: parquet\n",
-            "prompts.source.kind: Invalid value 'parquet'; expected one of: jsonl, synthetic",
+            "prompts:\n  source:\n    kind: csv\n",
+            "prompts.source.kind: Invalid value 'csv'; expected one of: "
+            "jsonl, parquet, reasoning_gym, synthetic",
             id="union-unknown-kind",
         ),
         pytest.param(
@@ -81,6 +82,11 @@ VALID_RUN_FIELDS = "dir, steps, seed, stop_grace_s, progress, plot"
             "prompts:\n  source:\n    kind: synthetic\n    min_digits: 6\n    max_digits: 5\n",
             "prompts.source: min_digits (6) must be <= max_digits (5)",
             id="cross-field",
+        ),
+        pytest.param(
+            "prompts:\n  system_prompt: Be brief.\n",
+            "prompts: system_prompt needs chat_template: true",
+            id="system-prompt-without-chat-template",
         ),
     ],
 )

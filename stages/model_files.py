@@ -1,0 +1,116 @@
+"""A trained model as files: open a run checkpoint or a Hugging Face directory; export one.
+
+A run checkpoint (`run.dir/checkpoints/step-NNNNNN/`) holds `trainer.pt` (its `"model"` entry
+is the state dict) and `recipe.yaml`, whose `model` section gives the shape (`config`) or the
+Hugging Face directory the run started from (`path`, read again for its config.json and its
+tokenizer). `export` writes what `transformers` loads: config.json, model.safetensors, and the
+tokenizer files of that directory (or, for a character-tokenizer run, a generation_config.json
+with its end-of-sequence id).
+
+Used by the `export` and `generate` commands; it imports torch, so the CLI imports it lazily.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import yaml
+
+from backends.torch.config import ModelConfig
+from backends.torch.errors import ModelLoadError
+from backends.torch.hf import CONFIG_FILE, load_pretrained, save_pretrained
+from backends.torch.model import Decoder
+from pipeline.errors import RecipeError
+from pipeline.recipe import convert
+from stages.hf_tokenizer import GENERATION_CONFIG_FILE, TOKENIZER_FILE, TOKENIZER_FILES, HFTokenizer
+from stages.prompts import build_tokenizer
+from stages.recipe import Recipe
+from stages.tokenizer import Tokenizer
+
+TRAINER_FILE = "trainer.pt"
+RECIPE_FILE = "recipe.yaml"
+
+
+@dataclass
+class OpenedModel:
+    config: ModelConfig
+    model: Decoder
+    tokenizer: Tokenizer | None  # None: a Hugging Face directory without tokenizer.json
+    hf_dir: Path | None  # the Hugging Face directory whose tokenizer files go with the weights
+
+
+def is_checkpoint(path: Path) -> bool:
+    return (path / TRAINER_FILE).is_file() and (path / RECIPE_FILE).is_file()
+
+
+def open_model(path: str | Path, *, device: str = "cpu") -> OpenedModel:
+    """The model (in eval mode, on `device`) and tokenizer of a checkpoint or a Hugging Face
+    directory; `RecipeError` naming the path for anything else or anything missing."""
+    path = Path(path)
+    try:
+        if is_checkpoint(path):
+            return _open_checkpoint(path, device)
+        if (path / CONFIG_FILE).is_file():
+            config, model = load_pretrained(path, device=device)
+            tokenizer = HFTokenizer(path) if (path / TOKENIZER_FILE).is_file() else None
+            return OpenedModel(config, model.eval(), tokenizer, path)
+    except ModelLoadError as error:
+        raise RecipeError(str(error)) from None
+    raise RecipeError(
+        f"{path}: neither a checkpoint ({TRAINER_FILE} and {RECIPE_FILE}) "
+        f"nor a Hugging Face model directory ({CONFIG_FILE})"
+    )
+
+
+def _open_checkpoint(path: Path, device: str) -> OpenedModel:
+    recipe_path = path / RECIPE_FILE
+    recipe = convert(yaml.safe_load(recipe_path.read_text()) or {}, Recipe, source=str(recipe_path))
+    section = recipe.model
+    hf_dir = Path(section.path) if section.path is not None else None
+    if hf_dir is not None:
+        config_path = hf_dir / CONFIG_FILE
+        if not config_path.is_file():
+            raise RecipeError(
+                f"{recipe_path}: model.path: {config_path} not found (the checkpoint's weights are in "
+                "trainer.pt; its shape and tokenizer are read from the directory the run started from)"
+            )
+        config = ModelConfig.from_hf_dict(json.loads(config_path.read_text()), source=str(config_path))
+    else:
+        assert section.config is not None
+        config = section.config
+    # mmap: the optimizer state beside the weights is never read into memory.
+    state = torch.load(path / TRAINER_FILE, map_location="cpu", mmap=True, weights_only=False)
+    if "model" not in state:
+        raise RecipeError(f"{path / TRAINER_FILE}: no 'model' entry (not a trainer checkpoint)")
+    weights = state["model"]
+    dtype = next(iter(weights.values())).dtype
+    with torch.device(device):
+        model = Decoder(config).to(dtype)
+    model.load_state_dict(weights)
+    tokenizer = build_tokenizer(recipe.prompts, section.path)
+    return OpenedModel(config, model.eval(), tokenizer, hf_dir)
+
+
+def export(checkpoint: str | Path, out_dir: str | Path) -> Path:
+    """Write `checkpoint` (a run checkpoint or a Hugging Face directory) to `out_dir` as a
+    Hugging Face directory; refuses a directory that already holds a model."""
+    out = Path(out_dir)
+    if (out / CONFIG_FILE).exists():
+        raise RecipeError(f"{out}: already holds {CONFIG_FILE}; export into a new directory")
+    opened = open_model(checkpoint)
+    save_pretrained(opened.config, opened.model, out)
+    if opened.hf_dir is not None:
+        for name in TOKENIZER_FILES:
+            if (opened.hf_dir / name).is_file():
+                shutil.copyfile(opened.hf_dir / name, out / name)
+    if not (out / GENERATION_CONFIG_FILE).exists() and opened.tokenizer is not None:
+        # transformers then stops generating where our engine does.
+        tokenizer = opened.tokenizer
+        stop = list(tokenizer.stop_ids)
+        generation = {"eos_token_id": stop[0] if len(stop) == 1 else stop, "pad_token_id": tokenizer.pad_id}
+        (out / GENERATION_CONFIG_FILE).write_text(json.dumps(generation, indent=2) + "\n")
+    return out
