@@ -90,7 +90,7 @@ async def run_program(
 
         try:
             engine, trainer = build_backend(
-                recipe, vocab_size=prompts.tokenizer.vocab_size, eos_id=prompts.tokenizer.eos_id
+                recipe, vocab_size=prompts.tokenizer.vocab_size, stop_ids=prompts.tokenizer.stop_ids
             )
         except ModelLoadError as error:  # a missing file or an unsupported model: the user's to fix
             raise RecipeError(f"model.path: {error}") from None

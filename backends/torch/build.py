@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -11,7 +12,7 @@ from backends.torch.engine import Sampler
 from backends.torch.grpo_loss import LossConfig
 from backends.torch.model import Decoder
 from backends.torch.section import ModelSection
-from backends.torch.serving import TorchEngine
+from backends.torch.serving import BatchSampler, TorchEngine
 from backends.torch.trainer import TorchTrainer
 from pipeline.errors import RecipeError
 
@@ -25,33 +26,44 @@ def build_model(section: ModelSection, *, vocab_size: int, seed: int) -> Decoder
         from backends.torch.hf import load_pretrained
 
         _, model = load_pretrained(section.path, dtype=DTYPES[section.dtype], device=section.device)
+        field = "model.path"
     else:
         assert section.config is not None
-        if section.config.vocab_size < vocab_size:
-            raise RecipeError(
-                f"model.config.vocab_size: {section.config.vocab_size} is smaller than the "
-                f"tokenizer's vocabulary ({vocab_size})"
-            )
         torch.manual_seed(seed)
         model = Decoder(section.config).to(device=section.device, dtype=DTYPES[section.dtype])
+        field = "model.config.vocab_size"
+    if model.config.vocab_size < vocab_size:
+        raise RecipeError(
+            f"{field}: the model's vocabulary ({model.config.vocab_size}) is smaller than the "
+            f"tokenizer's ({vocab_size})"
+        )
     return model
 
 
-def build_backend(recipe: Any, *, vocab_size: int, eos_id: int) -> tuple[TorchEngine, TorchTrainer]:
+def build_backend(
+    recipe: Any, *, vocab_size: int, stop_ids: Sequence[int]
+) -> tuple[TorchEngine, TorchTrainer]:
     """(engine, trainer) sharing one model when `recipe.colocated`, else two copies."""
     section: ModelSection = recipe.model
     seed = recipe.run.seed
     model = build_model(section, vocab_size=vocab_size, seed=seed)
     engine_model = model if recipe.colocated else copy.deepcopy(model)
     rollout, train = recipe.rollout, recipe.train
+    sampler: BatchSampler
+    if section.uses_cuda_sampler:
+        from backends.torch.cuda_sampler import CudaSampler
+
+        sampler = CudaSampler(engine_model, graphs=section.cuda_graphs)
+    else:
+        sampler = Sampler(engine_model)
     engine = TorchEngine(
-        Sampler(engine_model),
+        sampler,
         shared=recipe.colocated,
         source=model,
         max_new_tokens=rollout.max_new_tokens,
         temperature=rollout.temperature,
         top_p=rollout.top_p,
-        stop_token_ids=(eos_id,),
+        stop_token_ids=tuple(stop_ids),
         seed=seed + 1,
     )
     reference = None

@@ -58,7 +58,9 @@ def grpo_token_loss(
 def mismatch_metrics(train: torch.Tensor, gen: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
     """`train/token_mult_prob_error` = mean exp(|gen - train|); `train/gen_kl_error` = mean k3."""
     tokens = mask.sum().clamp(min=1.0)
-    r = train - gen
+    # Masked before exp: positions outside the mask may hold anything (a prompt logprob far
+    # below -88 against a 0 placeholder would overflow to inf, and inf * 0 is NaN).
+    r = (train - gen) * mask
     return {
         "train/token_mult_prob_error": float((torch.exp(r.abs()) * mask).sum() / tokens),
         "train/gen_kl_error": float(((torch.exp(r) - 1.0 - r) * mask).sum() / tokens),

@@ -13,6 +13,9 @@ class ModelSection(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
     """Either `config` (a model built from random weights) or `path` (a Hugging Face directory).
 
     `threads`: torch intra-op threads (0 keeps torch's default).
+    `sampler`: the generation loop. `plain` is `Sampler` (any device); `cuda` is `CudaSampler`
+    (CUDA graphs, flash decode, a KV cache released at stand-down); `auto` picks `cuda` on a
+    CUDA device and `plain` elsewhere. `cuda_graphs: false` runs `CudaSampler` eagerly.
     """
 
     config: ModelConfig | None = None
@@ -20,7 +23,15 @@ class ModelSection(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
     dtype: Literal["float32", "bfloat16"] = "float32"
     device: str = "cpu"
     threads: Annotated[int, msgspec.Meta(ge=0)] = 0
+    sampler: Literal["auto", "plain", "cuda"] = "auto"
+    cuda_graphs: bool = True
 
     def __post_init__(self) -> None:
         if (self.config is None) == (self.path is None):
             raise ValueError("give exactly one of model.config and model.path")
+        if self.sampler == "cuda" and not self.device.startswith("cuda"):
+            raise ValueError(f"model.sampler: cuda needs model.device: cuda, got model.device: {self.device}")
+
+    @property
+    def uses_cuda_sampler(self) -> bool:
+        return self.sampler == "cuda" or (self.sampler == "auto" and self.device.startswith("cuda"))

@@ -7,7 +7,8 @@ waiting caller leads. The sampler call is shielded from cancellation (a thread c
 interrupted), so one caller's deadline never orphans the others.
 
 Colocated (`shared=True`) the engine samples from the trainer's own parameter tensors: it must
-stand down for training (its KV cache is freed) and waking it serves the new weights at once.
+stand down for training (its KV cache is freed) and waking it serves the new weights at once
+(a sampler with a `wake` method, such as `CudaSampler`, maps its KV cache again there).
 Otherwise it holds its own copy, keeps serving while the trainer works, and `refit` copies the
 new weights in between two batches.
 """
@@ -15,14 +16,35 @@ new weights in between two batches.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import anyio
 import torch
 
-from backends.torch.engine import Sampler
 from backends.torch.model import Decoder
 from pipeline.messages import Completion
+
+
+class BatchSampler(Protocol):
+    """What the engine needs of a sampler (`Sampler`, `CudaSampler`)."""
+
+    model: Decoder
+    device: torch.device
+
+    def generate(
+        self,
+        prompts: list[list[int]],
+        *,
+        max_new_tokens: int,
+        temperature: float,
+        top_p: float = 1.0,
+        stop_token_ids: Sequence[int] = (),
+        generator: torch.Generator,
+    ) -> list[Completion]: ...
+
+    def release(self) -> None: ...
+
+    def cache_bytes(self) -> int: ...
 
 
 class _Request:
@@ -39,7 +61,7 @@ class _Request:
 class TorchEngine:
     def __init__(
         self,
-        sampler: Sampler,
+        sampler: BatchSampler,
         *,
         shared: bool,
         source: Decoder,
@@ -131,7 +153,11 @@ class TorchEngine:
         await anyio.to_thread.run_sync(self.sampler.release)
 
     async def wake(self) -> None:
-        """Nothing to load: colocated, the engine reads the trainer's tensors."""
+        """No weights to load: colocated, the engine reads the trainer's tensors. A sampler
+        that released device memory at stand-down takes it back here."""
+        wake = getattr(self.sampler, "wake", None)
+        if wake is not None:
+            await anyio.to_thread.run_sync(wake)
 
     async def refit(self) -> None:
         if self.sampler.model is self.source:

@@ -1,0 +1,257 @@
+"""GPU benchmarks on a Qwen2.5-1.5B-shaped model (random weights, bf16) on one CUDA device.
+
+Parts (each can be picked with --parts):
+- `generate`: 256 sequences x 512 new tokens from 128-token prompts with `CudaSampler`
+  (CUDA graphs; first call captures, then timed calls), plus the same eagerly for comparison,
+  and the engine/recompute mismatch metrics of the generated tokens (`token_logprobs`).
+- `handoff`: `release` (stand-down) and `wake` times of the sampler's KV cache, and a check
+  that the captured graphs still give the same greedy tokens afterwards.
+- `train`: training tokens/s and MFU at sequence length 1024: bf16 weights, fused AdamW,
+  SDPA, loss through `token_logprobs` as the trainer computes it; eager and (with
+  `--compile`) each decoder layer under torch.compile.
+  FLOPs per token = 6 * (non-embedding params + lm_head) + 12 * layers * hidden * seq.
+
+    python -m bench.gpu [--parts generate,handoff,train] [--compile] [--out bench/results-h200.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from backends.torch.config import ModelConfig
+from backends.torch.cuda_sampler import CudaSampler
+from backends.torch.grpo_loss import mismatch_metrics
+from backends.torch.model import Decoder, token_logprobs
+
+QWEN_1_5B = ModelConfig(
+    vocab_size=151936,
+    hidden_size=1536,
+    intermediate_size=8960,
+    num_hidden_layers=28,
+    num_attention_heads=12,
+    num_key_value_heads=2,
+    max_position_embeddings=32768,
+    rope_theta=1000000.0,
+    tie_word_embeddings=True,
+    attention_bias=True,
+)
+PEAK_FLOPS = 790e12  # measured bf16 matmul rate of one H200 here (FACTS.md)
+
+
+def _model(seed: int = 0) -> Decoder:
+    torch.manual_seed(seed)
+    with torch.device("cuda"):
+        model = Decoder(QWEN_1_5B)
+    return model.to(torch.bfloat16)
+
+
+def _sync_time() -> float:
+    torch.cuda.synchronize()
+    return time.perf_counter()
+
+
+def bench_generate(model: Decoder, args: argparse.Namespace) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(1)
+    prompts = torch.randint(3, QWEN_1_5B.vocab_size, (args.batch, args.prompt_len), generator=g).tolist()
+    out: dict[str, Any] = {
+        "batch": args.batch,
+        "prompt_tokens": args.prompt_len,
+        "new_tokens": args.new_tokens,
+        "distinct_prompts": args.batch,
+    }
+    for name, graphs in (("graphs", True), ("eager", False)):
+        if name == "eager" and not args.eager:
+            continue
+        sampler = CudaSampler(model, graphs=graphs)
+        gen = torch.Generator("cuda").manual_seed(0)
+        kw = dict(max_new_tokens=args.new_tokens, temperature=1.0, generator=gen)
+        start = _sync_time()
+        sampler.generate(prompts, **kw)  # first call: allocates the cache, captures the graph
+        first = _sync_time() - start
+        times = []
+        for _ in range(args.repeats if graphs else 1):
+            start = _sync_time()
+            outs = sampler.generate(prompts, **kw)
+            times.append(_sync_time() - start)
+        tokens = sum(len(o.tokens) for o in outs)
+        best = min(times)
+        out[name] = {
+            "first_call_s": first,
+            "call_s": times,
+            "tokens": tokens,
+            "tokens_per_s": tokens / best,
+            "ms_per_decode_step": 1000 * best / args.new_tokens,
+            "kv_cache_bytes": sampler.cache_bytes(),
+        }
+        print(name, json.dumps(out[name]), flush=True)
+        if graphs:
+            out["mismatch"] = _mismatch(model, prompts, outs)
+            print("mismatch", json.dumps(out["mismatch"]), flush=True)
+        sampler.pool.free()
+        del sampler
+        torch.cuda.empty_cache()
+    return out
+
+
+@torch.no_grad()
+def _mismatch(model: Decoder, prompts: list[list[int]], outs: list) -> dict[str, float]:
+    rows = []
+    for i in range(0, len(prompts), 32):
+        seqs = [p + list(o.tokens) for p, o in zip(prompts[i : i + 32], outs[i : i + 32], strict=True)]
+        width = max(map(len, seqs))
+        ids = torch.tensor([s + [0] * (width - len(s)) for s in seqs], device="cuda")
+        real = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs], device="cuda")
+        lp = token_logprobs(model, ids, real)
+        gen = torch.zeros_like(lp)
+        mask = torch.zeros_like(lp)
+        for j, (p, o) in enumerate(zip(prompts[i : i + 32], outs[i : i + 32], strict=True)):
+            gen[j, len(p) - 1 : len(p) - 1 + len(o.tokens)] = torch.tensor(o.logprobs, device="cuda")
+            mask[j, len(p) - 1 : len(p) - 1 + len(o.tokens)] = 1.0
+        rows.append((lp, gen, mask))
+    lp, gen, mask = (torch.cat([r[k] for r in rows]) for k in range(3))
+    metrics = mismatch_metrics(lp, gen, mask)
+    metrics["max_abs_logprob_diff"] = float(((lp - gen).abs() * mask).max())
+    return metrics
+
+
+def bench_handoff(model: Decoder, args: argparse.Namespace) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(2)
+    prompts = torch.randint(3, QWEN_1_5B.vocab_size, (args.batch, args.prompt_len), generator=g).tolist()
+    sampler = CudaSampler(model)
+    kw = dict(max_new_tokens=64, temperature=0.0, generator=torch.Generator("cuda"))
+    # Size the cache as the full benchmark does (prompt + new tokens), then check with short runs.
+    full = dict(max_new_tokens=args.new_tokens, temperature=0.0, generator=torch.Generator("cuda"))
+    sampler.generate(prompts, **full)
+    before = sampler.generate(prompts, **kw)
+    stand_down, wake = [], []
+    for _ in range(args.repeats + 2):
+        start = _sync_time()
+        sampler.release()
+        stand_down.append(_sync_time() - start)
+        start = _sync_time()
+        sampler.wake()
+        wake.append(_sync_time() - start)
+    after = sampler.generate(prompts, **kw)
+    result = {
+        "kv_cache_bytes": sampler.cache_bytes(),
+        "stable_addresses": sampler.pool.stable,
+        "stand_down_ms": [1000 * t for t in stand_down],
+        "wake_ms": [1000 * t for t in wake],
+        "stand_down_plus_wake_ms_median": 1000
+        * sorted(a + b for a, b in zip(stand_down, wake, strict=True))[len(wake) // 2],
+        "graphs_captured": sampler.captures,
+        "greedy_tokens_equal_after_wake": [o.tokens for o in after] == [o.tokens for o in before],
+    }
+    print("handoff", json.dumps(result), flush=True)
+    sampler.pool.free()
+    return result
+
+
+def _flops_per_token(config: ModelConfig, seq: int) -> float:
+    h, layers = config.hidden_size, config.num_hidden_layers
+    q = config.num_attention_heads * config.head_dim
+    kv = config.num_key_value_heads * config.head_dim
+    per_layer = h * q + 2 * h * kv + q * h + 3 * h * config.intermediate_size
+    dense = layers * per_layer + h * config.vocab_size
+    return 6 * dense + 12 * layers * q * seq
+
+
+def _train_variant(compiled: bool, args: argparse.Namespace) -> dict[str, float]:
+    model = _model()
+    model.train()
+    if compiled:
+        for layer in model.model.layers:
+            layer.compile()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+    ids = torch.randint(3, QWEN_1_5B.vocab_size, (args.micro_batch, args.seq), device="cuda")
+    real = torch.ones_like(ids, dtype=torch.bool)
+
+    def step() -> None:
+        loss = -token_logprobs(model, ids, real).mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    torch.cuda.reset_peak_memory_stats()
+    start = _sync_time()
+    for _ in range(3):
+        step()
+    warm = _sync_time() - start
+    start = _sync_time()
+    for _ in range(args.train_steps):
+        step()
+    elapsed = _sync_time() - start
+    tokens_per_s = args.train_steps * args.micro_batch * args.seq / elapsed
+    flops = _flops_per_token(QWEN_1_5B, args.seq)
+    return {
+        "warmup_s": warm,
+        "step_s": elapsed / args.train_steps,
+        "tokens_per_s": tokens_per_s,
+        "tflops": tokens_per_s * flops / 1e12,
+        "mfu": tokens_per_s * flops / PEAK_FLOPS,
+        "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30,
+    }
+
+
+def bench_train(args: argparse.Namespace) -> dict[str, Any]:
+    result: dict[str, Any] = {
+        "seq": args.seq,
+        "micro_batch": args.micro_batch,
+        "flops_per_token": _flops_per_token(QWEN_1_5B, args.seq),
+    }
+    variants = [("eager", False)] + ([("compile", True)] if args.compile else [])
+    for name, compiled in variants:
+        result[name] = _train_variant(compiled, args)
+        print("train", name, json.dumps(result[name]), flush=True)
+        torch.cuda.empty_cache()
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--parts", default="generate,handoff,train")
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--new-tokens", type=int, default=512)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--eager", action="store_true", help="also time the sampler without graphs")
+    parser.add_argument("--seq", type=int, default=1024)
+    parser.add_argument("--micro-batch", type=int, default=16)
+    parser.add_argument("--train-steps", type=int, default=10)
+    parser.add_argument("--compile", action="store_true", help="also train with torch.compile'd layers")
+    parser.add_argument("--out", default="bench/results-h200.json")
+    args = parser.parse_args()
+    parts = args.parts.split(",")
+    results: dict[str, Any] = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "model": "Qwen2.5-1.5B shape, random init, bf16",
+    }
+    path = Path(args.out)
+
+    def save() -> None:
+        path.write_text(json.dumps(results, indent=2) + "\n")
+
+    if "generate" in parts or "handoff" in parts:
+        model = _model()
+        if "generate" in parts:
+            results["generate"] = bench_generate(model, args)
+            save()
+        if "handoff" in parts:
+            results["handoff"] = bench_handoff(model, args)
+            save()
+        del model
+        torch.cuda.empty_cache()
+    if "train" in parts:
+        results["train"] = bench_train(args)
+        save()
+
+
+if __name__ == "__main__":
+    main()
