@@ -18,7 +18,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from backends.torch.model import Decoder, KVCache, picked_logprobs
+from backends.torch.logprobs import picked_logprobs
+from backends.torch.model import Decoder, KVCache
 
 
 def response_logprobs(
@@ -67,5 +68,5 @@ def response_logprobs(
         torch.arange(longest, device=device)
         < torch.tensor([len(r) for r in responses], device=device)[:, None]
     )
-    logprobs = picked_logprobs(model, hidden, targets, temperature)
+    logprobs = picked_logprobs(hidden, model.lm_head.weight, targets, temperature)
     return logprobs.masked_fill(~mask, 0.0), mask.float()

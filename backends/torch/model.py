@@ -12,10 +12,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from backends.torch.config import ModelConfig
+from backends.torch.logprobs import picked_logprobs
 
 _INIT_STD = 0.02
 # Upper bound on float32 elements of one logits chunk in `token_logprobs` (64 MiB).
-_LOGPROB_CHUNK_ELEMENTS = 1 << 24
 
 
 def rope_inv_freq(config: ModelConfig) -> Tensor:
@@ -297,25 +297,6 @@ def token_logprobs(
     ids = input_ids.masked_fill(~real, 0)
     positions = torch.arange(t - 1, device=ids.device).expand(b, t - 1)
     hidden = model.hidden_states(ids[:, :-1], positions)
-    return picked_logprobs(model, hidden, ids[:, 1:], temperature).masked_fill(~real[:, 1:], 0.0)
-
-
-def picked_logprobs(model: Decoder, hidden: Tensor, targets: Tensor, temperature: float) -> Tensor:
-    """float32 [B, T] log_softmax(lm_head(hidden) / temperature) at `targets` [B, T].
-
-    Logits are produced in row chunks so at most one float32 [B, T, V] worth of them is alive
-    (the chunks autograd saves).
-    """
-    b, t = targets.shape
-    flat = hidden.reshape(b * t, -1)
-    flat_targets = targets.reshape(-1, 1)
-    rows = max(1, _LOGPROB_CHUNK_ELEMENTS // model.config.vocab_size)
-    chunks = []
-    for i in range(0, flat.shape[0], rows):
-        logits = model.lm_head(flat[i : i + rows]).float()
-        if temperature != 1.0:
-            logits = logits / temperature
-        picked = logits.gather(-1, flat_targets[i : i + rows]).squeeze(-1)
-        chunks.append(picked - torch.logsumexp(logits, dim=-1))
-    logprobs = torch.cat(chunks) if chunks else flat.new_zeros(0, dtype=torch.float32)
-    return logprobs.view(b, t)
+    return picked_logprobs(hidden, model.lm_head.weight, ids[:, 1:], temperature).masked_fill(
+        ~real[:, 1:], 0.0
+    )
