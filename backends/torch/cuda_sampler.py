@@ -26,7 +26,6 @@ again. On CPU (tests) the same code runs eagerly with SDPA and a length mask.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +33,7 @@ from torch import Tensor
 
 from backends.torch.kv_pool import KVPool, make_pool
 from backends.torch.model import Decoder, DecoderLayer, rope_inv_freq
+from backends.torch.sampling import check_arguments, completions, draw
 from pipeline.messages import Completion
 
 _BUCKETS = (8, 16, 32, 64, 128, 256, 512, 1024, 2048)
@@ -201,17 +201,10 @@ class CudaSampler:
         generator: torch.Generator,
     ) -> list[Completion]:
         """As `Sampler.generate`; randomness comes from ``generator`` (on the sampler's device)."""
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        if temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {temperature}")
-        if not 0 < top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+        check_arguments(prompts, max_new_tokens, temperature, top_p)
         if not prompts:
             return []
         lengths = [len(p) for p in prompts]
-        if min(lengths) == 0:
-            raise ValueError("prompts must be non-empty")
         batch = len(prompts)
         rows = _bucket(batch)
         self._ensure(rows, max(lengths) + max_new_tokens)
@@ -233,7 +226,7 @@ class CudaSampler:
         done[batch:] = True
 
         # The first token comes from the prefill's hidden states, eagerly.
-        token, logprob = self._sample_eager(self._logits(hidden), temperature, top_p, generator, rows)
+        token, logprob = draw(self._logits(hidden), temperature, top_p, generator)
         count = 0
         while True:
             tokens[:, count] = token
@@ -257,44 +250,17 @@ class CudaSampler:
             step.position += 1
             if eager_sampling:
                 # step.logits already holds logits / temperature.
-                token, logprob = self._sample_eager(step.logits, 1.0, top_p, generator, rows)
+                token, logprob = draw(step.logits, 1.0, top_p, generator)
             else:
                 # Read (by the copies above) before the next replay overwrites them.
                 token, logprob = step.token, step.logprob
 
-        n_tokens = generated[:batch].tolist()
-        token_rows = tokens[:batch, :count].tolist()
-        logprob_rows = logprobs[:batch, :count].tolist()
-        stop_ids = set(stop_token_ids)
-        results = []
-        for n, toks, lps in zip(n_tokens, token_rows, logprob_rows, strict=True):
-            reason: Literal["stop", "length"] = "stop" if toks[n - 1] in stop_ids else "length"
-            results.append(Completion(tokens=tuple(toks[:n]), logprobs=tuple(lps[:n]), finish_reason=reason))
-        return results
+        return completions(
+            generated[:batch], tokens[:batch, :count], logprobs[:batch, :count], stop_token_ids
+        )
 
     def _logits(self, hidden: Tensor) -> Tensor:
         return self.model.lm_head(hidden).float()
-
-    def _sample_eager(
-        self, logits: Tensor, temperature: float, top_p: float, generator: torch.Generator, rows: int
-    ) -> tuple[Tensor, Tensor]:
-        if temperature == 0:
-            scaled = logits
-            token = logits.argmax(dim=-1)
-        else:
-            scaled = logits / temperature if temperature != 1 else logits
-            probs = torch.softmax(scaled, dim=-1)
-            if top_p < 1:
-                sorted_probs, order = probs.sort(dim=-1, descending=True)
-                mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-                sorted_probs.masked_fill_(mass_before >= top_p, 0.0)
-                noise = torch.empty_like(sorted_probs).exponential_(generator=generator)
-                token = order.gather(-1, (sorted_probs / noise).argmax(dim=-1, keepdim=True)).squeeze(-1)
-            else:
-                noise = torch.empty_like(probs).exponential_(generator=generator)
-                token = (probs / noise).argmax(dim=-1)
-        picked = scaled.gather(-1, token.unsqueeze(-1)).squeeze(-1)
-        return token, picked - torch.logsumexp(scaled, dim=-1)
 
     # ---- prefill ------------------------------------------------------------------------
 

@@ -6,12 +6,12 @@ truncation (temperature 1 when sampling greedily); a stop token, when hit, is th
 
 import copy
 from collections.abc import Sequence
-from typing import Literal
 
 import torch
 from torch import Tensor
 
 from backends.torch.model import Decoder, KVCache
+from backends.torch.sampling import check_arguments, completions, draw
 from pipeline.messages import Completion
 
 
@@ -65,17 +65,10 @@ class Sampler:
         ``generator`` (on the sampler's device): equal generator state and inputs give
         bit-identical outputs. Prompts may differ in length; they are left-padded internally.
         """
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        if temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {temperature}")
-        if not 0 < top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+        check_arguments(prompts, max_new_tokens, temperature, top_p)
         if not prompts:
             return []
         lengths = [len(p) for p in prompts]
-        if min(lengths) == 0:
-            raise ValueError("prompts must be non-empty")
 
         batch, width = len(prompts), max(lengths)
         cache, key_mask = self._buffers(batch, width + max_new_tokens)
@@ -116,7 +109,7 @@ class Sampler:
         step = 0
         while True:
             logits = self.model.lm_head(hidden).float()
-            token, logprob = _sample(logits, temperature, top_p, generator)
+            token, logprob = draw(logits, temperature, top_p, generator)
             tokens[:, step] = token
             logprobs[:, step] = logprob
             generated += ~done
@@ -133,15 +126,7 @@ class Sampler:
             ]
             next_position += 1
 
-        n_tokens = generated.tolist()
-        token_rows = tokens[:, :step].tolist()
-        logprob_rows = logprobs[:, :step].tolist()
-        stop_ids = set(stop_token_ids)
-        results = []
-        for n, toks, lps in zip(n_tokens, token_rows, logprob_rows, strict=True):
-            reason: Literal["stop", "length"] = "stop" if toks[n - 1] in stop_ids else "length"
-            results.append(Completion(tokens=tuple(toks[:n]), logprobs=tuple(lps[:n]), finish_reason=reason))
-        return results
+        return completions(generated, tokens[:, :step], logprobs[:, :step], stop_token_ids)
 
     def cache_bytes(self) -> int:
         """Bytes held by the KV cache (0 after `release`)."""
@@ -164,26 +149,3 @@ class Sampler:
             self._key_mask = torch.empty(rows, positions, dtype=torch.bool, device=self.device)
         assert self._cache is not None and self._key_mask is not None
         return self._cache.rows(batch), self._key_mask[:batch]
-
-
-def _sample(
-    logits: Tensor, temperature: float, top_p: float, generator: torch.Generator
-) -> tuple[Tensor, Tensor]:
-    """Next token [B] and its log-probability [B] under logits / temperature (untruncated)."""
-    if temperature == 0:
-        scaled = logits
-        token = logits.argmax(dim=-1)
-    else:
-        scaled = logits / temperature if temperature != 1 else logits
-        probs = torch.softmax(scaled, dim=-1)
-        if top_p < 1:
-            # Keep the smallest prefix (by descending probability) whose mass reaches top_p.
-            sorted_probs, order = probs.sort(dim=-1, descending=True)
-            mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-            sorted_probs.masked_fill_(mass_before >= top_p, 0.0)
-            choice = torch.multinomial(sorted_probs, 1, generator=generator)
-            token = order.gather(-1, choice).squeeze(-1)
-        else:
-            token = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
-    picked = scaled.gather(-1, token.unsqueeze(-1)).squeeze(-1)
-    return token, picked - torch.logsumexp(scaled, dim=-1)

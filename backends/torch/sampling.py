@@ -1,0 +1,67 @@
+"""What every sampler shares: argument checks, the next-token draw, and the Completion records.
+
+The draw picks argmax(p / E) with E ~ Exponential(1) per vocabulary entry, which selects token
+i with probability p_i (the exponential race; equivalent to the Gumbel-max trick). Unlike
+`torch.multinomial` it has a fixed shape and no host sync, so a CUDA graph can capture it; the
+plain and the CUDA sampler draw the same way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from pipeline.messages import Completion
+
+
+def check_arguments(prompts: list[list[int]], max_new_tokens: int, temperature: float, top_p: float) -> None:
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    if prompts and min(len(p) for p in prompts) == 0:
+        raise ValueError("prompts must be non-empty")
+
+
+def draw(
+    logits: Tensor, temperature: float, top_p: float, generator: torch.Generator
+) -> tuple[Tensor, Tensor]:
+    """Next token [B] and its logprob [B] under logits / temperature (before top-p truncation).
+
+    Temperature 0 is greedy, with the temperature-1 logprob.
+    """
+    if temperature == 0:
+        scaled = logits
+        token = logits.argmax(dim=-1)
+    else:
+        scaled = logits / temperature if temperature != 1 else logits
+        probs = torch.softmax(scaled, dim=-1)
+        if top_p < 1:
+            # Keep the smallest prefix (by descending probability) whose mass reaches top_p.
+            sorted_probs, order = probs.sort(dim=-1, descending=True)
+            mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+            sorted_probs.masked_fill_(mass_before >= top_p, 0.0)
+            noise = torch.empty_like(sorted_probs).exponential_(generator=generator)
+            token = order.gather(-1, (sorted_probs / noise).argmax(dim=-1, keepdim=True)).squeeze(-1)
+        else:
+            noise = torch.empty_like(probs).exponential_(generator=generator)
+            token = (probs / noise).argmax(dim=-1)
+    picked = scaled.gather(-1, token.unsqueeze(-1)).squeeze(-1)
+    return token, picked - torch.logsumexp(scaled, dim=-1)
+
+
+def completions(
+    generated: Tensor, tokens: Tensor, logprobs: Tensor, stop_token_ids: Sequence[int]
+) -> list[Completion]:
+    """One Completion per row: its first `generated[row]` tokens and their logprobs."""
+    stop_ids = set(stop_token_ids)
+    results = []
+    for n, toks, lps in zip(generated.tolist(), tokens.tolist(), logprobs.tolist(), strict=True):
+        reason: Literal["stop", "length"] = "stop" if toks[n - 1] in stop_ids else "length"
+        results.append(Completion(tokens=tuple(toks[:n]), logprobs=tuple(lps[:n]), finish_reason=reason))
+    return results
