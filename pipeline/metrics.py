@@ -21,15 +21,7 @@ class MetricsLog:
         self.last: dict[str, Any] = {}
 
     def write(self, record: dict[str, Any]) -> dict[str, Any]:
-        clean: dict[str, Any] = {}
-        dropped = 0
-        for key, value in record.items():
-            if isinstance(value, float) and not math.isfinite(value):
-                dropped += 1
-                continue
-            clean[key] = value
-        if dropped:
-            clean["metrics/nonfinite_dropped"] = dropped
+        clean = finite(record)
         self._file.write(json.dumps(clean) + "\n")
         if self._wandb is not None:
             self._wandb.log(clean, step=clean.get("step"))
@@ -40,6 +32,14 @@ class MetricsLog:
         self._file.close()
         if self._wandb is not None:
             self._wandb.finish()
+
+
+def finite(record: dict[str, Any]) -> dict[str, Any]:
+    """`record` without non-finite floats, counting them under `metrics/nonfinite_dropped`."""
+    clean = {k: v for k, v in record.items() if not (isinstance(v, float) and not math.isfinite(v))}
+    if len(clean) < len(record):
+        clean["metrics/nonfinite_dropped"] = len(record) - len(clean)
+    return clean
 
 
 def read(path: Path) -> list[dict[str, Any]]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import random
 import time
@@ -18,7 +19,7 @@ from pipeline.clock import DeadlineClock, TimeSource
 from pipeline.errors import RecipeError
 from pipeline.gate import EngineGate
 from pipeline.messages import Batch, Dropped, Group
-from pipeline.metrics import MetricsLog
+from pipeline.metrics import MetricsLog, finite
 from pipeline.plot import plot_curves
 from pipeline.protocols import Engine, Trainer
 from pipeline.recipe import dump
@@ -101,7 +102,7 @@ async def run_program(
         load_s = time.perf_counter() - start
         prompts.train.skip(resumed.next_batch * recipe.prompts.prompts_per_step)
         set_python_rng_state(resumed.python_rng)
-        _truncate_metrics(run_dir / "metrics.jsonl", resumed.step)
+        _restore_metrics(run_dir / "metrics.jsonl", resumed)
         log.info("resumed from %s (step %d) in %.3f s", resume_from, resumed.step, load_s)
     clock = DeadlineClock(time_source)
     backend_engine = engine  # checkpoints hold its state; the fault wrapper has none of its own
@@ -144,7 +145,7 @@ async def run_program(
         reward.counts.update(resumed.reward_counts)
         checkpoints.last_step = resumed.step
 
-    async def save(step: int, next_batch: int) -> None:
+    async def save(step: int, next_batch: int, record: dict[str, Any] | None) -> None:
         state = PipelineState(
             step=step,
             policy_version=gate.engine_version,
@@ -152,6 +153,7 @@ async def run_program(
             rollout_counts=dict(rollout.counts),
             reward_counts=dict(reward.counts),
             python_rng=python_rng_state(),
+            last_record=record,
         )
         files = {"trainer.pt": _torch_writer(trainer.state())}  # type: ignore[attr-defined]
         engine_state = getattr(backend_engine, "state", None)
@@ -222,7 +224,7 @@ async def run_program(
         """The save of a clean stop; in-step saves go through the gate (which traces them)."""
         if hasattr(trainer, "state") and progress.steps_done > checkpoints.last_step and consistent():
             start = clock.source.now()
-            await save(progress.steps_done, train.next_batch)
+            await save(progress.steps_done, train.next_batch, None)
             trace.span("save", start, clock.source.now(), track="gate")
 
     try:
@@ -285,15 +287,18 @@ def _load_backend_state(checkpoint: Path, trainer: Any, engine: Any) -> None:
         engine.load_state(torch.load(checkpoint / "engine.pt", weights_only=False))
 
 
-def _truncate_metrics(path: Path, step: int) -> None:
-    """Drop records of steps after the checkpoint (logged by the run that was interrupted)."""
-    if not path.exists():
-        return
-    keep = [
-        line
-        for line in path.read_text().splitlines()
-        if line and msgspec.json.decode(line).get("step", 0) <= step
-    ]
+def _restore_metrics(path: Path, state: PipelineState) -> None:
+    """Make metrics.jsonl end at the checkpoint's step.
+
+    Drops records of later steps (logged by the interrupted run) and, if the run was killed
+    between the checkpoint and its step's line, writes that line back from the checkpoint,
+    marked `metrics/recovered` (it lacks the save's and the wake's timings and evaluation).
+    """
+    lines = path.read_text().splitlines() if path.exists() else []
+    keep = [line for line in lines if line and msgspec.json.decode(line).get("step", 0) <= state.step]
+    has_step = any(msgspec.json.decode(line).get("step") == state.step for line in keep)
+    if state.last_record is not None and not has_step:
+        keep.append(json.dumps(finite({**state.last_record, "metrics/recovered": 1})))
     tmp = path.with_suffix(".tmp")
     tmp.write_text("".join(line + "\n" for line in keep))
     tmp.replace(path)

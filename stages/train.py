@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from statistics import fmean, pstdev
 from typing import Annotated, Any, Literal
 
@@ -51,7 +51,8 @@ class TrainSection(Section):
     is_cap: Annotated[float, msgspec.Meta(gt=1)] = 2.0
 
 
-Saver = Callable[[int, int], Awaitable[None]]  # (step, next batch)
+# (step, next batch, the step's metrics record so far)
+Saver = Callable[[int, int, dict[str, Any] | None], Awaitable[None]]
 
 
 class TrainStage:
@@ -150,26 +151,11 @@ class TrainStage:
             )
             return
         step = self.progress.steps_done + 1
-        saving = self.save is not None and (self.save_due(step) or step == self.progress.steps)
-        start = self.clock.source.now()
-        with self.watchdog.waiting(self.name, f"train step {step}"):
-            result, timings = await self.gate.step(
-                lambda: self.trainer.train_step(samples, advantages),
-                save=(lambda: self.save(step, batch + 1)) if saving else None,  # type: ignore[misc]
-            )
-        end = self.clock.source.now()
-        self.trace.span(f"step {step}", start, end, track="train", batch=batch)
-        # Weights are published: only now may the ticket admit another batch.
-        self.tickets.give_back(Ticket(batch=batch))
-        self.progress.batch_finished(trained=True)
         lags = [version - s.gen_version[0] for s in samples]
         response_tokens = sum(len(s.tokens) for s in samples)
-        step_s = end - self._last_step_end
-        self._last_step_end = end
         record.update(
             {
                 "step": step,
-                "policy_version": self.gate.engine_version,
                 "reward/mean": fmean(s.reward for s in samples),  # type: ignore[misc]
                 "reward/std": pstdev(s.reward for s in samples),  # type: ignore[misc]
                 **_info_means(samples),
@@ -177,7 +163,34 @@ class TrainStage:
                 "rollout/mean_lag": fmean(lags),
                 "rollout/samples": len(samples),
                 "rollout/response_len": response_tokens / len(samples),
-                **result,
+            }
+        )
+
+        async def train() -> Mapping[str, float]:
+            result = await self.trainer.train_step(samples, advantages)
+            record.update(result)
+            return result
+
+        async def save() -> None:
+            # The checkpoint carries the step's record as known now, so a kill between the
+            # save and the metrics line below cannot lose the line (resume writes it back).
+            assert self.save is not None
+            await self.save(step, batch + 1, {**record, "policy_version": self.gate.engine_version})
+
+        saving = self.save is not None and (self.save_due(step) or step == self.progress.steps)
+        start = self.clock.source.now()
+        with self.watchdog.waiting(self.name, f"train step {step}"):
+            _, timings = await self.gate.step(train, save=save if saving else None)
+        end = self.clock.source.now()
+        self.trace.span(f"step {step}", start, end, track="train", batch=batch)
+        # Weights are published: only now may the ticket admit another batch.
+        self.tickets.give_back(Ticket(batch=batch))
+        self.progress.batch_finished(trained=True)
+        step_s = end - self._last_step_end
+        self._last_step_end = end
+        record.update(
+            {
+                "policy_version": self.gate.engine_version,
                 **{f"timing/{name}_s": seconds for name, seconds in timings.items()},
                 "timing/step_s": step_s,
                 "throughput/tokens_per_s_per_gpu": response_tokens / step_s if step_s > 0 else math.nan,

@@ -163,3 +163,18 @@ def test_resume_with_a_changed_model_names_the_field(tmp_path: Path) -> None:
     anyio.run(pipeline.run, _recipe(run_dir, "run.steps=1"))
     with pytest.raises(pipeline.RecipeError, match=r"^model: differs from checkpoint"):
         anyio.run(pipeline.run, _recipe(run_dir, "run.steps=2", "model.config.hidden_size=64"))
+
+
+def test_a_kill_right_after_a_save_keeps_that_steps_metrics(tmp_path: Path) -> None:
+    # The save runs inside the step, before the step's metrics line: killing the process just
+    # after the rename must not lose the line, or the resumed run would skip it for good.
+    run_dir = tmp_path / "run"
+    done = subprocess.run([sys.executable, "-c", KILL_SCRIPT, str(run_dir), "after_rename"], check=False)
+    assert done.returncode == 9
+    assert [p.name for p in committed(run_dir / "checkpoints")][-1] == "step-000002"
+    assert 2 not in {r.get("step") for r in read(run_dir / "metrics.jsonl")}
+    anyio.run(pipeline.run, pipeline.load_recipe(str(run_dir / "recipe.yaml")))
+    records = [r for r in read(run_dir / "metrics.jsonl") if "train/loss" in r]
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    assert records[1]["metrics/recovered"] == 1
+    assert "metrics/recovered" not in records[2]
