@@ -290,15 +290,20 @@ def _load_backend_state(checkpoint: Path, trainer: Any, engine: Any) -> None:
 def _restore_metrics(path: Path, state: PipelineState) -> None:
     """Make metrics.jsonl end at the checkpoint's step.
 
-    Drops records of later steps (logged by the interrupted run) and, if the run was killed
-    between the checkpoint and its step's line, writes that line back from the checkpoint,
-    marked `metrics/recovered` (it lacks the save's and the wake's timings and evaluation).
+    Drops records of later steps (logged by the interrupted run) and a line cut short by a
+    kill; if the run was killed between the checkpoint and its step's line, writes that line
+    back from the checkpoint, marked `metrics/recovered` (without the save's and the wake's
+    timings and evaluation).
     """
-    lines = path.read_text().splitlines() if path.exists() else []
-    keep = [line for line in lines if line and msgspec.json.decode(line).get("step", 0) <= state.step]
-    has_step = any(msgspec.json.decode(line).get("step") == state.step for line in keep)
-    if state.last_record is not None and not has_step:
-        keep.append(json.dumps(finite({**state.last_record, "metrics/recovered": 1})))
+    records = []
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:  # the line a kill cut short
+            continue
+    keep = [r for r in records if r.get("step", 0) <= state.step]
+    if state.last_record is not None and not any(r.get("step") == state.step for r in keep):
+        keep.append(finite({**state.last_record, "metrics/recovered": 1}))
     tmp = path.with_suffix(".tmp")
-    tmp.write_text("".join(line + "\n" for line in keep))
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in keep))
     tmp.replace(path)
