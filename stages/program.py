@@ -27,6 +27,7 @@ from pipeline.runner import StopRequest, run_stages
 from pipeline.tickets import TicketBox
 from pipeline.trace import Trace
 from pipeline.watchdog import Watchdog
+from stages.admission import PromptStage
 from stages.checkpoint import (
     Checkpointer,
     PipelineState,
@@ -39,7 +40,7 @@ from stages.checkpoint import (
 from stages.evaluation import Evaluation
 from stages.faults import FaultyEngine
 from stages.progress import Progress
-from stages.prompts import PromptStage, build_prompts
+from stages.prompts import build_prompts
 from stages.recipe import Recipe
 from stages.reward import RewardStage, resolve
 from stages.rollout import RolloutStage

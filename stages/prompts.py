@@ -1,4 +1,6 @@
-"""Prompt loading: sources of prompts and the stage that admits one batch per ticket.
+"""Prompt sources: the recipe's `prompts` section and the prompt sets built from it.
+
+The stage that admits one batch of them per ticket is `stages.admission.PromptStage`.
 
 Sources are a tagged union on `kind` in the recipe's `prompts.source`:
 - `synthetic`: the built-in digit tasks (checkable answers, held-out split);
@@ -23,13 +25,9 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
-from pipeline.channel import Channel
 from pipeline.errors import RecipeError
-from pipeline.messages import Batch, Prompt
+from pipeline.messages import Prompt
 from pipeline.recipe import PositiveInt, Section
-from pipeline.tickets import TicketBox
-from pipeline.watchdog import Watchdog
-from stages.progress import Progress
 from stages.tokenizer import CharTokenizer, Tokenizer
 
 NonNegativeInt = Annotated[int, msgspec.Meta(ge=0)]
@@ -357,47 +355,3 @@ def _reasoning_gym(source: ReasoningGymSource, seed: int, tokenizer: Tokenizer, 
 
     train, heldout = _split(prompts, source.num_heldout, f"prompts.source: {source.name}")
     return PromptSet(tokenizer, _epochs(train, f"reasoning_gym-{seed}"), heldout, reward=score)
-
-
-class PromptStage:
-    """Admits one batch of `prompts_per_step` prompts per ticket until the run has enough."""
-
-    name = "prompts"
-
-    def __init__(
-        self,
-        prompts: Iterator[Prompt],
-        *,
-        prompts_per_step: int,
-        tickets: TicketBox,
-        out: Channel[Batch],
-        progress: Progress,
-        watchdog: Watchdog,
-    ) -> None:
-        self.prompts = prompts
-        self.prompts_per_step = prompts_per_step
-        self.tickets = tickets
-        self.out = out
-        self.progress = progress
-        self.watchdog = watchdog
-
-    async def run(self) -> None:
-        try:
-            while True:
-                with self.watchdog.waiting(self.name, "more batches to be needed"):
-                    if not await self.progress.wait_batch_needed():
-                        return
-                with self.watchdog.waiting(self.name, "an admission ticket"):
-                    ticket = await self.tickets.take()
-                if ticket is None:
-                    return
-                batch = Batch(
-                    batch=ticket.batch,
-                    prompts=tuple(next(self.prompts) for _ in range(self.prompts_per_step)),
-                )
-                self.progress.batch_admitted()
-                with self.watchdog.waiting(self.name, "room in the rollout channel"):
-                    await self.out.send(batch)
-        finally:
-            self.out.close()
-            self.watchdog.done(self.name)

@@ -1,0 +1,55 @@
+"""The prompt stage: admits one batch of prompts per admission ticket, while more are needed."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from pipeline.channel import Channel
+from pipeline.messages import Batch, Prompt
+from pipeline.tickets import TicketBox
+from pipeline.watchdog import Watchdog
+from stages.progress import Progress
+
+
+class PromptStage:
+    """Admits one batch of `prompts_per_step` prompts per ticket until the run has enough."""
+
+    name = "prompts"
+
+    def __init__(
+        self,
+        prompts: Iterator[Prompt],
+        *,
+        prompts_per_step: int,
+        tickets: TicketBox,
+        out: Channel[Batch],
+        progress: Progress,
+        watchdog: Watchdog,
+    ) -> None:
+        self.prompts = prompts
+        self.prompts_per_step = prompts_per_step
+        self.tickets = tickets
+        self.out = out
+        self.progress = progress
+        self.watchdog = watchdog
+
+    async def run(self) -> None:
+        try:
+            while True:
+                with self.watchdog.waiting(self.name, "more batches to be needed"):
+                    if not await self.progress.wait_batch_needed():
+                        return
+                with self.watchdog.waiting(self.name, "an admission ticket"):
+                    ticket = await self.tickets.take()
+                if ticket is None:
+                    return
+                batch = Batch(
+                    batch=ticket.batch,
+                    prompts=tuple(next(self.prompts) for _ in range(self.prompts_per_step)),
+                )
+                self.progress.batch_admitted()
+                with self.watchdog.waiting(self.name, "room in the rollout channel"):
+                    await self.out.send(batch)
+        finally:
+            self.out.close()
+            self.watchdog.done(self.name)
