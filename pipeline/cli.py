@@ -1,5 +1,6 @@
 """The command line: `python -m pipeline run|validate RECIPE [key.path=value ...]`, and
-`inspect CHECKPOINT`, `export CHECKPOINT OUT_DIR`, `generate MODEL --prompt TEXT`.
+`inspect CHECKPOINT`, `export CHECKPOINT OUT_DIR`, `generate MODEL --prompt TEXT`,
+`plot RUN_DIR [RUN_DIR ...]`, `timeline RUN_DIR`.
 
 Exit codes: 0 success or clean stop, 1 a run error the user can act on, 2 a bad recipe or
 command line, 128+N a second signal N (exits at once).
@@ -20,10 +21,12 @@ from typing import Any
 import anyio
 
 import pipeline
-from pipeline.errors import PipelineError, StageFailed
+from pipeline import logs
+from pipeline.console import Console, ConsoleHandler
+from pipeline.errors import PipelineError, RecipeError, StageFailed
 from pipeline.runner import first_error
 
-log = logging.getLogger("pipeline")
+log = logging.getLogger("pipeline.cli")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -36,7 +39,7 @@ def _parser() -> argparse.ArgumentParser:
         command = commands.add_parser(name, help=help_text)
         command.add_argument("recipe", help="recipe YAML file")
         command.add_argument("overrides", nargs="*", help="dotted overrides, e.g. run.steps=20")
-        command.add_argument("--quiet", action="store_true", help="no per-step progress lines")
+        command.add_argument("--quiet", action="store_true", help="no progress display")
     inspect = commands.add_parser("inspect", help="show what a checkpoint holds")
     inspect.add_argument("checkpoint", help="a checkpoint directory (run.dir/checkpoints/step-NNNNNN)")
     inspect.add_argument("--recipe", help="compare the checkpoint's recipe with this one")
@@ -54,6 +57,23 @@ def _parser() -> argparse.ArgumentParser:
     generate.add_argument("--system", help="a system turn before the prompt (with --chat)")
     generate.add_argument("--device", default="cpu")
     generate.add_argument("--json", action="store_true", help="print token ids and logprobs as JSON")
+    plot = commands.add_parser("plot", help="a PNG report of one run, or several compared")
+    plot.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
+    plot.add_argument(
+        "--out", help="the PNG to write (default RUN_DIR/report.png, or report.png for several)"
+    )
+    timeline = commands.add_parser("timeline", help="a PNG of a window of a run's trace.json")
+    timeline.add_argument("run_dir", metavar="RUN_DIR")
+    timeline.add_argument("--steps", help="FIRST:LAST train steps to show (default: the last three)")
+    timeline.add_argument("--out", help="the PNG to write (default RUN_DIR/timeline.png)")
+    for sub in commands.choices.values():
+        sub.add_argument(
+            "--log-level",
+            default="INFO",
+            type=str.upper,
+            choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+            help="the least severe log records shown (default INFO)",
+        )
     return parser
 
 
@@ -73,8 +93,12 @@ def _non_negative_float(text: str) -> float:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logs.setup(args.log_level)
     try:
+        if args.command == "plot":
+            return _plot(args.run_dirs, args.out)
+        if args.command == "timeline":
+            return _timeline(args.run_dir, args.steps, args.out)
         if args.command == "inspect":
             return _inspect(args.checkpoint, args.recipe)
         if args.command == "export":
@@ -85,8 +109,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "validate":
             print(f"{args.recipe}: ok")
             return 0
-        echo = None if args.quiet or not recipe.run.progress else _echo(recipe.run.steps)
-        summary = anyio.run(_run, recipe, echo, backend_options={"use_uvloop": True})
+        console = None
+        if not args.quiet and recipe.run.progress:
+            console = Console(recipe.run.steps, log_every=recipe.run.log_every_steps)
+            if console.live:
+                logs.setup(args.log_level, ConsoleHandler(console))
+        summary = anyio.run(_run, recipe, console, backend_options={"use_uvloop": True})
     except PipelineError as error:
         if isinstance(error, StageFailed):  # a bug, not a user mistake: keep its traceback
             traceback.print_exception(error.error)
@@ -137,7 +165,31 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _run(recipe: Any, echo: Any) -> Any:
+def _plot(run_dirs: list[str], out: str | None) -> int:
+    from pipeline.plot import write_report
+
+    default = Path(run_dirs[0]) / "report.png" if len(run_dirs) == 1 else Path("report.png")
+    print(f"wrote {write_report([Path(d) for d in run_dirs], Path(out) if out else default)}")
+    return 0
+
+
+def _timeline(run_dir: str, steps: str | None, out: str | None) -> int:
+    from pipeline.timeline import write_timeline
+
+    first = last = None
+    if steps:
+        try:
+            first, last = (int(part) for part in steps.split(":"))
+        except ValueError:
+            raise RecipeError(f"--steps: expected FIRST:LAST (e.g. 10:12), got {steps!r}") from None
+    path = write_timeline(
+        Path(run_dir), Path(out) if out else Path(run_dir) / "timeline.png", first=first, last=last
+    )
+    print(f"wrote {path}")
+    return 0
+
+
+async def _run(recipe: Any, console: Console | None) -> Any:
     stop = pipeline.StopRequest()
     result: list[Any] = []
     try:
@@ -145,7 +197,7 @@ async def _run(recipe: Any, echo: Any) -> Any:
             tg.start_soon(_watch_signals, stop)
 
             async def body() -> None:
-                result.append(await pipeline.run(recipe, stop=stop, echo=echo))
+                result.append(await pipeline.run(recipe, stop=stop, console=console))
                 tg.cancel_scope.cancel()
 
             tg.start_soon(body)
@@ -162,21 +214,3 @@ async def _watch_signals(stop: pipeline.StopRequest) -> None:
                 print(f"second {name}: exiting now", file=sys.stderr, flush=True)
                 os._exit(128 + signum)
             stop.request(f"{name} received")
-
-
-def _echo(total: int) -> Any:
-    def echo(record: dict[str, Any]) -> None:
-        parts = [f"step {record.get('step', '?')}/{total}"]
-        for key, label in (
-            ("reward/mean", "reward"),
-            ("eval/reward", "eval reward"),
-            ("eval/exact_match", "eval exact"),
-            ("rollout/max_lag", "lag"),
-            ("timing/step_s", "s/step"),
-        ):
-            if key in record:
-                value = record[key]
-                parts.append(f"{label} {value:.3f}" if isinstance(value, float) else f"{label} {value}")
-        print("  ".join(parts), flush=True)
-
-    return echo

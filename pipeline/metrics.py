@@ -1,37 +1,64 @@
-"""Per-step metrics: one JSON object per line in `run.dir/metrics.jsonl`, and wandb if enabled.
+"""The run's metrics: `metrics.jsonl` (one JSON object per train step), `eval.jsonl` (one per
+held-out evaluation, step 0 being the baseline before training), and the recipe's sinks.
 
-Non-finite values never reach a log: they are left out of the record and counted under
-`metrics/nonfinite_dropped`.
+Non-finite values never reach a file or a sink: they are left out of the record and counted
+under `metrics/nonfinite_dropped`. A sink that fails (wandb losing its connection) is reported
+once and switched off; the files are the record of truth.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from pipeline.sinks import Sink
+
+log = logging.getLogger("pipeline.metrics")
+
+STEPS_FILE = "metrics.jsonl"
+EVAL_FILE = "eval.jsonl"
+
 
 class MetricsLog:
-    def __init__(self, path: Path, *, wandb_run: Any = None) -> None:
-        self.path = path
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = self.path.open("a", buffering=1)
-        self._wandb = wandb_run
+    def __init__(self, run_dir: Path, sinks: Sequence[Sink] = ()) -> None:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self._steps = (run_dir / STEPS_FILE).open("a", buffering=1)
+        self._evals = (run_dir / EVAL_FILE).open("a", buffering=1)
+        self._sinks = list(sinks)
         self.last: dict[str, Any] = {}
 
     def write(self, record: dict[str, Any]) -> dict[str, Any]:
+        """One train step's record; returns it as written."""
+        self.last = self._emit(self._steps, record)
+        return self.last
+
+    def write_eval(self, record: dict[str, Any]) -> dict[str, Any]:
+        """One evaluation's record (with its `step`); returns it as written."""
+        return self._emit(self._evals, record)
+
+    def _emit(self, file: Any, record: dict[str, Any]) -> dict[str, Any]:
         clean = finite(record)
-        self._file.write(json.dumps(clean) + "\n")
-        if self._wandb is not None:
-            self._wandb.log(clean, step=clean.get("step"))
-        self.last = clean
+        file.write(json.dumps(clean) + "\n")
+        for sink in list(self._sinks):
+            try:
+                sink.log(clean, int(clean.get("step", 0)))
+            except Exception as error:
+                log.warning("metrics sink %s failed, switching it off: %s", type(sink).__name__, error)
+                self._sinks.remove(sink)
         return clean
 
     def close(self) -> None:
-        self._file.close()
-        if self._wandb is not None:
-            self._wandb.finish()
+        self._steps.close()
+        self._evals.close()
+        for sink in self._sinks:
+            try:
+                sink.close()
+            except Exception as error:
+                log.warning("closing metrics sink %s failed: %s", type(sink).__name__, error)
 
 
 def finite(record: dict[str, Any]) -> dict[str, Any]:
@@ -43,6 +70,13 @@ def finite(record: dict[str, Any]) -> dict[str, Any]:
 
 
 def read(path: Path) -> list[dict[str, Any]]:
-    """Every record of a metrics.jsonl file."""
+    """Every record of a JSONL metrics file (a line cut short by a kill is skipped)."""
+    records = []
     with path.open() as lines:
-        return [json.loads(line) for line in lines if line.strip()]
+        for line in lines:
+            if line.strip():
+                try:
+                    records.append(json.loads(line))
+                except json.JSONDecodeError:
+                    continue
+    return records

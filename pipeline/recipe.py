@@ -41,8 +41,9 @@ class RunSection(Section):
     steps: PositiveInt = 100
     seed: int = 0
     stop_grace_s: PositiveFloat = 30.0
-    progress: bool = True
-    plot: bool = False  # write run.dir/curve.png at the end (needs matplotlib)
+    progress: bool = True  # the live terminal view (plain lines when not a terminal)
+    log_every_steps: PositiveInt = 10  # a plain progress line every N steps (and at each eval)
+    plot: bool = False  # write run.dir/report.png at the end (needs matplotlib)
 
 
 class AsyncRLSection(Section):
@@ -63,7 +64,14 @@ class WatchdogSection(Section):
 class WandbSection(Section):
     enabled: bool = False
     project: str = "grpo-pipeline"
-    mode: Literal["offline", "online", "disabled"] = "offline"
+    name: str | None = None  # default: the run directory's name
+    tags: tuple[str, ...] = ()
+    # None leaves the mode to wandb, so WANDB_MODE (and `wandb offline`) still decide.
+    mode: Literal["offline", "online", "disabled"] | None = None
+
+
+class TensorBoardSection(Section):
+    enabled: bool = False  # event files in run.dir/tensorboard (needs the tensorboard package)
 
 
 _PATH_RE = re.compile(r" - at `\$\.?([^`]*)`$")

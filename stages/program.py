@@ -16,14 +16,17 @@ import yaml
 
 from pipeline.channel import Channel
 from pipeline.clock import DeadlineClock, TimeSource
+from pipeline.console import Console
 from pipeline.errors import RecipeError
 from pipeline.gate import EngineGate
+from pipeline.logs import reset_warnings
 from pipeline.messages import Batch, Dropped, Group
-from pipeline.metrics import MetricsLog, finite
-from pipeline.plot import plot_curves
+from pipeline.metrics import EVAL_FILE, STEPS_FILE, MetricsLog, finite
+from pipeline.plot import write_report
 from pipeline.protocols import Engine, Trainer
 from pipeline.recipe import dump
-from pipeline.runner import StopRequest, run_stages
+from pipeline.runner import StopRequest, first_error, run_stages
+from pipeline.sinks import open_sinks
 from pipeline.tickets import TicketBox
 from pipeline.trace import Trace
 from pipeline.watchdog import Watchdog
@@ -44,6 +47,7 @@ from stages.prompts import build_prompts
 from stages.recipe import Recipe
 from stages.reward import RewardStage, resolve
 from stages.rollout import RolloutStage
+from stages.timings import BatchTimings
 from stages.train import TrainStage
 
 log = logging.getLogger("stages.program")
@@ -66,9 +70,14 @@ async def run_program(
     time_source: TimeSource | None = None,
     stop: StopRequest | None = None,
     echo: Callable[[dict[str, Any]], None] | None = None,
+    console: Console | None = None,
     checkpoint_hook: Callable[[str], None] | None = None,
 ) -> RunSummary:
-    """Run `recipe` to its last step (or a clean stop). `engine`/`trainer` replace the backend."""
+    """Run `recipe` to its last step (or a clean stop). `engine`/`trainer` replace the backend.
+
+    `echo` is called with each train step's metrics record; `console` shows the run.
+    """
+    reset_warnings()
     run_dir = Path(recipe.run.dir)
     resume_from = find_resume(run_dir, recipe.checkpoint.resume)
     resumed: PipelineState | None = None
@@ -103,21 +112,24 @@ async def run_program(
         load_s = time.perf_counter() - start
         prompts.train.skip(resumed.next_batch * recipe.prompts.prompts_per_step)
         set_python_rng_state(resumed.python_rng)
-        _restore_metrics(run_dir / "metrics.jsonl", resumed)
+        _restore_metrics(run_dir / STEPS_FILE, resumed)
+        _restore_metrics(run_dir / EVAL_FILE, resumed, recover=False)
         log.info("resumed from %s (step %d) in %.3f s", resume_from, resumed.step, load_s)
     clock = DeadlineClock(time_source)
     backend_engine = engine  # checkpoints hold its state; the fault wrapper has none of its own
     if recipe.faults.enabled:
         engine = FaultyEngine(engine, recipe.faults, time=clock.source, seed=seed)
     stop = stop or StopRequest()
-    trace = Trace(clock.source.now())
+    trace = Trace(clock.source.now)
+    timings = BatchTimings()
     version = resumed.policy_version if resumed else 0
     first_batch = resumed.next_batch if resumed else 0
     gate = EngineGate(
         engine,
         clock,
         version=version,
-        on_transition=lambda name, start, end: trace.span(name, start, end, track="gate"),
+        # On the train track, so the transitions nest inside their step's span.
+        on_transition=lambda name, start, end: trace.span(name, start, end, track="train"),
     )
     lookahead = recipe.async_rl.max_lookahead_versions
     tickets = TicketBox(lookahead, first_batch=first_batch)
@@ -127,10 +139,20 @@ async def run_program(
     generated: Channel[Group | Dropped] = Channel("generated", per_step * (lookahead + 1))
     scored: Channel[Group | Dropped] = Channel("scored", per_step * (lookahead + 1))
     watchdog = Watchdog(clock.source, stall_s=recipe.watchdog.stall_s, fail=recipe.watchdog.fail)
-    metrics = MetricsLog(run_dir / "metrics.jsonl", wandb_run=_wandb(recipe, run_dir))
+    metrics = MetricsLog(
+        run_dir, open_sinks(recipe.wandb, recipe.tensorboard, run_dir, msgspec.to_builtins(recipe))
+    )
+    queues = (batches, generated, scored)
 
     rollout = RolloutStage(
-        recipe.rollout, gate=gate, clock=clock, inp=batches, out=generated, watchdog=watchdog
+        recipe.rollout,
+        gate=gate,
+        clock=clock,
+        inp=batches,
+        out=generated,
+        watchdog=watchdog,
+        trace=trace,
+        timings=timings,
     )
     reward = RewardStage(
         recipe.reward,
@@ -140,6 +162,8 @@ async def run_program(
         inp=generated,
         out=scored,
         watchdog=watchdog,
+        trace=trace,
+        timings=timings,
     )
     if resumed is not None:
         rollout.counts.update(resumed.rollout_counts)
@@ -191,12 +215,16 @@ async def run_program(
         prompts_per_step=per_step,
         first_batch=first_batch,
         counters=counters,
+        timings=timings,
+        max_lag=lookahead,
+        queues=lambda: {q.name: q.statistics().depth for q in queues},
         save_due=lambda step: (
             bool(recipe.checkpoint.every_steps) and step % recipe.checkpoint.every_steps == 0
         ),
         save=save if hasattr(trainer, "state") else None,
         evaluation=evaluation,
-        echo=echo,
+        echo=_both(echo, console.record if console else None),
+        on_eval=console.evaluation if console else None,
     )
     stages = [
         PromptStage(
@@ -206,6 +234,8 @@ async def run_program(
             out=batches,
             progress=progress,
             watchdog=watchdog,
+            trace=trace,
+            timings=timings,
         ),
         rollout,
         reward,
@@ -226,10 +256,13 @@ async def run_program(
         if hasattr(trainer, "state") and progress.steps_done > checkpoints.last_step and consistent():
             start = clock.source.now()
             await save(progress.steps_done, train.next_batch, None)
-            trace.span("save", start, clock.source.now(), track="gate")
+            trace.span("save", start, clock.source.now(), track="train")
 
-    try:
-        outcome = await run_stages(
+    def snapshot() -> dict[str, Any]:
+        return {"gate": gate.state.value, "queues": {q.name: q.statistics().depth for q in queues}}
+
+    async def run_all() -> Any:
+        return await run_stages(
             stages,
             clock=clock,
             watchdog=watchdog,
@@ -237,6 +270,12 @@ async def run_program(
             on_stop=on_stop,
             grace_s=recipe.run.stop_grace_s,
         )
+
+    try:
+        if console is not None and console.live:
+            outcome = await _beside(run_all, console.refresh, snapshot)
+        else:
+            outcome = await run_all()
         if outcome.stopped:
             await final_save()
     except anyio.get_cancelled_exc_class():
@@ -246,8 +285,10 @@ async def run_program(
     finally:
         metrics.close()
         trace.write(run_dir / "trace.json")
+        if console is not None:
+            console.close()
     if recipe.run.plot:
-        await anyio.to_thread.run_sync(plot_curves, run_dir)
+        await anyio.to_thread.run_sync(write_report, [run_dir], run_dir / "report.png")
     return RunSummary(
         run_dir=str(run_dir),
         steps_done=progress.steps_done,
@@ -258,17 +299,26 @@ async def run_program(
     )
 
 
-def _wandb(recipe: Recipe, run_dir: Path) -> Any:
-    if not recipe.wandb.enabled:
-        return None
-    import wandb
+async def _beside(body: Callable[[], Any], view: Callable[..., Any], *args: Any) -> Any:
+    """`await body()` while `view(*args)` runs beside it; the view ends with the body."""
+    result: list[Any] = []
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(view, *args)
+            result.append(await body())
+            tg.cancel_scope.cancel()
+    except BaseExceptionGroup as group:
+        raise first_error(group) from None
+    return result[0]
 
-    return wandb.init(
-        project=recipe.wandb.project,
-        mode=recipe.wandb.mode,
-        dir=str(run_dir),
-        config=msgspec.to_builtins(recipe),
-    )
+
+def _both(*hooks: Callable[[dict[str, Any]], None] | None) -> Callable[[dict[str, Any]], None]:
+    def call(record: dict[str, Any]) -> None:
+        for hook in hooks:
+            if hook is not None:
+                hook(record)
+
+    return call
 
 
 def _torch_writer(state: Any) -> Callable[[Path], None]:
@@ -288,13 +338,13 @@ def _load_backend_state(checkpoint: Path, trainer: Any, engine: Any) -> None:
         engine.load_state(torch.load(checkpoint / "engine.pt", weights_only=False))
 
 
-def _restore_metrics(path: Path, state: PipelineState) -> None:
-    """Make metrics.jsonl end at the checkpoint's step.
+def _restore_metrics(path: Path, state: PipelineState, *, recover: bool = True) -> None:
+    """Make a metrics file end at the checkpoint's step.
 
     Drops records of later steps (logged by the interrupted run) and a line cut short by a
     kill; if the run was killed between the checkpoint and its step's line, writes that line
-    back from the checkpoint, marked `metrics/recovered` (without the save's and the wake's
-    timings and evaluation).
+    back from the checkpoint (with `recover`), marked `metrics/recovered` (without the save's
+    and the wake's timings).
     """
     records = []
     for line in path.read_text().splitlines() if path.exists() else []:
@@ -303,7 +353,7 @@ def _restore_metrics(path: Path, state: PipelineState) -> None:
         except json.JSONDecodeError:  # the line a kill cut short
             continue
     keep = [r for r in records if r.get("step", 0) <= state.step]
-    if state.last_record is not None and not any(r.get("step") == state.step for r in keep):
+    if recover and state.last_record is not None and not any(r.get("step") == state.step for r in keep):
         keep.append(finite({**state.last_record, "metrics/recovered": 1}))
     tmp = path.with_suffix(".tmp")
     tmp.write_text("".join(json.dumps(r) + "\n" for r in keep))

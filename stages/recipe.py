@@ -11,6 +11,7 @@ from pipeline.recipe import (
     CheckpointSection,
     RunSection,
     Section,
+    TensorBoardSection,
     WandbSection,
     WatchdogSection,
 )
@@ -33,6 +34,7 @@ class Recipe(Section):
     checkpoint: CheckpointSection = msgspec.field(default_factory=CheckpointSection)
     watchdog: WatchdogSection = msgspec.field(default_factory=WatchdogSection)
     wandb: WandbSection = msgspec.field(default_factory=WandbSection)
+    tensorboard: TensorBoardSection = msgspec.field(default_factory=TensorBoardSection)
     model: ModelSection = msgspec.field(default_factory=_default_model)
     prompts: PromptsSection = msgspec.field(default_factory=PromptsSection)
     rollout: RolloutSection = msgspec.field(default_factory=RolloutSection)

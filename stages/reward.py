@@ -29,9 +29,12 @@ import msgspec
 from pipeline.channel import Channel
 from pipeline.clock import DeadlineClock
 from pipeline.errors import DeadlineExceeded, DropBudgetExceeded, RecipeError
+from pipeline.logs import warn_once
 from pipeline.messages import Dropped, Group, Prompt, Sample
 from pipeline.recipe import NonNegativeInt, PositiveFloat, Section
+from pipeline.trace import Trace
 from pipeline.watchdog import Watchdog
+from stages.timings import BatchTimings
 from stages.tokenizer import Tokenizer
 
 log = logging.getLogger("stages.reward")
@@ -162,8 +165,12 @@ class RewardStage:
         inp: Channel[Group | Dropped],
         out: Channel[Group | Dropped],
         watchdog: Watchdog,
+        trace: Trace | None = None,
+        timings: BatchTimings | None = None,
     ) -> None:
         self.section = section
+        self.trace = trace or Trace(clock.source.now)
+        self.timings = timings or BatchTimings()
         self.fn = fn
         self.tokenizer = tokenizer
         self.clock = clock
@@ -177,7 +184,11 @@ class RewardStage:
             with self.watchdog.waiting(self.name, "a group from rollout"):
                 async for item in self.inp:
                     if isinstance(item, Group):
+                        start = self.clock.source.now()
                         item = await self._score_group(item)
+                        end = self.clock.source.now()
+                        self.trace.span(f"score {item.group_id}", start, end, track="reward")
+                        self.timings.add(item.target_step, "reward", end - start)
                     with self.watchdog.waiting(self.name, "room in the train channel"):
                         await self.out.send(item)
         finally:
@@ -196,20 +207,20 @@ class RewardStage:
             ):
                 results = await score_all(self.fn, [(group.prompt, text) for text in wanted])
         except DeadlineExceeded as error:
-            self._failure(str(error))
+            self._failure("timeout", str(error))
         samples: list[Sample] = []
         for sample, text, result in zip(group.samples, texts, results, strict=True):
             if isinstance(result, Exception):
-                self._failure(f"{type(result).__name__}: {result}")
+                self._failure(type(result).__name__, f"{type(result).__name__}: {result}")
                 result = None
             info = dict(result or {})
             reward = info.pop("reward", None)
             samples.append(msgspec.structs.replace(sample, text=text, reward=reward, reward_info=info))
         return msgspec.structs.replace(group, samples=tuple(samples))
 
-    def _failure(self, reason: str) -> None:
+    def _failure(self, kind: str, reason: str) -> None:
         self.counts["failures"] += 1
-        log.warning("reward failure: %s", reason)
+        warn_once(log, kind, "reward failure: %s (further ones of this kind: reward/failures)", reason)
         if self.counts["failures"] > self.section.max_failures:
             raise DropBudgetExceeded(
                 f"{self.counts['failures']} reward failures, over reward.max_failures="

@@ -22,9 +22,12 @@ from pipeline.channel import Channel
 from pipeline.clock import DeadlineClock
 from pipeline.errors import DeadlineExceeded, DropBudgetExceeded
 from pipeline.gate import EngineGate
+from pipeline.logs import warn_once
 from pipeline.messages import Batch, Completion, Dropped, Group, Prompt, Sample
 from pipeline.recipe import NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, Section
+from pipeline.trace import Trace
 from pipeline.watchdog import Watchdog
+from stages.timings import BatchTimings
 
 log = logging.getLogger("stages.rollout")
 
@@ -59,6 +62,8 @@ class RolloutStage:
         inp: Channel[Batch],
         out: Channel[Group | Dropped],
         watchdog: Watchdog,
+        trace: Trace | None = None,
+        timings: BatchTimings | None = None,
     ) -> None:
         self.section = section
         self.gate = gate
@@ -66,6 +71,8 @@ class RolloutStage:
         self.inp = inp
         self.out = out
         self.watchdog = watchdog
+        self.trace = trace or Trace(clock.source.now)
+        self.timings = timings or BatchTimings()
         self.counts: Counter[str] = Counter()
 
     async def run(self) -> None:
@@ -91,9 +98,10 @@ class RolloutStage:
                 await self._drop(prompt, group_id, batch.batch, "batch_timeout", pending)
 
     async def _run_group(self, batch: int, group_id: str, prompt: Prompt, pending: dict[str, Prompt]) -> None:
+        start = self.clock.source.now()
         try:
             with self.clock.fail_after(self.section.sample_s, f"group {group_id}"):
-                completions, versions = await self._generate(prompt)
+                completions, versions = await self._generate(prompt, group_id)
         except DeadlineExceeded:
             self.counts["timeouts"] += 1
             await self._drop(prompt, group_id, batch, "sample_timeout", pending)
@@ -116,13 +124,14 @@ class RolloutStage:
             )
             for i, c in enumerate(completions)
         )
+        self.timings.span(batch, "generate", start, self.clock.source.now())
         self.counts["poisoned_samples"] += sum(s.poisoned for s in samples)
         with self.watchdog.waiting(self.name, "room in the reward channel"):
             await self.out.send(Group(prompt=prompt, group_id=group_id, target_step=batch, samples=samples))
         # Only once sent: a batch timeout during the send drops the group instead of losing it.
         del pending[group_id]
 
-    async def _generate(self, prompt: Prompt) -> tuple[list[Completion], tuple[int, int]]:
+    async def _generate(self, prompt: Prompt, group_id: str) -> tuple[list[Completion], tuple[int, int]]:
         section = self.section
         reason = ""
         for attempt in range(section.max_retries + 1):
@@ -133,9 +142,11 @@ class RolloutStage:
                 with self.clock.fail_after(section.generation_s, "generation request"):
                     with self.watchdog.waiting(self.name, "the generation engine"):
                         async with self.gate.serving() as first_version:
-                            completions = await self.gate.engine.generate(
-                                prompt.tokens, section.samples_per_prompt
-                            )
+                            with self.trace.lane("rollout", f"generate {group_id}", attempt=attempt) as span:
+                                completions = await self.gate.engine.generate(
+                                    prompt.tokens, section.samples_per_prompt
+                                )
+                                span["version"] = first_version
                             return completions, (first_version, self.gate.engine_version)
             except DeadlineExceeded:
                 self.counts["timeouts"] += 1
@@ -143,8 +154,14 @@ class RolloutStage:
             except Exception as error:  # an engine failure is retried like a timeout
                 self.counts["engine_errors"] += 1
                 reason = f"engine_error: {type(error).__name__}: {error}"
-                log.warning(
-                    "generation for %s failed (attempt %d): %s", prompt.prompt_id, attempt + 1, reason
+                warn_once(
+                    log,
+                    f"engine {type(error).__name__}",
+                    "generation for %s failed (attempt %d): %s "
+                    "(further engine errors of this kind are counted in rollout/engine_errors)",
+                    prompt.prompt_id,
+                    attempt + 1,
+                    reason,
                 )
         raise _GiveUp(reason)
 

@@ -10,6 +10,7 @@ counted; another batch takes its place.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections import defaultdict
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -31,6 +32,9 @@ from pipeline.watchdog import Watchdog
 from stages.advantages import leave_one_out
 from stages.evaluation import Evaluation
 from stages.progress import Progress
+from stages.timings import BatchTimings
+
+log = logging.getLogger("stages.train")
 
 
 class TrainSection(Section):
@@ -73,10 +77,14 @@ class TrainStage:
         prompts_per_step: int,
         first_batch: int,
         counters: Callable[[], dict[str, float]],
+        timings: BatchTimings | None = None,
+        max_lag: int = 0,
+        queues: Callable[[], dict[str, int]] = dict,
         save_due: Callable[[int], bool] = lambda step: False,
         save: Saver | None = None,
         evaluation: Evaluation | None = None,
         echo: Callable[[dict[str, Any]], None] | None = None,
+        on_eval: Callable[[dict[str, Any]], None] | None = None,
     ) -> None:
         self.trainer = trainer
         self.gate = gate
@@ -94,24 +102,29 @@ class TrainStage:
         self.save = save
         self.evaluation = evaluation
         self.echo = echo
+        self.on_eval = on_eval
+        self.timings = timings or BatchTimings()
+        self.max_lag = max_lag
+        self.queues = queues
+        self.empty_batches = 0
         self._last_step_end = clock.source.now()
         self.pending: dict[int, list[Group | Dropped]] = defaultdict(list)
 
     async def run(self) -> None:
         try:
             if self.evaluation is not None and self.progress.steps_done == 0:
-                self._emit(
-                    {
-                        "step": 0,
-                        "policy_version": self.gate.engine_version,
-                        **await self.evaluation.run(self.gate),
-                    }
-                )
+                self._emit_eval(0, await self._evaluate())
+            waiting_since = self.clock.source.now()
             with self.watchdog.waiting(self.name, f"groups of batch {self.next_batch}"):
                 async for item in self.inp:
                     self.pending[item.target_step].append(item)
                     while len(self.pending.get(self.next_batch, ())) == self.prompts_per_step:
-                        await self._step(self.next_batch, self.pending.pop(self.next_batch))
+                        now = self.clock.source.now()
+                        self.trace.span(f"wait batch {self.next_batch}", waiting_since, now, track="train")
+                        await self._step(
+                            self.next_batch, self.pending.pop(self.next_batch), wait_s=now - waiting_since
+                        )
+                        waiting_since = self.clock.source.now()
                         self.next_batch += 1
                         if self.progress.done:
                             self.tickets.close()
@@ -119,7 +132,7 @@ class TrainStage:
             self.tickets.close()
             self.watchdog.done(self.name)
 
-    async def _step(self, batch: int, items: list[Group | Dropped]) -> None:
+    async def _step(self, batch: int, items: list[Group | Dropped], *, wait_s: float) -> None:
         groups = [item for item in items if isinstance(item, Group)]
         dropped = [item for item in items if isinstance(item, Dropped)]
         samples: list[Sample] = []
@@ -137,17 +150,18 @@ class TrainStage:
                 not s.poisoned and s.reward is None for g in groups for s in g.samples
             ),
         }
+        stage_timings = self.timings.pop(batch)
         if not samples:
+            # Not a train step, so no metrics line: counted in the next step's line.
             self.tickets.give_back(Ticket(batch=batch))
             self.progress.batch_finished(trained=False)
-            self.metrics.write(
-                {
-                    "step": self.progress.steps_done,
-                    **record,
-                    "train/empty_batch": 1,
-                    "policy_version": version,
-                    **self.counters(),
-                }
+            self.empty_batches += 1
+            log.warning(
+                "batch %d had nothing to train on (%d groups dropped, %d samples poisoned); "
+                "another batch takes its place",
+                batch,
+                record["rollout/dropped_groups"],
+                record["rollout/poisoned_samples"],
             )
             return
         step = self.progress.steps_done + 1
@@ -161,6 +175,10 @@ class TrainStage:
                 **_info_means(samples),
                 "rollout/max_lag": max(lags),
                 "rollout/mean_lag": fmean(lags),
+                **{
+                    f"rollout/lag_hist/{lag}": sum(x == lag for x in lags) / len(lags)
+                    for lag in range(max(self.max_lag, *lags) + 1)
+                },
                 "rollout/samples": len(samples),
                 "rollout/response_len": response_tokens / len(samples),
             }
@@ -191,20 +209,37 @@ class TrainStage:
         record.update(
             {
                 "policy_version": self.gate.engine_version,
+                **stage_timings,
+                "timing/wait_s": wait_s,
                 **{f"timing/{name}_s": seconds for name, seconds in timings.items()},
                 "timing/step_s": step_s,
                 "throughput/tokens_per_s_per_gpu": response_tokens / step_s if step_s > 0 else math.nan,
+                **{f"queue/{name}": depth for name, depth in self.queues().items()},
+                "train/empty_batches": self.empty_batches,
                 **self.counters(),
             }
         )
-        if self.evaluation is not None and self.evaluation.due(step, self.progress.steps):
-            record.update(await self.evaluation.run(self.gate))
-        self._emit(record)
-
-    def _emit(self, record: dict[str, Any]) -> None:
+        self.trace.counters("queues", {k: v for k, v in record.items() if k.startswith("queue/")})
+        self.trace.counters("lag", {"mean": record["rollout/mean_lag"], "max": record["rollout/max_lag"]})
         clean = self.metrics.write(record)
         if self.echo is not None:
             self.echo(clean)
+        if self.evaluation is not None and self.evaluation.due(step, self.progress.steps):
+            self._emit_eval(step, await self._evaluate())
+
+    async def _evaluate(self) -> dict[str, float]:
+        assert self.evaluation is not None
+        start = self.clock.source.now()
+        result = await self.evaluation.run(self.gate)
+        end = self.clock.source.now()
+        self.trace.span("eval", start, end, track="train")
+        self._last_step_end = end  # evaluation time is not charged to the next step
+        return {**result, "timing/eval_s": end - start}
+
+    def _emit_eval(self, step: int, result: dict[str, float]) -> None:
+        clean = self.metrics.write_eval({"step": step, "policy_version": self.gate.engine_version, **result})
+        if self.on_eval is not None:
+            self.on_eval(clean)
 
 
 def _info_means(samples: Sequence[Sample]) -> dict[str, float]:

@@ -68,7 +68,7 @@ def read_until(process: subprocess.Popen[str], needle: str) -> list[str]:
         (
             "run:\n  stepz: 3\n",
             "run.stepz: unknown field (did you mean `steps`?); valid fields: "
-            "dir, steps, seed, stop_grace_s, progress, plot",
+            "dir, steps, seed, stop_grace_s, progress, log_every_steps, plot",
         ),
         (
             "run:\n  steps: [\n",

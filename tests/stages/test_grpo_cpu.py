@@ -57,6 +57,8 @@ def test_quickstart_learns(tmp_path: Path, colocated: bool, lookahead: int) -> N
         f"colocated={str(colocated).lower()}",
         f"async_rl.max_lookahead_versions={lookahead}",
     )
-    evals = [r["eval/reward"] for r in records if "eval/reward" in r]
+    assert len(records) == 200
+    evals = [r["eval/reward"] for r in read(tmp_path / "run" / "eval.jsonl")]
+    assert len(evals) == 3  # before training, at step 100 and at step 200
     assert evals[0] < 0.3
     assert evals[-1] > 0.8

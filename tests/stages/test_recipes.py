@@ -23,7 +23,7 @@ def test_every_recipe_loads(path: Path) -> None:
     assert isinstance(recipe, Recipe)
 
 
-VALID_RUN_FIELDS = "dir, steps, seed, stop_grace_s, progress, plot"
+VALID_RUN_FIELDS = "dir, steps, seed, stop_grace_s, progress, log_every_steps, plot"
 
 
 @pytest.mark.parametrize(
@@ -37,7 +37,7 @@ VALID_RUN_FIELDS = "dir, steps, seed, stop_grace_s, progress, plot"
         pytest.param(
             "colour: blue\n",
             "colour: unknown field; valid fields: run, async_rl, colocated, checkpoint, watchdog, wandb, "
-            "model, prompts, rollout, reward, train, eval, faults",
+            "tensorboard, model, prompts, rollout, reward, train, eval, faults",
             id="unknown-section",
         ),
         pytest.param(
@@ -145,7 +145,7 @@ def test_missing_file(tmp_path: Path) -> None:
         pytest.param(
             "nosuch.x=1",
             "{path}: override 'nosuch.x=1': nosuch: unknown field; valid fields: run, async_rl, colocated, "
-            "checkpoint, watchdog, wandb, model, prompts, rollout, reward, train, eval, faults",
+            "checkpoint, watchdog, wandb, tensorboard, model, prompts, rollout, reward, train, eval, faults",
             id="unknown-section",
         ),
         pytest.param(

@@ -1,0 +1,157 @@
+"""The terminal view of a run.
+
+On a terminal: a status line at the bottom, redrawn twice a second while the run works (step,
+reward, loss, lag, tokens/s, ETA, queue depths, gate state), with a permanent line every
+`log_every` steps and at each evaluation; log records are printed above it. Anywhere else (CI,
+a file): the same permanent lines, plain, and nothing redrawn.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any, TextIO
+
+import anyio
+
+# (record key, label, format)
+_FIELDS = (
+    ("reward/mean", "reward", "{:.3f}"),
+    ("train/loss", "loss", "{:+.4f}"),
+    ("rollout/max_lag", "lag", "{}"),
+    ("throughput/tokens_per_s_per_gpu", "tok/s", "{:,.0f}"),
+    ("timing/step_s", "s/step", "{:.3f}"),
+)
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(seconds)
+    if seconds >= 3600:
+        return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+    if seconds >= 60:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds}s"
+
+
+class Console:
+    def __init__(
+        self,
+        total_steps: int,
+        *,
+        stream: TextIO | None = None,
+        live: bool | None = None,
+        log_every: int = 10,
+        now: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.total = total_steps
+        self.stream = stream if stream is not None else sys.stdout
+        self.live = self.stream.isatty() if live is None else live
+        self.log_every = log_every
+        self.now = now
+        self.last: dict[str, Any] = {}
+        self.last_eval: dict[str, Any] = {}
+        self.state: dict[str, Any] = {}
+        self._step_times: deque[tuple[int, float]] = deque(maxlen=20)
+        self._shown = ""
+
+    # -- what the pipeline reports ------------------------------------------------------------
+
+    def record(self, record: dict[str, Any]) -> None:
+        """A train step's metrics record."""
+        self.last = record
+        step = int(record.get("step", 0))
+        self._step_times.append((step, self.now()))
+        if step % self.log_every == 0 or step in (1, self.total):
+            self.line(self._summary(with_eval=False))
+        else:
+            self._redraw()
+
+    def evaluation(self, record: dict[str, Any]) -> None:
+        self.last_eval = record
+        parts = [f"eval @ step {record.get('step', '?')}"]
+        parts += [
+            f"{key[len('eval/') :]} {value:.3f}" for key, value in record.items() if key.startswith("eval/")
+        ]
+        self.line("  ".join(parts))
+
+    def observe(self, state: dict[str, Any]) -> None:
+        """Live state between steps: `gate` (its state) and `queues` (name -> depth)."""
+        self.state = state
+        self._redraw()
+
+    async def refresh(self, snapshot: Callable[[], dict[str, Any]], period: float = 0.5) -> None:
+        """Redraw the status line from `snapshot()` every `period` seconds (live only)."""
+        if not self.live:
+            return
+        while True:
+            self.observe(snapshot())
+            await anyio.sleep(period)
+
+    def line(self, text: str) -> None:
+        """A permanent line (above the status line when live)."""
+        self._clear()
+        self.stream.write(text + "\n")
+        self._redraw()
+
+    def close(self) -> None:
+        self._clear()
+        self.stream.flush()
+
+    # -- drawing ------------------------------------------------------------------------------
+
+    def eta_s(self) -> float | None:
+        if len(self._step_times) < 2:
+            return None
+        (first_step, first_t), (last_step, last_t) = self._step_times[0], self._step_times[-1]
+        if last_step <= first_step:
+            return None
+        return (self.total - last_step) * (last_t - first_t) / (last_step - first_step)
+
+    def _summary(self, *, with_eval: bool = True) -> str:
+        record = self.last
+        parts = [f"step {record.get('step', 0)}/{self.total}"]
+        for key, label, form in _FIELDS:
+            if key in record:
+                parts.append(f"{label} {form.format(record[key])}")
+        eta = self.eta_s()
+        if eta is not None:
+            parts.append(f"ETA {_duration(eta)}")
+        if with_eval and "eval/reward" in self.last_eval:
+            parts.append(f"eval {self.last_eval['eval/reward']:.3f}")
+        queues = self.state.get("queues") or {
+            key[len("queue/") :]: value for key, value in record.items() if key.startswith("queue/")
+        }
+        if queues:
+            parts.append("queues " + " ".join(f"{name} {depth}" for name, depth in queues.items()))
+        if "gate" in self.state:
+            parts.append(f"gate {self.state['gate']}")
+        return "  ".join(parts)
+
+    def _redraw(self) -> None:
+        if not self.live:
+            return
+        self._shown = self._summary()
+        self.stream.write("\r\x1b[2K" + self._shown)
+        self.stream.flush()
+
+    def _clear(self) -> None:
+        if self.live and self._shown:
+            self.stream.write("\r\x1b[2K")
+            self._shown = ""
+
+
+class ConsoleHandler(logging.Handler):
+    """Prints log records above a live status line instead of through it."""
+
+    def __init__(self, console: Console) -> None:
+        super().__init__()
+        self.console = console
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            self.console.line(self.format(record))
+        except Exception:
+            self.handleError(record)

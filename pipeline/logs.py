@@ -1,0 +1,40 @@
+"""Logging: one logger per component (`pipeline.gate`, `stages.rollout`, ...), one format, and
+warnings that would repeat every step said once.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Any
+
+FORMAT = "%(asctime)s %(levelname)-7s %(name)s: %(message)s"
+DATE_FORMAT = "%H:%M:%S"
+
+_warned: set[tuple[str, str]] = set()
+
+
+def setup(level: str = "INFO", handler: logging.Handler | None = None) -> None:
+    """Route every record at `level` and above through `handler` (stderr by default)."""
+    handler = handler or logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter(FORMAT, DATE_FORMAT))
+    root = logging.getLogger()
+    for old in list(root.handlers):
+        root.removeHandler(old)
+    root.addHandler(handler)
+    root.setLevel(level.upper())
+    logging.captureWarnings(True)
+
+
+def warn_once(logger: logging.Logger, key: str, message: str, *args: Any) -> None:
+    """Log a warning the first time `key` comes up for `logger`; later ones at debug level."""
+    if (logger.name, key) in _warned:
+        logger.debug(message, *args)
+        return
+    _warned.add((logger.name, key))
+    logger.warning(message, *args)
+
+
+def reset_warnings() -> None:
+    """Forget which warnings were given (a new run warns afresh)."""
+    _warned.clear()
