@@ -6,10 +6,11 @@ is not installed is a recipe error naming the field and the install command.
 
 from __future__ import annotations
 
+import uuid
 from pathlib import Path
 from typing import Any, Protocol
 
-from pipeline.errors import RecipeError
+from pipeline.errors import PipelineError, RecipeError
 from pipeline.recipe import TensorBoardSection, WandbSection
 
 
@@ -31,7 +32,7 @@ class WandbSink:
         except ImportError:
             raise RecipeError("wandb.enabled: wandb is not installed (pip install wandb)") from None
         id_file = run_dir / "wandb-id"
-        run_id = id_file.read_text().strip() if id_file.exists() else wandb.util.generate_id()
+        run_id = id_file.read_text().strip() if id_file.exists() else uuid.uuid4().hex[:8]
         id_file.write_text(run_id + "\n")
         options: dict[str, Any] = {
             "project": section.project,
@@ -44,7 +45,13 @@ class WandbSink:
         }
         if section.mode is not None:
             options["mode"] = section.mode
-        self.run = wandb.init(**options)
+        try:
+            self.run = wandb.init(**options)
+        except Exception as error:  # no login, no network in online mode, a bad project name
+            raise PipelineError(
+                f"wandb: could not start a run ({type(error).__name__}: {error}); "
+                "set WANDB_MODE=offline or wandb.mode: offline to log locally"
+            ) from None
 
     def log(self, record: dict[str, Any], step: int) -> None:
         self.run.log(record, step=step)
