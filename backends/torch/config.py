@@ -53,6 +53,10 @@ class ModelConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
     tie_word_embeddings: bool = False
     attention_bias: bool = False
     rope_scaling: dict[str, Any] | None = None
+    # Not a Llama/Qwen2 feature: a learned absolute position embedding added to the token
+    # embedding (rotary stays). Small models from scratch learn position-dependent tasks
+    # (reversal) far faster with it. Such a model has no Hugging Face equivalent.
+    learned_position_embeddings: bool = False
 
     def __post_init__(self) -> None:
         if self.num_attention_heads % self.num_key_value_heads:
@@ -149,6 +153,11 @@ class ModelConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
 
     def to_hf_dict(self) -> dict[str, Any]:
         """A ``config.json`` dict that transformers (4.x and 5.x) loads as ``architecture``."""
+        if self.learned_position_embeddings:
+            raise UnsupportedModelError(
+                "learned_position_embeddings=true has no Hugging Face Llama/Qwen2 equivalent; "
+                "such a model cannot be exported"
+            )
         rope_parameters = {"rope_type": "default", **(self.rope_scaling or {})}
         return {
             "architectures": [self.architecture],

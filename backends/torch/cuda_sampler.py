@@ -296,6 +296,8 @@ class CudaSampler:
         cos, sin = self._rope(positions)  # [T, D/2 * 2]
         cos, sin = cos[None, None], sin[None, None]
         x = m.model.embed_tokens(ids)
+        if m.model.embed_positions is not None:
+            x = x + m.model.embed_positions(positions)
         for i, layer in enumerate(m.model.layers):
             attn = layer.self_attn
             h = layer.input_layernorm(x)
@@ -364,6 +366,8 @@ class CudaSampler:
         write = step.row_base + position
         used = (position + 1).to(torch.int32)
         x = m.model.embed_tokens(step.token)
+        if m.model.embed_positions is not None:
+            x = x + m.model.embed_positions(position)
         for i, layer in enumerate(m.model.layers):
             x = self._decode_layer(layer, x, cos_full, sin_signed, i, write, used, step)
         hidden = m.model.norm(x)

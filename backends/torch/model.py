@@ -171,6 +171,11 @@ class Backbone(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_positions = (
+            nn.Embedding(config.max_position_embeddings, config.hidden_size)
+            if config.learned_position_embeddings
+            else None
+        )
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -219,6 +224,8 @@ class Decoder(nn.Module):
         mask, is_causal = _attention_mask(attn_mask, t, cache_start, input_ids.device)
 
         x = self.model.embed_tokens(input_ids)
+        if self.model.embed_positions is not None:
+            x = x + self.model.embed_positions(position_ids)
         freqs = position_ids.unsqueeze(-1).float() * self._inv_freq_on(input_ids.device)
         cos = freqs.cos().to(x.dtype).unsqueeze(1)
         sin = freqs.sin().to(x.dtype).unsqueeze(1)

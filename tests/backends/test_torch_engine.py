@@ -12,9 +12,11 @@ VOCAB = 29
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7], [8, 9], [10, 11, 12, 13], [8, 9]]
 
 
-def _sampler(seed: int = 0) -> Sampler:
+def _sampler(seed: int = 0, **variant: bool) -> Sampler:
     torch.manual_seed(seed)
-    config = ModelConfig(vocab_size=VOCAB, hidden_size=64, attention_bias=True, tie_word_embeddings=True)
+    config = ModelConfig(
+        vocab_size=VOCAB, hidden_size=64, attention_bias=True, tie_word_embeddings=True, **variant
+    )
     model = Decoder(config)
     # A sharper random model so that sampled tokens vary and greedy choices are not near-ties.
     with torch.no_grad():
@@ -42,9 +44,12 @@ def _recomputed(
     ]
 
 
+@pytest.mark.parametrize("learned_positions", [False, True], ids=["rotary", "rotary+learned"])
 @pytest.mark.parametrize(("temperature", "top_p"), [(0.7, 0.9), (1.3, 1.0), (0.0, 1.0)])
-def test_reported_logprobs_equal_training_recomputation(temperature: float, top_p: float) -> None:
-    sampler = _sampler()
+def test_reported_logprobs_equal_training_recomputation(
+    temperature: float, top_p: float, learned_positions: bool
+) -> None:
+    sampler = _sampler(learned_position_embeddings=learned_positions)
     outs = _generate(sampler, PROMPTS, temperature=temperature, top_p=top_p)
     # Greedy reports logprobs at temperature 1.
     want = _recomputed(sampler.model, PROMPTS, outs, temperature or 1.0)

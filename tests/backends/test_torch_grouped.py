@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from backends.torch.config import ModelConfig
@@ -23,9 +24,17 @@ def _full(model: Decoder, prompts, owner, responses, temperature):
     return torch.stack(rows)
 
 
-def test_grouped_logprobs_and_gradients_match_full_sequences() -> None:
+@pytest.mark.parametrize("learned_positions", [False, True], ids=["rotary", "rotary+learned"])
+def test_grouped_logprobs_and_gradients_match_full_sequences(learned_positions: bool) -> None:
     torch.manual_seed(0)
-    model = Decoder(ModelConfig(vocab_size=23, hidden_size=64, intermediate_size=96, num_attention_heads=4))
+    config = ModelConfig(
+        vocab_size=23,
+        hidden_size=64,
+        intermediate_size=96,
+        num_attention_heads=4,
+        learned_position_embeddings=learned_positions,
+    )
+    model = Decoder(config)
     prompts = [(2, 5, 7, 9), (2, 11), (3, 4, 5, 6, 7, 8)]
     owner = [0, 0, 0, 1, 1, 2, 2, 2]
     responses = [(4,), (5, 6, 1), (7, 8, 9, 10), (12, 13), (14,), (3, 3, 3), (1,), (9, 8)]

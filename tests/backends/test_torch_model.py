@@ -26,9 +26,16 @@ def _positions(b: int, t: int) -> torch.Tensor:
     return torch.arange(t).expand(b, t)
 
 
-@pytest.mark.parametrize("attention_bias", [False, True])
-def test_kv_cache_incremental_matches_full_forward(attention_bias: bool) -> None:
-    config = msgspec.structs.replace(CONFIG, attention_bias=attention_bias)
+VARIANTS = pytest.mark.parametrize(
+    "variant",
+    [{}, {"attention_bias": True}, {"learned_position_embeddings": True}],
+    ids=["plain", "attention-bias", "learned-positions"],
+)
+
+
+@VARIANTS
+def test_kv_cache_incremental_matches_full_forward(variant: dict) -> None:
+    config = msgspec.structs.replace(CONFIG, **variant)
     model = _model(config)
     ids = torch.randint(0, config.vocab_size, (3, 11), generator=torch.Generator().manual_seed(1))
     with torch.inference_mode():
@@ -44,15 +51,17 @@ def test_kv_cache_incremental_matches_full_forward(attention_bias: bool) -> None
     torch.testing.assert_close(torch.cat(pieces, dim=1), full, atol=1e-5, rtol=0)
 
 
-def test_left_padding_with_mask_matches_unpadded_rows() -> None:
-    model = _model()
+@VARIANTS
+def test_left_padding_with_mask_matches_unpadded_rows(variant: dict) -> None:
+    config = msgspec.structs.replace(CONFIG, **variant)
+    model = _model(config)
     gen = torch.Generator().manual_seed(2)
     rows = [torch.randint(0, 37, (n,), generator=gen) for n in (7, 3, 5)]
     width = 7
     ids = torch.stack([torch.cat([torch.zeros(width - len(r), dtype=torch.long), r]) for r in rows])
     real = torch.stack([torch.arange(width) >= width - len(r) for r in rows])
     positions = (torch.arange(width) - (width - real.sum(1, keepdim=True))).clamp(min=0)
-    cache = KVCache.allocate(CONFIG, 3, width + 2, dtype=torch.float32, device=torch.device("cpu"))
+    cache = KVCache.allocate(config, 3, width + 2, dtype=torch.float32, device=torch.device("cpu"))
     with torch.inference_mode():
         batched = model(ids, positions, attn_mask=real, kv_cache=cache)
         nxt = torch.tensor([[1], [2], [3]])
@@ -141,3 +150,16 @@ def test_from_hf_dict_rejects_unsupported_architecture() -> None:
         r"supported: LlamaForCausalLM, Qwen2ForCausalLM$",
     ):
         ModelConfig.from_hf_dict({"architectures": ["GPT2LMHeadModel"]}, source="x/config.json")
+
+
+def test_learned_position_embeddings_change_the_output_and_cannot_be_exported() -> None:
+    config = msgspec.structs.replace(CONFIG, learned_position_embeddings=True)
+    model = _model(config)
+    assert model.model.embed_positions.weight.shape == (config.max_position_embeddings, 64)
+    ids = torch.tensor([[3, 3, 3, 3]])
+    with torch.no_grad():
+        model.model.embed_positions.weight.normal_(0, 1.0)
+        hidden = model.hidden_states(ids, _positions(1, 4))
+    assert not torch.allclose(hidden[0, 0], hidden[0, 1])  # same token, different positions
+    with pytest.raises(UnsupportedModelError, match="no Hugging Face Llama/Qwen2 equivalent"):
+        config.to_hf_dict()
