@@ -16,7 +16,7 @@ pytestmark = pytest.mark.gpu
 VOCAB = 1000
 
 
-def _model(dtype: torch.dtype) -> Decoder:
+def _model(dtype: torch.dtype, *, learned_positions: bool = False) -> Decoder:
     torch.manual_seed(0)
     config = ModelConfig(
         vocab_size=VOCAB,
@@ -28,6 +28,8 @@ def _model(dtype: torch.dtype) -> Decoder:
         head_dim=64,
         attention_bias=True,
         tie_word_embeddings=True,
+        max_position_embeddings=128,
+        learned_position_embeddings=learned_positions,
     )
     model = Decoder(config)
     with torch.no_grad():  # sharper than the 0.02 init, so sampled tokens and greedy choices vary
@@ -58,17 +60,20 @@ def _recomputed(model: Decoder, prompts: list[list[int]], outs: list[Completion]
 
 
 @pytest.mark.parametrize(
-    ("dtype", "temperature", "top_p"),
+    ("dtype", "temperature", "top_p", "learned_positions"),
     [
-        (torch.float32, 1.0, 1.0),
-        (torch.float32, 0.7, 0.9),
-        (torch.float32, 0.0, 1.0),
-        (torch.bfloat16, 1.0, 1.0),
-        (torch.bfloat16, 0.0, 1.0),
+        (torch.float32, 1.0, 1.0, False),
+        (torch.float32, 0.7, 0.9, False),
+        (torch.float32, 0.0, 1.0, False),
+        (torch.float32, 1.0, 1.0, True),
+        (torch.bfloat16, 1.0, 1.0, False),
+        (torch.bfloat16, 0.0, 1.0, False),
     ],
 )
-def test_logprobs_match_full_recomputation(dtype: torch.dtype, temperature: float, top_p: float) -> None:
-    model = _model(dtype)
+def test_logprobs_match_full_recomputation(
+    dtype: torch.dtype, temperature: float, top_p: float, learned_positions: bool
+) -> None:
+    model = _model(dtype, learned_positions=learned_positions)
     sampler = CudaSampler(model)
     prompts = _prompts(37)  # not a bucket size: padding rows ride along
     outs = sampler.generate(

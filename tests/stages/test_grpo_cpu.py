@@ -62,3 +62,25 @@ def test_quickstart_learns(tmp_path: Path, colocated: bool, lookahead: int) -> N
     assert len(evals) == 3  # before training, at step 100 and at step 200
     assert evals[0] < 0.3
     assert evals[-1] > 0.8
+
+
+@pytest.mark.slow
+def test_reverse_digits_recipe_passes_the_bar(tmp_path: Path) -> None:
+    """The TRL comparison task: reversal from random weights, past 0.8 held-out by step 100."""
+    recipe = pipeline.load_recipe(
+        "recipes/reverse-digits.yaml",
+        [
+            f"run.dir={tmp_path / 'run'}",
+            "run.progress=false",
+            "run.plot=false",
+            "run.steps=100",
+            "eval.every_steps=100",
+            "eval.num_prompts=128",
+        ],
+    )
+    anyio.run(pipeline.run, recipe)
+    evals = read(tmp_path / "run" / "eval.jsonl")
+    assert [e["step"] for e in evals] == [0, 100]
+    assert evals[0]["eval/reward"] < 0.3
+    assert evals[-1]["eval/reward"] > 0.8
+    assert "eval/exact_match" in evals[-1]
