@@ -141,6 +141,7 @@ def main() -> None:
         "step_s_median": statistics.median(step_s[args.warmup :]),
         "steps": len(step_s),
         "steps_in_median": len(step_s[args.warmup :]),
+        "step_s": [round(s, 4) for s in step_s],
         "reward_first_last": [rewards[0], rewards[-1]] if rewards else None,
         "config": {
             **config,

@@ -53,6 +53,11 @@ class TrainSection(Section):
     kl_coef: NonNegativeFloat = 0.0
     is_correction: Literal["none", "tis", "icepop"] = "tis"
     is_cap: Annotated[float, msgspec.Meta(gt=1)] = 2.0
+    # bf16 models step float32 master copies (false: step the bf16 weights directly).
+    master_weights: bool = True
+    # Park master weights and optimizer moments in pinned host memory between steps (colocated:
+    # room for the KV cache while the engine generates); costs two host-link copies per step.
+    offload_optimizer: bool = False
 
 
 # (step, next batch, the step's metrics record so far)

@@ -92,5 +92,7 @@ def build_backend(
         temperature=rollout.temperature,
         seed=seed + 2,
         reference=reference,
+        master_weights=train.master_weights,
+        offload_optimizer=train.offload_optimizer,
     )
     return engine, trainer

@@ -98,7 +98,7 @@ class TorchEngine:
                     continue
                 self._leading = True
                 try:
-                    await anyio.lowlevel.checkpoint()  # let sibling groups queue their requests
+                    await self._gather()
                     while not request.done:
                         await self._run_batch()
                 finally:
@@ -111,6 +111,15 @@ class TorchEngine:
             raise request.result
         assert request.result is not None
         return request.result
+
+    async def _gather(self) -> None:
+        """Yield to the event loop until no new request arrived for two rounds, so the groups
+        started together (a batch's prompts) are sampled in one call, not the first alone."""
+        quiet, seen = 0, len(self._queue)
+        while quiet < 2:
+            await anyio.lowlevel.checkpoint()
+            quiet = quiet + 1 if len(self._queue) == seen else 0
+            seen = len(self._queue)
 
     async def _run_batch(self) -> None:
         greedy = self._queue[0].greedy

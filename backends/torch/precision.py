@@ -1,0 +1,114 @@
+"""Float32 master weights for a low-precision model, and parking optimizer state on the host.
+
+`MasterWeights`: AdamW steps float32 copies of bf16 parameters and the model gets them rounded
+back. Stepping bf16 weights directly loses updates smaller than half a bf16 spacing (about 2e-3
+of the weight): at the learning rates of RL fine-tuning (1e-6) that is nearly every update.
+Gradients are clipped by their norm computed in float32 and converted one tensor at a time.
+
+`HostParking`: moves a set of device tensors (master weights and optimizer moments) to pinned
+host buffers allocated once, and frees their device storage in place, so the optimizer's state
+dict and every reference stay valid; `restore` copies them back into the same tensors.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+
+import torch
+from torch import Tensor
+
+
+class MasterWeights:
+    def __init__(self, params: Iterable[torch.nn.Parameter]) -> None:
+        self.params = [p for p in params if p.requires_grad]
+        self.master = [torch.nn.Parameter(p.detach().float().clone()) for p in self.params]
+
+    def grad_norm(self) -> float:
+        """The float32 2-norm of all the model's gradients (inf/nan when one is not finite)."""
+        norms = [
+            torch.linalg.vector_norm(p.grad, dtype=torch.float32) for p in self.params if p.grad is not None
+        ]
+        if not norms:
+            return 0.0
+        return float(torch.linalg.vector_norm(torch.stack(norms)))
+
+    def load_grads(self, scale: float) -> None:
+        """master.grad = scale * model grad in float32; the model's gradients are freed."""
+        for p, m in zip(self.params, self.master, strict=True):
+            if p.grad is None:
+                m.grad = None
+                continue
+            m.grad = p.grad.float().mul_(scale)
+            p.grad = None
+
+    @torch.no_grad()
+    def publish(self) -> None:
+        """Round the master weights into the model's parameters; drop the master gradients."""
+        for p, m in zip(self.params, self.master, strict=True):
+            p.copy_(m)
+            m.grad = None
+
+    @torch.no_grad()
+    def reload_from_model(self) -> None:
+        for p, m in zip(self.params, self.master, strict=True):
+            m.copy_(p)
+
+
+class HostParking:
+    """Device tensors parked in pinned host memory between uses; buffers are allocated once."""
+
+    def __init__(self) -> None:
+        self.tensors: list[Tensor] = []
+        self.host: list[Tensor] = []
+        self.parked = False
+
+    @property
+    def bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors)
+
+    @torch.no_grad()
+    def park(self, tensors: list[Tensor]) -> float:
+        """Copy `tensors` to the host and free their device storage; returns the seconds taken."""
+        if self.parked:
+            raise RuntimeError("already parked")
+        start = time.perf_counter()
+        if [id(t) for t in tensors] != [id(t) for t in self.tensors]:
+            for t in tensors:
+                if t.storage_offset() or t.untyped_storage().nbytes() != t.numel() * t.element_size():
+                    raise ValueError("only tensors that own their whole storage can be parked")
+            pin = tensors[0].is_cuda if tensors else False
+            self.tensors = tensors
+            self.host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=pin) for t in tensors]
+        for tensor, host in zip(self.tensors, self.host, strict=True):
+            host.copy_(tensor, non_blocking=True)
+        if self.tensors and self.tensors[0].is_cuda:
+            torch.cuda.synchronize()
+        for tensor in self.tensors:
+            tensor.untyped_storage().resize_(0)
+        if self.tensors and self.tensors[0].is_cuda:
+            torch.cuda.empty_cache()  # the engine's KV cache may take the freed memory
+        self.parked = True
+        return time.perf_counter() - start
+
+    def host_copy(self, tensor: Tensor) -> Tensor:
+        """The parked contents of `tensor` (itself when not parked)."""
+        if self.parked:
+            for parked, host in zip(self.tensors, self.host, strict=True):
+                if parked is tensor:
+                    return host
+        return tensor
+
+    @torch.no_grad()
+    def restore(self) -> float:
+        """Give the parked tensors their device storage and contents back; returns the seconds."""
+        if not self.parked:
+            return 0.0
+        start = time.perf_counter()
+        for tensor, host in zip(self.tensors, self.host, strict=True):
+            tensor.untyped_storage().resize_(tensor.numel() * tensor.element_size())
+            tensor.copy_(host, non_blocking=True)
+        if self.tensors and self.tensors[0].is_cuda:
+            torch.cuda.synchronize()
+        self.parked = False
+        return time.perf_counter() - start
