@@ -44,5 +44,5 @@ def bench(session: nox.Session) -> None:
 @nox.session(python=False)
 def gpu(session: nox.Session) -> None:
     """GPU tests and benchmarks, run in the current environment of a CUDA machine."""
-    session.run("python", "-m", "pytest", "-m", "gpu", "tests/gpu", *session.posargs)
+    session.run("python", "-m", "pytest", "-m", "gpu", "tests", *session.posargs)
     session.run("python", "-m", "bench.gpu", *session.posargs)
