@@ -24,7 +24,7 @@ def tests(session: nox.Session) -> None:
 @nox.session
 def lint(session: nox.Session) -> None:
     session.install("ruff")
-    session.run("ruff", "check", "pipeline", "stages", "backends", "tests")
+    session.run("ruff", "check", "pipeline", "stages", "backends", "tests", "bench")
 
 
 @nox.session

@@ -59,9 +59,9 @@ def make_dataset(n: int, seed: int) -> Dataset:
 def positional_reward(completions: list[str], answer: list[str], **_) -> list[float]:
     """Digit positions where the completion matches the answer, over the longer of the two."""
     rewards = []
-    for text, ans in zip(completions, answer):
+    for text, ans in zip(completions, answer, strict=True):
         text = text.strip()
-        hits = sum(a == b for a, b in zip(text, ans))
+        hits = sum(a == b for a, b in zip(text, ans, strict=False))
         rewards.append(hits / max(len(ans), len(text)))
     return rewards
 
@@ -132,7 +132,7 @@ def main() -> None:
         timer.times = [time.perf_counter()]
         trainer.train()
 
-    step_s = [b - a for a, b in zip(timer.times, timer.times[1:])]
+    step_s = [b - a for a, b in zip(timer.times, timer.times[1:], strict=False)]
     rewards = [r["reward"] for r in trainer.state.log_history if "reward" in r]
     result = {
         "trl_version": trl.__version__,
@@ -147,9 +147,18 @@ def main() -> None:
             **config,
             "prompts_per_step": prompts_per_step,
             "torch_threads": torch.get_num_threads(),
-            "model": {k: getattr(model_config, k) for k in (
-                "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                "num_attention_heads", "num_key_value_heads", "max_position_embeddings")},
+            "model": {
+                k: getattr(model_config, k)
+                for k in (
+                    "vocab_size",
+                    "hidden_size",
+                    "intermediate_size",
+                    "num_hidden_layers",
+                    "num_attention_heads",
+                    "num_key_value_heads",
+                    "max_position_embeddings",
+                )
+            },
             "cpu_count": os.cpu_count(),
         },
     }
