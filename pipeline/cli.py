@@ -114,7 +114,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             console = Console(recipe.run.steps, log_every=recipe.run.log_every_steps)
             if console.live:
                 logs.setup(args.log_level, ConsoleHandler(console))
-        summary = anyio.run(_run, recipe, console, backend_options={"use_uvloop": True})
+        try:
+            summary = anyio.run(_run, recipe, console, backend_options={"use_uvloop": True})
+        finally:
+            if console is not None and console.live:
+                logs.setup(args.log_level)  # the status line is gone: plain log lines again
     except PipelineError as error:
         if isinstance(error, StageFailed):  # a bug, not a user mistake: keep its traceback
             traceback.print_exception(error.error)

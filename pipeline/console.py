@@ -56,6 +56,7 @@ class Console:
         self.state: dict[str, Any] = {}
         self._step_times: deque[tuple[int, float]] = deque(maxlen=20)
         self._shown = ""
+        self._closed = False
 
     # -- what the pipeline reports ------------------------------------------------------------
 
@@ -97,7 +98,9 @@ class Console:
         self._redraw()
 
     def close(self) -> None:
+        """Clear the status line; later lines (late log records) print plainly."""
         self._clear()
+        self._closed = True
         self.stream.flush()
 
     # -- drawing ------------------------------------------------------------------------------
@@ -131,7 +134,7 @@ class Console:
         return "  ".join(parts)
 
     def _redraw(self) -> None:
-        if not self.live:
+        if not self.live or self._closed:
             return
         self._shown = self._summary()
         self.stream.write("\r\x1b[2K" + self._shown)

@@ -2,10 +2,15 @@
 
 A sink has `log(record, step)` and `close()`. Sinks are optional packages: enabling one that
 is not installed is a recipe error naming the field and the install command.
+
+On resume from a checkpoint at step N, what the interrupted run logged after N is discarded
+from `metrics.jsonl`; the sinks follow: wandb continues in a new run of the same group (a wandb
+run cannot rewind its steps), TensorBoard marks step N+1 so that readers drop the stale events.
 """
 
 from __future__ import annotations
 
+import time
 import uuid
 from pathlib import Path
 from typing import Any, Protocol
@@ -21,27 +26,27 @@ class Sink(Protocol):
 
 
 class WandbSink:
-    """One wandb run per run directory: a resumed run continues the same wandb run.
+    """One wandb group per run directory; each start or resume is a run in it.
 
     The mode is passed only when the recipe sets it, so `WANDB_MODE` keeps working.
     """
 
-    def __init__(self, section: WandbSection, run_dir: Path, config: dict[str, Any]) -> None:
+    def __init__(
+        self, section: WandbSection, run_dir: Path, config: dict[str, Any], resume_step: int | None
+    ) -> None:
         try:
             import wandb
         except ImportError:
             raise RecipeError("wandb.enabled: wandb is not installed (pip install wandb)") from None
-        id_file = run_dir / "wandb-id"
-        run_id = id_file.read_text().strip() if id_file.exists() else uuid.uuid4().hex[:8]
-        id_file.write_text(run_id + "\n")
+        name = section.name or run_dir.resolve().name
         options: dict[str, Any] = {
             "project": section.project,
-            "name": section.name or run_dir.resolve().name,
-            "tags": list(section.tags),
+            "group": name,
+            "name": name if resume_step is None else f"{name}-from-{resume_step}",
+            "tags": [*section.tags, *(["resumed"] if resume_step is not None else [])],
             "dir": str(run_dir),
-            "config": config,
-            "id": run_id,
-            "resume": "allow",
+            "config": {**config, "resumed_from_step": resume_step},
+            "id": uuid.uuid4().hex[:8],
         }
         if section.mode is not None:
             options["mode"] = section.mode
@@ -52,6 +57,7 @@ class WandbSink:
                 f"wandb: could not start a run ({type(error).__name__}: {error}); "
                 "set WANDB_MODE=offline or wandb.mode: offline to log locally"
             ) from None
+        (run_dir / "wandb-id").write_text(self.run.id + "\n")
 
     def log(self, record: dict[str, Any], step: int) -> None:
         self.run.log(record, step=step)
@@ -61,32 +67,54 @@ class WandbSink:
 
 
 class TensorBoardSink:
-    """Scalars in `run.dir/tensorboard`, one tag per metric key."""
+    """Scalars in `run.dir/tensorboard`, one tag per metric key (the tensorboard package's own
+    event writer: no torch here)."""
 
-    def __init__(self, run_dir: Path) -> None:
+    def __init__(self, run_dir: Path, resume_step: int | None) -> None:
         try:
-            from torch.utils.tensorboard import SummaryWriter
+            from tensorboard.compat.proto.event_pb2 import Event, SessionLog
+            from tensorboard.compat.proto.summary_pb2 import Summary
+            from tensorboard.summary.writer.event_file_writer import EventFileWriter
         except ImportError:
             raise RecipeError(
                 "tensorboard.enabled: the tensorboard package is not installed (pip install tensorboard)"
             ) from None
-        self.writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"), flush_secs=10)
+        self._event, self._summary = Event, Summary
+        self.writer = EventFileWriter(str(run_dir / "tensorboard"), flush_secs=10)
+        if resume_step is not None:  # readers drop events at later steps from earlier files
+            self.writer.add_event(
+                Event(
+                    step=resume_step + 1,
+                    wall_time=time.time(),
+                    session_log=SessionLog(status=SessionLog.START),
+                )
+            )
 
     def log(self, record: dict[str, Any], step: int) -> None:
-        for key, value in record.items():
-            if isinstance(value, int | float) and not isinstance(value, bool) and key != "step":
-                self.writer.add_scalar(key, value, global_step=step)
+        values = [
+            self._summary.Value(tag=key, simple_value=float(value))
+            for key, value in record.items()
+            if isinstance(value, int | float) and not isinstance(value, bool) and key != "step"
+        ]
+        self.writer.add_event(
+            self._event(step=step, wall_time=time.time(), summary=self._summary(value=values))
+        )
 
     def close(self) -> None:
         self.writer.close()
 
 
 def open_sinks(
-    wandb: WandbSection, tensorboard: TensorBoardSection, run_dir: Path, config: dict[str, Any]
+    wandb: WandbSection,
+    tensorboard: TensorBoardSection,
+    run_dir: Path,
+    config: dict[str, Any],
+    *,
+    resume_step: int | None = None,
 ) -> list[Sink]:
     sinks: list[Sink] = []
     if wandb.enabled:
-        sinks.append(WandbSink(wandb, run_dir, config))
+        sinks.append(WandbSink(wandb, run_dir, config, resume_step))
     if tensorboard.enabled:
-        sinks.append(TensorBoardSink(run_dir))
+        sinks.append(TensorBoardSink(run_dir, resume_step))
     return sinks

@@ -4,7 +4,8 @@ Each track is one thread row. Spans on a track nest (the format requires it), so
 concurrently (generation requests) gets `lanes`: a span takes the lowest free row of its track
 family ("rollout 0", "rollout 1", ...) and frees it when done. Counters (queue depths, lag)
 become graphs. Times come from the pipeline's time source, so tests on fake time get exact
-traces.
+traces. A long run keeps its most recent `max_events` events (the oldest quarter goes when the
+cap is reached; `otherData.dropped_events` counts them), so memory and the file stay bounded.
 """
 
 from __future__ import annotations
@@ -18,9 +19,12 @@ from typing import Any
 
 
 class Trace:
-    def __init__(self, now: Callable[[], float]) -> None:
+    def __init__(self, now: Callable[[], float], *, max_events: int = 200_000) -> None:
         self.now = now
         self.origin = now()
+        self.max_events = max_events
+        self.dropped = 0
+        self.metadata: list[dict[str, Any]] = []  # track names: never dropped
         self.events: list[dict[str, Any]] = []
         self._tids: dict[str, int] = {}
         self._busy: dict[str, set[int]] = {}
@@ -29,10 +33,10 @@ class Trace:
         tid = self._tids.get(track)
         if tid is None:
             tid = self._tids[track] = len(self._tids) + 1
-            self.events.append(
+            self.metadata.append(
                 {"name": "thread_name", "ph": "M", "pid": 0, "tid": tid, "args": {"name": track}}
             )
-            self.events.append(
+            self.metadata.append(
                 {"name": "thread_sort_index", "ph": "M", "pid": 0, "tid": tid, "args": {"sort_index": tid}}
             )
         return tid
@@ -40,8 +44,15 @@ class Trace:
     def _us(self, t: float) -> float:
         return round((t - self.origin) * 1e6, 3)
 
+    def _add(self, event: dict[str, Any]) -> None:
+        if len(self.events) >= self.max_events:
+            cut = max(1, self.max_events // 4)
+            del self.events[:cut]
+            self.dropped += cut
+        self.events.append(event)
+
     def span(self, name: str, start: float, end: float, *, track: str, **args: Any) -> None:
-        self.events.append(
+        self._add(
             {
                 "name": name,
                 "ph": "X",
@@ -69,12 +80,20 @@ class Trace:
 
     def counters(self, name: str, values: dict[str, float]) -> None:
         """A counter sample (drawn as a graph per key) at the current time."""
-        self.events.append(
+        self._add(
             {"name": name, "ph": "C", "ts": self._us(self.now()), "pid": 0, "tid": 0, "args": values}
         )
 
-    def write(self, path: Path) -> None:
+    def snapshot(self) -> dict[str, Any]:
+        """The trace as a Chrome trace object (a copy: safe to write from another thread)."""
+        return {
+            "traceEvents": [*self.metadata, *self.events],
+            "displayTimeUnit": "ms",
+            "otherData": {"dropped_events": self.dropped},
+        }
+
+    def write(self, path: Path, snapshot: dict[str, Any] | None = None) -> None:
         """Write atomically: a crash mid-write never leaves a torn trace."""
         tmp = path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps({"traceEvents": self.events, "displayTimeUnit": "ms"}))
+        tmp.write_text(json.dumps(snapshot if snapshot is not None else self.snapshot()))
         os.replace(tmp, path)

@@ -51,6 +51,7 @@ class PipelineState(msgspec.Struct, kw_only=True):
     next_batch: int  # batches before it are trained or dropped; its prompts are drawn again
     rollout_counts: dict[str, int]
     reward_counts: dict[str, int]
+    empty_batches: int = 0  # batches that had nothing to train on
     # The saved step's metrics record when the save ran inside the step (before its line was
     # written); None for the save of a clean stop, which follows the line.
     last_record: dict[str, Any] | None = None

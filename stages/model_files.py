@@ -102,6 +102,11 @@ def export(checkpoint: str | Path, out_dir: str | Path) -> Path:
     if (out / CONFIG_FILE).exists():
         raise RecipeError(f"{out}: already holds {CONFIG_FILE}; export into a new directory")
     opened = open_model(checkpoint)
+    if opened.config.learned_position_embeddings:
+        raise RecipeError(
+            f"{checkpoint}: a model with learned_position_embeddings has no Hugging Face "
+            "Llama/Qwen2 equivalent and cannot be exported"
+        )
     save_pretrained(opened.config, opened.model, out)
     if opened.hf_dir is not None:
         for name in TOKENIZER_FILES:

@@ -17,7 +17,7 @@ import yaml
 from pipeline.channel import Channel
 from pipeline.clock import DeadlineClock, TimeSource
 from pipeline.console import Console
-from pipeline.errors import RecipeError
+from pipeline.errors import PipelineError, RecipeError
 from pipeline.gate import EngineGate
 from pipeline.logs import reset_warnings
 from pipeline.messages import Batch, Dropped, Group
@@ -140,7 +140,14 @@ async def run_program(
     scored: Channel[Group | Dropped] = Channel("scored", per_step * (lookahead + 1))
     watchdog = Watchdog(clock.source, stall_s=recipe.watchdog.stall_s, fail=recipe.watchdog.fail)
     metrics = MetricsLog(
-        run_dir, open_sinks(recipe.wandb, recipe.tensorboard, run_dir, msgspec.to_builtins(recipe))
+        run_dir,
+        open_sinks(
+            recipe.wandb,
+            recipe.tensorboard,
+            run_dir,
+            msgspec.to_builtins(recipe),
+            resume_step=resumed.step if resumed else None,
+        ),
     )
     queues = (batches, generated, scored)
 
@@ -177,6 +184,7 @@ async def run_program(
             next_batch=next_batch,
             rollout_counts=dict(rollout.counts),
             reward_counts=dict(reward.counts),
+            empty_batches=train.empty_batches,
             python_rng=python_rng_state(),
             last_record=record,
         )
@@ -186,6 +194,8 @@ async def run_program(
             files["engine.pt"] = _torch_writer(engine_state())
         files["state.msgpack"] = lambda path: path.write_bytes(msgspec.msgpack.encode(state))
         await anyio.to_thread.run_sync(checkpoints.save, step, files, recipe)
+        # The trace so far, so a run killed later still leaves one.
+        await anyio.to_thread.run_sync(trace.write, run_dir / "trace.json", trace.snapshot())
 
     def counters() -> dict[str, float]:
         return {
@@ -226,6 +236,8 @@ async def run_program(
         echo=_both(echo, console.record if console else None),
         on_eval=console.evaluation if console else None,
     )
+    if resumed is not None:
+        train.empty_batches = resumed.empty_batches
     stages = [
         PromptStage(
             prompts.train,
@@ -288,7 +300,10 @@ async def run_program(
         if console is not None:
             console.close()
     if recipe.run.plot:
-        await anyio.to_thread.run_sync(write_report, [run_dir], run_dir / "report.png")
+        try:
+            await anyio.to_thread.run_sync(write_report, [run_dir], run_dir / "report.png")
+        except PipelineError as error:  # the run is done and saved: a missing plot is not a failure
+            log.warning("run.plot: no report.png: %s", error)
     return RunSummary(
         run_dir=str(run_dir),
         steps_done=progress.steps_done,

@@ -157,7 +157,8 @@ class TrainStage:
         }
         stage_timings = self.timings.pop(batch)
         if not samples:
-            # Not a train step, so no metrics line: counted in the next step's line.
+            # Not a train step, so no metrics line of its own: the next line's
+            # train/empty_batches and the *_total counters include it.
             self.tickets.give_back(Ticket(batch=batch))
             self.progress.batch_finished(trained=False)
             self.empty_batches += 1

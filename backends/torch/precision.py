@@ -20,9 +20,21 @@ from torch import Tensor
 
 
 class MasterWeights:
-    def __init__(self, params: Iterable[torch.nn.Parameter]) -> None:
+    """`chunks`: index lists whose float32 gradients total at most `chunk_bytes`; the trainer
+    converts and steps one chunk at a time, so the float32 gradients of the whole model never
+    exist at once (4 bytes a parameter fewer at the step's peak)."""
+
+    def __init__(self, params: Iterable[torch.nn.Parameter], *, chunk_bytes: int = 1 << 30) -> None:
         self.params = [p for p in params if p.requires_grad]
         self.master = [torch.nn.Parameter(p.detach().float().clone()) for p in self.params]
+        self.chunks: list[list[int]] = [[]]
+        size = 0
+        for i, p in enumerate(self.params):
+            if self.chunks[-1] and size + 4 * p.numel() > chunk_bytes:
+                self.chunks.append([])
+                size = 0
+            self.chunks[-1].append(i)
+            size += 4 * p.numel()
 
     def grad_norm(self) -> float:
         """The float32 2-norm of all the model's gradients (inf/nan when one is not finite)."""
@@ -33,9 +45,10 @@ class MasterWeights:
             return 0.0
         return float(torch.linalg.vector_norm(torch.stack(norms)))
 
-    def load_grads(self, scale: float) -> None:
-        """master.grad = scale * model grad in float32; the model's gradients are freed."""
-        for p, m in zip(self.params, self.master, strict=True):
+    def load_grads(self, scale: float, chunk: list[int]) -> None:
+        """master.grad = scale * model grad in float32 for `chunk`; those model grads are freed."""
+        for i in chunk:
+            p, m = self.params[i], self.master[i]
             if p.grad is None:
                 m.grad = None
                 continue
@@ -43,11 +56,11 @@ class MasterWeights:
             p.grad = None
 
     @torch.no_grad()
-    def publish(self) -> None:
-        """Round the master weights into the model's parameters; drop the master gradients."""
-        for p, m in zip(self.params, self.master, strict=True):
-            p.copy_(m)
-            m.grad = None
+    def publish(self, chunk: list[int]) -> None:
+        """Round `chunk`'s master weights into the model; drop their master gradients."""
+        for i in chunk:
+            self.params[i].copy_(self.master[i])
+            self.master[i].grad = None
 
     @torch.no_grad()
     def reload_from_model(self) -> None:
@@ -61,6 +74,7 @@ class HostParking:
     def __init__(self) -> None:
         self.tensors: list[Tensor] = []
         self.host: list[Tensor] = []
+        self._by_id: dict[int, Tensor] = {}
         self.parked = False
 
     @property
@@ -73,13 +87,16 @@ class HostParking:
         if self.parked:
             raise RuntimeError("already parked")
         start = time.perf_counter()
-        if [id(t) for t in tensors] != [id(t) for t in self.tensors]:
-            for t in tensors:
+        hosts = []
+        for t in tensors:  # a tensor parked before keeps its buffer: each is pinned once
+            host = self._by_id.get(id(t))
+            if host is None or host.shape != t.shape or host.dtype != t.dtype:
                 if t.storage_offset() or t.untyped_storage().nbytes() != t.numel() * t.element_size():
                     raise ValueError("only tensors that own their whole storage can be parked")
-            pin = tensors[0].is_cuda if tensors else False
-            self.tensors = tensors
-            self.host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=pin) for t in tensors]
+                host = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
+            hosts.append(host)
+        self.tensors, self.host = tensors, hosts
+        self._by_id = {id(t): h for t, h in zip(tensors, hosts, strict=True)}
         for tensor, host in zip(self.tensors, self.host, strict=True):
             host.copy_(tensor, non_blocking=True)
         if self.tensors and self.tensors[0].is_cuda:
@@ -94,10 +111,14 @@ class HostParking:
     def host_copy(self, tensor: Tensor) -> Tensor:
         """The parked contents of `tensor` (itself when not parked)."""
         if self.parked:
-            for parked, host in zip(self.tensors, self.host, strict=True):
-                if parked is tensor:
-                    return host
+            return self._by_id.get(id(tensor), tensor)
         return tensor
+
+    def forget(self) -> None:
+        """Drop the (restored) tensors and host buffers: the caller replaced them."""
+        if self.parked:
+            raise RuntimeError("restore before forgetting")
+        self.tensors, self.host, self._by_id = [], [], {}
 
     @torch.no_grad()
     def restore(self) -> float:

@@ -17,7 +17,16 @@ from torch import Tensor
 from pipeline.messages import Completion
 
 
-def check_arguments(prompts: list[list[int]], max_new_tokens: int, temperature: float, top_p: float) -> None:
+def check_arguments(
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    temperature: float,
+    top_p: float,
+    *,
+    max_positions: int | None = None,
+) -> None:
+    """Raise ValueError for bad sampling arguments; `max_positions` bounds prompt + new tokens
+    (a model with learned position embeddings has no row past its table)."""
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     if temperature < 0:
@@ -26,6 +35,13 @@ def check_arguments(prompts: list[list[int]], max_new_tokens: int, temperature: 
         raise ValueError(f"top_p must be in (0, 1], got {top_p}")
     if prompts and min(len(p) for p in prompts) == 0:
         raise ValueError("prompts must be non-empty")
+    if max_positions is not None and prompts:
+        longest = max(len(p) for p in prompts)
+        if longest + max_new_tokens > max_positions:
+            raise ValueError(
+                f"a prompt of {longest} tokens + max_new_tokens {max_new_tokens} exceeds "
+                f"model.config.max_position_embeddings {max_positions} (learned position embeddings)"
+            )
 
 
 def draw(

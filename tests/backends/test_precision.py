@@ -121,6 +121,30 @@ def test_offloaded_optimizer_trains_identically_and_checkpoints_its_parked_state
     assert resumed._train_step(*_batch())["train/loss"] == plain._train_step(*_batch())["train/loss"]
 
 
+def test_stepping_master_weights_chunk_by_chunk_equals_one_step() -> None:
+    whole, chunked = _trainer(_model(), lr=1e-3), _trainer(_model(), lr=1e-3)
+    assert whole.master is not None and chunked.master is not None
+    assert len(whole.master.chunks) == 1
+    chunked.master.chunks = [[i] for i in range(len(chunked.master.params))]
+    for _ in range(3):
+        assert whole._train_step(*_batch()) == chunked._train_step(*_batch())
+    for a, b in zip(whole.model.parameters(), chunked.model.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_parking_starts_at_construction_and_after_loading_a_checkpoint() -> None:
+    trainer = _trainer(_model(), lr=1e-3, offload_optimizer=True)
+    assert trainer.parking is not None and trainer.parking.parked
+    assert trainer.master is not None
+    assert all(m.untyped_storage().nbytes() == 0 for m in trainer.master.master)
+    trainer._train_step(*_batch())
+    state = copy.deepcopy(trainer.state())
+    trainer.load_state(state)
+    assert trainer.parking.parked
+    moments = [v for s in trainer.optimizer.state.values() for v in s.values() if v.dim() > 0]
+    assert moments and all(v.untyped_storage().nbytes() == 0 for v in moments)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_parking_on_a_gpu_frees_its_memory_and_leaves_training_unchanged() -> None:

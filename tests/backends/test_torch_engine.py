@@ -129,3 +129,12 @@ def test_invalid_arguments_are_rejected() -> None:
             _generate(sampler, PROMPTS, **kw)
     with pytest.raises(ValueError, match="non-empty"):
         _generate(sampler, [[1], []])
+
+
+def test_learned_positions_bound_prompt_plus_new_tokens() -> None:
+    sampler = _sampler(learned_position_embeddings=True)
+    limit = sampler.model.config.max_position_embeddings
+    prompt = [3] * (limit - 6)
+    assert len(_generate(sampler, [prompt], max_new_tokens=6)[0].tokens) == 6  # exactly fits
+    with pytest.raises(ValueError, match=f"exceeds model.config.max_position_embeddings {limit}"):
+        _generate(sampler, [prompt], max_new_tokens=7)

@@ -51,3 +51,17 @@ def test_generate_from_a_missing_directory_exits_2(tmp_path: Path) -> None:
         f"error: {tmp_path / 'nope'}: neither a checkpoint (trainer.pt and recipe.yaml) "
         "nor a Hugging Face model directory (config.json)"
     )
+
+
+def test_exporting_a_model_with_learned_positions_is_a_one_line_error(tmp_path: Path) -> None:
+    overrides = [f"run.dir={tmp_path / 'run'}", "run.steps=1", "eval.every_steps=0", "run.plot=false"]
+    run = cli("run", "recipes/reverse-digits.yaml", *overrides, "--quiet")
+    assert run.returncode == 0, run.stderr
+    (checkpoint,) = committed(tmp_path / "run" / "checkpoints")
+    exported = cli("export", str(checkpoint), str(tmp_path / "hf"))
+    assert exported.returncode == 2
+    assert exported.stderr == (
+        f"error: {checkpoint}: a model with learned_position_embeddings has no Hugging Face "
+        "Llama/Qwen2 equivalent and cannot be exported\n"
+    )
+    assert not (tmp_path / "hf").exists()

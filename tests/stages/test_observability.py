@@ -175,11 +175,12 @@ def test_gate_spans_match_the_recorded_transitions(runs: dict[bool, Path], coloc
 # -- sinks -----------------------------------------------------------------------------------
 
 
-def wandb_records(run_dir: Path) -> list[Any]:
-    """The records of the offline run's .wandb file (a LevelDB-style log of protobuf records)."""
+def wandb_records(where: Path) -> list[Any]:
+    """The records of an offline run's .wandb file (a LevelDB-style log of protobuf records);
+    `where` is a run directory with one wandb run, or a wandb offline-run directory."""
     from wandb.proto import wandb_internal_pb2
 
-    (path,) = run_dir.glob("wandb/offline-run-*/run-*.wandb")
+    (path,) = [*where.glob("wandb/offline-run-*/run-*.wandb"), *where.glob("run-*.wandb")]
     data = path.read_bytes()
     block, position, pending, records = 32768, 7, b"", []
     while position + 7 <= len(data):
@@ -315,14 +316,16 @@ def test_console_on_a_terminal_redraws_a_status_line_under_the_log() -> None:
     logger.addHandler(handler)
     try:
         logger.warning("something happened")
+        console.close()
+        logger.warning("after the run")
     finally:
         logger.removeHandler(handler)
-    console.close()
     text = out.getvalue()
     assert "gate down" in text and "queues batches 1 generated 4" in text
     # The log line is printed on a cleared line, then the status line comes back.
     assert "\r\x1b[2KWARNING something happened\n\r\x1b[2Kstep 2/10" in text
-    assert text.endswith("\r\x1b[2K")
+    # Closing clears the status line for good: a late record prints plainly.
+    assert text.endswith("\r\x1b[2KWARNING after the run\n")
 
 
 def test_warn_once_says_a_repeated_warning_once(caplog: pytest.LogCaptureFixture) -> None:
@@ -344,3 +347,53 @@ def test_log_level_flag_filters_records(tmp_path: Path) -> None:
     assert quiet.returncode == 0 and quiet.stderr == ""
     bad = cli("validate", str(path), "--log-level", "loud")
     assert bad.returncode == 2 and "--log-level" in bad.stderr
+
+
+def test_a_long_trace_keeps_its_most_recent_events() -> None:
+    from pipeline.trace import Trace
+
+    clock = iter(range(10_000))
+    trace = Trace(lambda: float(next(clock)), max_events=100)
+    for i in range(1000):
+        trace.span(f"s{i}", float(i), float(i) + 0.5, track="train")
+    snapshot = trace.snapshot()
+    spans = [e for e in snapshot["traceEvents"] if e["ph"] == "X"]
+    assert len(spans) <= 100 and spans[-1]["name"] == "s999"
+    assert snapshot["otherData"]["dropped_events"] == 1000 - len(spans)
+    assert [e["args"]["name"] for e in snapshot["traceEvents"] if e["name"] == "thread_name"] == ["train"]
+
+
+def test_on_resume_the_sinks_drop_what_the_interrupted_run_logged_later(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pytest.importorskip("tensorboard")
+    pytest.importorskip("wandb")
+    import shutil
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    sinks = (
+        "tensorboard.enabled=true",
+        "wandb.enabled=true",
+        "eval.every_steps=0",
+        "checkpoint.every_steps=2",
+    )
+    run_dir = run(tmp_path / "run", "run.steps=3", *sinks)
+    shutil.rmtree(run_dir / "checkpoints" / "step-000003")  # as if killed after step 3's line
+    run(run_dir, "run.steps=4", *sinks)  # resumes from step 2
+    lines = read(run_dir / "metrics.jsonl")
+    assert [line["step"] for line in lines] == [1, 2, 3, 4]
+    events = EventAccumulator(str(run_dir / "tensorboard"))
+    events.Reload()
+    scalars = events.Scalars("train/loss")
+    assert [e.step for e in scalars] == [1, 2, 3, 4]  # the stale step 3 is purged, not repeated
+    losses = {e.step: e.value for e in scalars}
+    assert losses[3] == pytest.approx(lines[2]["train/loss"], rel=1e-6)  # the resumed run's
+    first, second = (
+        next(r.run for r in wandb_records(d) if r.WhichOneof("record_type") == "run")
+        for d in sorted((run_dir / "wandb").glob("offline-run-*"), key=lambda d: d.name)
+    )
+    assert first.run_group == second.run_group == "run"
+    assert "resumed" in second.tags and second.display_name == "run-from-2"
