@@ -70,12 +70,14 @@ async def run_program(
     time_source: TimeSource | None = None,
     stop: StopRequest | None = None,
     echo: Callable[[dict[str, Any]], None] | None = None,
+    on_eval: Callable[[dict[str, Any]], None] | None = None,
     console: Console | None = None,
     checkpoint_hook: Callable[[str], None] | None = None,
 ) -> RunSummary:
     """Run `recipe` to its last step (or a clean stop). `engine`/`trainer` replace the backend.
 
-    `echo` is called with each train step's metrics record; `console` shows the run.
+    `echo` is called with each train step's metrics record, `on_eval` with each evaluation's
+    (step 0: before training); `console` shows the run.
     """
     reset_warnings()
     run_dir = Path(recipe.run.dir)
@@ -234,7 +236,7 @@ async def run_program(
         save=save if hasattr(trainer, "state") else None,
         evaluation=evaluation,
         echo=_both(echo, console.record if console else None),
-        on_eval=console.evaluation if console else None,
+        on_eval=_both(on_eval, console.evaluation if console else None),
     )
     if resumed is not None:
         train.empty_batches = resumed.empty_batches

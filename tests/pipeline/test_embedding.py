@@ -17,7 +17,7 @@ from pipeline.recipe import convert
 from pipeline.testing import FakeEngine, FakeTime, FakeTrainer
 
 
-def make_recipe(tmp_path: Path, steps: int) -> Any:
+def make_recipe(tmp_path: Path, steps: int, eval_every: int = 0) -> Any:
     from stages.recipe import Recipe
 
     data = {
@@ -26,7 +26,7 @@ def make_recipe(tmp_path: Path, steps: int) -> Any:
         "prompts": {"prompts_per_step": 2, "source": {"kind": "synthetic", "num_heldout": 4}},
         "rollout": {"samples_per_prompt": 2},
         "reward": {"reward_s": 1.0e9},
-        "eval": {"every_steps": 0},
+        "eval": {"every_steps": eval_every, "num_prompts": 4},
     }
     return convert(data, Recipe, source="test")
 
@@ -53,6 +53,25 @@ async def test_runs_inside_a_running_loop_next_to_a_host_task(tmp_path: Path) ->
         tg.cancel_scope.cancel()
     assert (summary.steps_done, summary.policy_version, summary.stopped) == (3, 3, False)
     assert host_ticks >= 30  # the host ran all along the ~33 s of (fake) pipeline time
+
+
+async def test_hooks_see_every_step_and_every_evaluation(tmp_path: Path) -> None:
+    fake = FakeTime()
+    steps: list[int] = []
+    evals: list[int] = []
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(fake.autojump)
+        await pipeline.run(
+            make_recipe(tmp_path, steps=4, eval_every=2),
+            engine=FakeEngine(time=fake, latency=1.0),
+            trainer=FakeTrainer(time=fake, latency=1.0),
+            time_source=fake,
+            echo=lambda record: steps.append(record["step"]),
+            on_eval=lambda record: evals.append(record["step"]),
+        )
+        tg.cancel_scope.cancel()
+    assert steps == [1, 2, 3, 4]
+    assert evals == [0, 2, 4]
 
 
 async def test_cancelling_the_awaiting_task_leaves_no_task_running(tmp_path: Path) -> None:
