@@ -80,9 +80,7 @@ class Trace:
 
     def counters(self, name: str, values: dict[str, float]) -> None:
         """A counter sample (drawn as a graph per key) at the current time."""
-        self._add(
-            {"name": name, "ph": "C", "ts": self._us(self.now()), "pid": 0, "tid": 0, "args": values}
-        )
+        self._add({"name": name, "ph": "C", "ts": self._us(self.now()), "pid": 0, "tid": 0, "args": values})
 
     def snapshot(self) -> dict[str, Any]:
         """The trace as a Chrome trace object (a copy: safe to write from another thread)."""

@@ -8,9 +8,10 @@ token. It may be a plain or an `async` function; plain ones run in a worker thre
 are named: `positional`, `exact_match`, `math` (math-verify equivalence of the final answer,
 `stages.math_reward`) and `reasoning_gym` (the prompt source's own answer checker); anything
 else is given as `module:function`, importable from the working directory or the environment.
-Each group is scored under `reward_s` of wall time (the gate does not block reward work). A
-function that raises, or a group that times out, is a counted data failure: those samples get
-no reward and are not trained on. More than `max_failures` failures stop the run.
+Up to `concurrency` groups are scored at once, each under `reward_s` of wall time (the gate
+does not block reward work). A function that raises, or a group that times out, is a counted
+data failure: those samples get no reward and are not trained on. More than `max_failures`
+failures stop the run.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from pipeline.clock import DeadlineClock
 from pipeline.errors import DeadlineExceeded, DropBudgetExceeded, RecipeError
 from pipeline.logs import warn_once
 from pipeline.messages import Dropped, Group, Prompt, Sample
-from pipeline.recipe import NonNegativeInt, PositiveFloat, Section
+from pipeline.recipe import NonNegativeInt, PositiveFloat, PositiveInt, Section
 from pipeline.trace import Trace
 from pipeline.watchdog import Watchdog
 from stages.timings import BatchTimings
@@ -46,6 +47,7 @@ class RewardSection(Section):
     function: str = "positional"
     reward_s: PositiveFloat = 60.0
     max_failures: NonNegativeInt = 64
+    concurrency: PositiveInt = 8  # groups scored at once (worker threads, or awaits of an async function)
 
 
 def positional_reward(prompt: Prompt, completion: str) -> dict[str, float]:
@@ -180,20 +182,31 @@ class RewardStage:
         self.counts: Counter[str] = Counter()
 
     async def run(self) -> None:
+        """Score up to `concurrency` groups at once; each is sent on as soon as it is scored."""
+        slots = anyio.Semaphore(self.section.concurrency)
         try:
-            with self.watchdog.waiting(self.name, "a group from rollout"):
-                async for item in self.inp:
-                    if isinstance(item, Group):
-                        start = self.clock.source.now()
-                        item = await self._score_group(item)
-                        end = self.clock.source.now()
-                        self.trace.span(f"score {item.group_id}", start, end, track="reward")
-                        self.timings.add(item.target_step, "reward", end - start)
-                    with self.watchdog.waiting(self.name, "room in the train channel"):
-                        await self.out.send(item)
+            async with anyio.create_task_group() as scoring:
+                with self.watchdog.waiting(self.name, "a group from rollout"):
+                    async for item in self.inp:
+                        if isinstance(item, Group):
+                            await slots.acquire()
+                            scoring.start_soon(self._score_and_send, item, slots)
+                        else:
+                            await self.out.send(item)
         finally:
             self.out.close()
             self.watchdog.done(self.name)
+
+    async def _score_and_send(self, group: Group, slots: anyio.Semaphore) -> None:
+        try:
+            start = self.clock.source.now()
+            with self.trace.lane("reward", f"score {group.group_id}"):
+                scored = await self._score_group(group)
+            self.timings.add(group.target_step, "reward", self.clock.source.now() - start)
+            await self.out.send(scored)
+            self.watchdog.beat(self.name)
+        finally:
+            slots.release()
 
     async def _score_group(self, group: Group) -> Group:
         texts = [self.tokenizer.decode(s.tokens) for s in group.samples]

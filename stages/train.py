@@ -138,6 +138,9 @@ class TrainStage:
             self.watchdog.done(self.name)
 
     async def _step(self, batch: int, items: list[Group | Dropped], *, wait_s: float) -> None:
+        # In prompt order, not arrival order (rewards are scored concurrently): the step's
+        # figures then do not depend on thread timing, and a resumed run repeats them exactly.
+        items = sorted(items, key=lambda item: _natural(item.group_id))
         groups = [item for item in items if isinstance(item, Group)]
         dropped = [item for item in items if isinstance(item, Dropped)]
         samples: list[Sample] = []
@@ -246,6 +249,11 @@ class TrainStage:
         clean = self.metrics.write_eval({"step": step, "policy_version": self.gate.engine_version, **result})
         if self.on_eval is not None:
             self.on_eval(clean)
+
+
+def _natural(group_id: str) -> tuple[int | str, ...]:
+    """"12-3" -> (12, 3): group ids in numeric order."""
+    return tuple(int(part) if part.isdigit() else part for part in group_id.split("-"))
 
 
 def _info_means(samples: Sequence[Sample]) -> dict[str, float]:

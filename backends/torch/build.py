@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from backends.torch.compute import ComputeThread
 from backends.torch.engine import Sampler
 from backends.torch.grpo_loss import LossConfig
 from backends.torch.model import Decoder
@@ -56,6 +57,9 @@ def build_backend(
         sampler = CudaSampler(engine_model, graphs=section.cuda_graphs)
     else:
         sampler = Sampler(engine_model)
+    # Colocated, engine and trainer never run at once: one thread (one OpenMP team) for both.
+    trainer_thread = ComputeThread("trainer")
+    engine_thread = trainer_thread if recipe.colocated else ComputeThread("engine")
     engine = TorchEngine(
         sampler,
         shared=recipe.colocated,
@@ -65,6 +69,7 @@ def build_backend(
         top_p=rollout.top_p,
         stop_token_ids=tuple(stop_ids),
         seed=seed + 1,
+        compute=engine_thread,
     )
     reference = None
     if train.kl_coef > 0:
@@ -94,5 +99,6 @@ def build_backend(
         reference=reference,
         master_weights=train.master_weights,
         offload_optimizer=train.offload_optimizer,
+        compute=trainer_thread,
     )
     return engine, trainer

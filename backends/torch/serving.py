@@ -21,6 +21,7 @@ from typing import Any, Protocol
 import anyio
 import torch
 
+from backends.torch.compute import ComputeThread
 from backends.torch.model import Decoder
 from pipeline.messages import Completion
 
@@ -70,8 +71,10 @@ class TorchEngine:
         top_p: float,
         stop_token_ids: Sequence[int],
         seed: int,
+        compute: ComputeThread | None = None,
     ) -> None:
         self.sampler = sampler
+        self.compute = compute or ComputeThread("engine")
         self.blocks_training = shared
         self.wake_carries_weights = shared
         self.source = source
@@ -128,7 +131,7 @@ class TorchEngine:
         with anyio.CancelScope(shield=True):
             async with self._weights:
                 try:
-                    results = await anyio.to_thread.run_sync(self._sample, batch)
+                    results = await self.compute.run(self._sample, batch)
                 except Exception as error:
                     for request in batch:
                         request.result, request.done = error, True
@@ -159,20 +162,20 @@ class TorchEngine:
         self._changed = anyio.Event()
 
     async def stand_down(self) -> None:
-        await anyio.to_thread.run_sync(self.sampler.release)
+        await self.compute.run(self.sampler.release)
 
     async def wake(self) -> None:
         """No weights to load: colocated, the engine reads the trainer's tensors. A sampler
         that released device memory at stand-down takes it back here."""
         wake = getattr(self.sampler, "wake", None)
         if wake is not None:
-            await anyio.to_thread.run_sync(wake)
+            await self.compute.run(wake)
 
     async def refit(self) -> None:
         if self.sampler.model is self.source:
             return
         async with self._weights:
-            await anyio.to_thread.run_sync(self._copy_weights)
+            await self.compute.run(self._copy_weights)
 
     @torch.no_grad()
     def _copy_weights(self) -> None:

@@ -15,9 +15,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import anyio
 import torch
 
+from backends.torch.compute import ComputeThread
 from backends.torch.grouped import response_logprobs
 from backends.torch.grpo_loss import LossConfig, grpo_token_loss, mismatch_metrics
 from backends.torch.model import Decoder
@@ -60,8 +60,10 @@ class TorchTrainer:
         reference: Decoder | None = None,
         master_weights: bool = True,
         offload_optimizer: bool = False,
+        compute: ComputeThread | None = None,
     ) -> None:
         self.model = model
+        self.compute = compute or ComputeThread("trainer")
         self.loss = loss
         self.grad_clip = grad_clip
         self.micro_batch_samples = micro_batch_samples
@@ -98,7 +100,7 @@ class TorchTrainer:
         self.completed_steps = 0
 
     async def train_step(self, samples: Sequence[Sample], advantages: Sequence[float]) -> dict[str, float]:
-        return await anyio.to_thread.run_sync(self._train_step, list(samples), list(advantages))
+        return await self.compute.run(self._train_step, list(samples), list(advantages))
 
     def _chunk(self, samples: list[Sample], advantages: list[float]) -> _Chunk:
         """One micro-batch: whole groups, each distinct prompt stored once."""
