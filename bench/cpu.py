@@ -1,10 +1,14 @@
-"""CPU benchmark: seconds per GRPO step on the reverse-digits recipe, and its parts.
+"""CPU benchmark: seconds per GRPO step on the reverse-digits recipe, optionally side by side
+with Hugging Face TRL's `GRPOTrainer` on the same task and model shape.
 
 Runs `recipes/reverse-digits.yaml` (2 layers, width 128, 32 prompts x 8 samples per step) for a
 fixed number of steps without evaluation, for each pipeline mode, in one process one after the
-other, and writes the medians to bench/results-cpu.json. Steps 1-5 are warm-up and excluded.
+other; steps 1-5 are warm-up and excluded. With `--trl PYTHON` (a Python that has TRL, see
+bench/trl_reverse.py), each round also runs TRL's benchmark in a subprocess, interleaved with
+ours, so that both see the same machine (a shared 2-core VM drifts by 20% over minutes). Writes
+the per-round and overall medians, and TRL's over ours, to bench/results-cpu.json.
 
-    python -m bench.cpu [--steps 60] [key.path=value ...]
+    python -m bench.cpu [--steps 60] [--rounds 3] [--trl /tmp/trlvenv/bin/python] [key.path=value ...]
 """
 
 from __future__ import annotations
@@ -12,9 +16,12 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import anyio
 
@@ -26,40 +33,66 @@ MODES = {
     "colocated L=1": ["colocated=true", "async_rl.max_lookahead_versions=1"],
     "separate L=1": ["colocated=false", "async_rl.max_lookahead_versions=1"],
 }
+WARMUP = 5
+
+
+def ours(overrides: list[str], steps: int) -> dict[str, float]:
+    with tempfile.TemporaryDirectory() as tmp:
+        recipe = pipeline.load_recipe(
+            "recipes/reverse-digits.yaml",
+            [*overrides, f"run.steps={steps}", f"run.dir={tmp}/run", "eval.every_steps=0", "run.plot=false"],
+        )
+        start = time.perf_counter()
+        anyio.run(pipeline.run, recipe)
+        wall = time.perf_counter() - start
+        records = read(Path(tmp) / "run" / "metrics.jsonl")[WARMUP:]
+    return {
+        "step_s_median": statistics.median(r["timing/step_s"] for r in records),
+        "train_s_median": statistics.median(r["timing/train_s"] for r in records),
+        "wall_s": wall,
+    }
+
+
+def trl(python: str, steps: int) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "trl.json"
+        command = [python, "bench/trl_reverse.py", "--steps", str(steps), "--warmup", str(WARMUP)]
+        subprocess.run([*command, "--out", str(out)], check=True, capture_output=True)
+        return json.loads(out.read_text())
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--trl", help="a Python interpreter with TRL installed (bench/trl_reverse.py)")
     parser.add_argument("--out", default="bench/results-cpu.json")
     parser.add_argument("overrides", nargs="*", help="recipe overrides applied to every mode")
     args = parser.parse_args()
-    results = {}
-    for mode, overrides in MODES.items():
-        with tempfile.TemporaryDirectory() as tmp:
-            recipe = pipeline.load_recipe(
-                "recipes/reverse-digits.yaml",
-                [
-                    *overrides,
-                    *args.overrides,
-                    f"run.steps={args.steps}",
-                    f"run.dir={tmp}/run",
-                    "eval.every_steps=0",
-                ],
-            )
-            start = time.perf_counter()
-            anyio.run(pipeline.run, recipe)
-            wall = time.perf_counter() - start
-            records = [r for r in read(Path(tmp) / "run" / "metrics.jsonl") if "train/loss" in r][5:]
-        results[mode] = {
-            "overrides": args.overrides,
-            "step_s_median": statistics.median(r["timing/step_s"] for r in records),
-            "train_s_median": statistics.median(r["timing/train_s"] for r in records),
-            "wall_s": wall,
-            "steps": args.steps,
+    rounds: list[dict[str, Any]] = []
+    for index in range(args.rounds):
+        result: dict[str, Any] = {}
+        for mode, overrides in MODES.items():
+            result[mode] = ours([*overrides, *args.overrides], args.steps)
+            print(f"round {index + 1} {mode}", json.dumps(result[mode]), flush=True)
+        if args.trl:
+            measured = trl(args.trl, args.steps)
+            result["trl"] = {k: measured[k] for k in ("step_s_median", "trl_version", "transformers_version")}
+            print(f"round {index + 1} trl", json.dumps(result["trl"]), flush=True)
+        rounds.append(result)
+    summary: dict[str, Any] = {"steps": args.steps, "rounds": rounds, "overrides": args.overrides}
+    for mode in MODES:
+        summary[mode] = statistics.median(r[mode]["step_s_median"] for r in rounds)
+    if args.trl:
+        summary["trl"] = statistics.median(r["trl"]["step_s_median"] for r in rounds)
+        # Per round, so that both sides of each ratio saw the same machine.
+        summary["trl_over_ours"] = {
+            mode: [round(r["trl"]["step_s_median"] / r[mode]["step_s_median"], 2) for r in rounds]
+            for mode in MODES
         }
-        print(mode, json.dumps(results[mode]))
-    Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
+    summary["python"] = sys.version.split()[0]
+    Path(args.out).write_text(json.dumps(summary, indent=2) + "\n")
+    print(json.dumps({k: v for k, v in summary.items() if k != "rounds"}, indent=2))
 
 
 if __name__ == "__main__":

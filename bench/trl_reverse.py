@@ -4,7 +4,9 @@ The same task and model size as `recipes/reverse-digits.yaml`, run with TRL's `G
 a 2-layer, width-128 Llama from random weights over a 14-token character vocabulary, prompts
 "12345=" -> "54321", 32 prompts x 8 samples = 256 completions per optimizer step, beta 0, no vLLM.
 Each step's wall time is taken at `on_step_end`; steps 1-5 are dropped and the median is written
-to bench/results-trl.json. TRL lives in its own virtualenv, apart from the project's:
+to bench/results-trl.json (not kept in the repo: `python -m bench.cpu --trl PYTHON` runs this
+side by side with ours and records both in bench/results-cpu.json). TRL lives in its own
+virtualenv, apart from the project's:
 
     python3 -m venv /tmp/trlvenv
     /tmp/trlvenv/bin/pip install torch==2.13.0 && /tmp/trlvenv/bin/pip install 'trl==1.16.*'

@@ -97,7 +97,8 @@ async def run_program(
     random.seed(seed)
     prompts = build_prompts(recipe.prompts, seed, model_path=recipe.model.path)
     reward_fn = resolve(recipe.reward.function, source_reward=prompts.reward)
-    if engine is None or trainer is None:
+    built = engine is None or trainer is None  # then the backend's threads are ours to close
+    if built:
         from backends.torch.build import build_backend
         from backends.torch.errors import ModelLoadError
 
@@ -298,6 +299,9 @@ async def run_program(
         raise
     finally:
         metrics.close()
+        if built:
+            for part in (backend_engine, trainer):
+                getattr(part, "close", lambda: None)()
         trace.write(run_dir / "trace.json")
         if console is not None:
             console.close()

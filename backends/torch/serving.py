@@ -191,5 +191,9 @@ class TorchEngine:
         if self.sampler.model is not self.source:
             self._copy_weights()
 
+    def close(self) -> None:
+        """Stop the compute thread (after its current call)."""
+        self.compute.close()
+
     def memory_in_use(self) -> int | None:
         return self.sampler.cache_bytes()

@@ -238,6 +238,10 @@ class TorchTrainer:
             tensors.extend(v for v in state.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
         return tensors
 
+    def close(self) -> None:
+        """Stop the compute thread (after its current call)."""
+        self.compute.close()
+
     def state(self) -> dict[str, Any]:
         optimizer = self.optimizer.state_dict()
         if self.parking is not None and self.parking.parked:  # the parked host copies
