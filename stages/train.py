@@ -252,7 +252,7 @@ class TrainStage:
 
 
 def _natural(group_id: str) -> tuple[int | str, ...]:
-    """"12-3" -> (12, 3): group ids in numeric order."""
+    """ "12-3" -> (12, 3): group ids in numeric order."""
     return tuple(int(part) if part.isdigit() else part for part in group_id.split("-"))
 
 
