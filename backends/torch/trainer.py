@@ -233,7 +233,7 @@ class TorchTrainer:
 
     def _optimizer_tensors(self) -> list[torch.Tensor]:
         """What parking moves: the master weights and every optimizer moment."""
-        tensors = list(self.master.master) if self.master is not None else []
+        tensors: list[torch.Tensor] = list(self.master.master) if self.master is not None else []
         for state in self.optimizer.state.values():
             tensors.extend(v for v in state.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
         return tensors
