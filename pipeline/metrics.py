@@ -22,6 +22,24 @@ log = logging.getLogger("pipeline.metrics")
 STEPS_FILE = "metrics.jsonl"
 EVAL_FILE = "eval.jsonl"
 
+# DESIGN.md, "What a run leaves behind": on every line of metrics.jsonl.
+REQUIRED_KEYS = frozenset(
+    {
+        "step",
+        "policy_version",
+        "reward/mean",
+        "train/loss",
+        "train/grad_norm",
+        "train/gen_kl_error",
+        "train/token_mult_prob_error",
+        "rollout/max_lag",
+        "rollout/timeouts",
+        "rollout/poisoned_samples",
+        "timing/step_s",
+        "throughput/tokens_per_s_per_gpu",
+    }
+)
+
 
 class MetricsLog:
     def __init__(self, run_dir: Path, sinks: Sequence[Sink] = ()) -> None:

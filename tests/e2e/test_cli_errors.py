@@ -12,26 +12,13 @@ from pathlib import Path
 
 import pytest
 
+from pipeline.metrics import REQUIRED_KEYS
 from stages.checkpoint import committed
 
 ROOT = Path(__file__).parents[2]
 QUICKSTART = ROOT / "recipes" / "quickstart.yaml"
 
-# DESIGN.md, "What a run leaves behind".
-METRIC_KEYS = {
-    "step",
-    "policy_version",
-    "reward/mean",
-    "train/loss",
-    "train/grad_norm",
-    "train/gen_kl_error",
-    "train/token_mult_prob_error",
-    "rollout/max_lag",
-    "rollout/timeouts",
-    "rollout/poisoned_samples",
-    "timing/step_s",
-    "throughput/tokens_per_s_per_gpu",
-}
+METRIC_KEYS = REQUIRED_KEYS  # DESIGN.md, "What a run leaves behind"
 SMALL = ["prompts.prompts_per_step=8", "rollout.samples_per_prompt=4", "eval.every_steps=0"]
 
 
