@@ -57,7 +57,6 @@ class WandbSink:
                 f"wandb: could not start a run ({type(error).__name__}: {error}); "
                 "set WANDB_MODE=offline or wandb.mode: offline to log locally"
             ) from None
-        (run_dir / "wandb-id").write_text(self.run.id + "\n")
 
     def log(self, record: dict[str, Any], step: int) -> None:
         self.run.log(record, step=step)

@@ -27,8 +27,8 @@ class PromptStage:
         out: Channel[Batch],
         progress: Progress,
         watchdog: Watchdog,
-        trace: Trace | None = None,
-        timings: BatchTimings | None = None,
+        trace: Trace,
+        timings: BatchTimings,
     ) -> None:
         self.prompts = prompts
         self.prompts_per_step = prompts_per_step
@@ -45,28 +45,23 @@ class PromptStage:
                 with self.watchdog.waiting(self.name, "more batches to be needed"):
                     if not await self.progress.wait_batch_needed():
                         return
-                waited = self._now()
+                waited = self.trace.now()
                 with self.watchdog.waiting(self.name, "an admission ticket"):
                     ticket = await self.tickets.take()
                 if ticket is None:
                     return
-                start = self._now()
+                start = self.trace.now()
                 batch = Batch(
                     batch=ticket.batch,
                     prompts=tuple(next(self.prompts) for _ in range(self.prompts_per_step)),
                 )
-                end = self._now()
-                if self.trace is not None:
-                    self.trace.span("ticket wait", waited, start, track="prompts")
-                    self.trace.span(f"load batch {batch.batch}", start, end, track="prompts")
-                if self.timings is not None:
-                    self.timings.add(batch.batch, "prompts", end - start)
+                end = self.trace.now()
+                self.trace.span("ticket wait", waited, start, track="prompts")
+                self.trace.span(f"load batch {batch.batch}", start, end, track="prompts")
+                self.timings.add(batch.batch, "prompts", end - start)
                 self.progress.batch_admitted()
                 with self.watchdog.waiting(self.name, "room in the rollout channel"):
                     await self.out.send(batch)
         finally:
             self.out.close()
             self.watchdog.done(self.name)
-
-    def _now(self) -> float:
-        return self.trace.now() if self.trace is not None else 0.0

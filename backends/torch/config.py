@@ -147,6 +147,11 @@ class ModelConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
             raise UnsupportedModelError(f"{source}: missing required key {exc.args[0]!r}") from None
 
     @property
+    def position_limit(self) -> int | None:
+        """The most positions a sequence may use: the learned table's size, or None (rotary)."""
+        return self.max_position_embeddings if self.learned_position_embeddings else None
+
+    @property
     def architecture(self) -> str:
         """Hugging Face class that has exactly this parameter layout."""
         return "Qwen2ForCausalLM" if self.attention_bias else "LlamaForCausalLM"

@@ -201,9 +201,9 @@ class CudaSampler:
         generator: torch.Generator,
     ) -> list[Completion]:
         """As `Sampler.generate`; randomness comes from ``generator`` (on the sampler's device)."""
-        config = self.model.config
-        limit = config.max_position_embeddings if config.learned_position_embeddings else None
-        check_arguments(prompts, max_new_tokens, temperature, top_p, max_positions=limit)
+        check_arguments(
+            prompts, max_new_tokens, temperature, top_p, max_positions=self.model.config.position_limit
+        )
         if not prompts:
             return []
         lengths = [len(p) for p in prompts]

@@ -65,9 +65,9 @@ class Sampler:
         ``generator`` (on the sampler's device): equal generator state and inputs give
         bit-identical outputs. Prompts may differ in length; they are left-padded internally.
         """
-        config = self.model.config
-        limit = config.max_position_embeddings if config.learned_position_embeddings else None
-        check_arguments(prompts, max_new_tokens, temperature, top_p, max_positions=limit)
+        check_arguments(
+            prompts, max_new_tokens, temperature, top_p, max_positions=self.model.config.position_limit
+        )
         if not prompts:
             return []
         lengths = [len(p) for p in prompts]
