@@ -14,7 +14,7 @@ import logging
 import math
 from collections import defaultdict
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from statistics import fmean, pstdev
+from statistics import fmean
 from typing import Annotated, Any, Literal
 
 import msgspec
@@ -29,7 +29,7 @@ from pipeline.recipe import NonNegativeFloat, NonNegativeInt, PositiveFloat, Pos
 from pipeline.tickets import Ticket, TicketBox
 from pipeline.trace import Trace
 from pipeline.watchdog import Watchdog
-from stages.advantages import leave_one_out
+from stages.advantages import leave_one_out, population_std
 from stages.evaluation import Evaluation
 from stages.progress import Progress
 from stages.timings import BatchTimings
@@ -180,7 +180,7 @@ class TrainStage:
             {
                 "step": step,
                 "reward/mean": fmean(s.reward for s in samples),  # type: ignore[misc]
-                "reward/std": pstdev(s.reward for s in samples),  # type: ignore[misc]
+                "reward/std": population_std(s.reward for s in samples),  # type: ignore[misc]
                 **_info_means(samples),
                 "rollout/max_lag": max(lags),
                 "rollout/mean_lag": fmean(lags),

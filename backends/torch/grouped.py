@@ -2,13 +2,15 @@
 
 Every sample of a group continues the same prompt, so a full-sequence forward would push the
 prompt through the model once per sample. `response_logprobs` runs each distinct prompt once
-(the prefix pass, left-padded like the sampler's prefill), copies its keys/values to the rows
-of its samples, and runs only the response tokens (the suffix pass) on top; gradients flow
-through both passes. For the CPU quickstart (7 prompt + 5 response tokens, groups of 8) this
-pushes 1.2k instead of 2.8k tokens through the layers.
+and only the response tokens of each sample, in one pass over the model: the layers' position-
+wise work (norms, projections, MLP) runs on all prompt and response tokens packed together, and
+only attention splits them, each response row attending over its prompt's keys/values (left-
+padded like the sampler's prefill) and its own earlier response tokens. Gradients flow through
+both. For the CPU quickstart (7 prompt + 5 response tokens, groups of 8) this pushes 1.2k
+instead of 2.8k tokens through the layers, with one call of each layer op instead of two.
 
-The positions, masks and prefix copy are the sampler's own, so in fp32 the logprobs equal the
-engine's to rounding (the trainer's `train/gen_kl_error` stays near 0 on-policy).
+The positions and masks are the sampler's own, so in fp32 the logprobs equal the engine's to
+rounding (the trainer's `train/gen_kl_error` stays near 0 on-policy).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import torch
 from torch import Tensor
 
 from backends.torch.logprobs import picked_logprobs
-from backends.torch.model import Decoder, KVCache
+from backends.torch.model import Decoder, attend, attention_mask
 
 
 def response_logprobs(
@@ -34,39 +36,78 @@ def response_logprobs(
     `prompts`: the distinct prompts; `owner[i]`: the index in `prompts` of sample i's prompt;
     `responses`: N non-empty token lists (right-padded internally; `mask` marks real tokens).
     """
-    param = next(model.parameters())
-    device, dtype = param.device, param.dtype
+    device = next(model.parameters()).device
     width = max(len(p) for p in prompts)
     longest = max(len(r) for r in responses)
     rows = torch.tensor(owner, device=device)
     lengths = torch.tensor([len(p) for p in prompts], device=device)
     prefix_ids = torch.tensor([[0] * (width - len(p)) + list(p) for p in prompts], device=device)
-    columns = torch.arange(width, device=device)
     pad = (width - lengths).unsqueeze(1)
-    real = columns >= pad
+    real = torch.arange(width, device=device) >= pad
     padded = bool((lengths < width).any())
-    prefix_cache = KVCache.allocate(model.config, len(prompts), width, dtype=dtype, device=device)
-    prefix = model.hidden_states(
-        prefix_ids, (columns - pad).clamp(min=0), real if padded else None, prefix_cache, 0
-    )
-    hidden = prefix[:, -1][rows].unsqueeze(1)  # predicts each response's first token
     targets = torch.tensor([list(r) + [0] * (longest - len(r)) for r in responses], device=device)
-    if longest > 1:
-        n = len(responses)
-        cache = KVCache.allocate(model.config, n, width + longest - 1, dtype=dtype, device=device)
-        for mine, shared in zip(
-            cache.keys + cache.values, prefix_cache.keys + prefix_cache.values, strict=True
-        ):
-            mine[:, :, :width] = shared[rows]
-        key_mask = None
-        if padded:
-            key_mask = torch.cat([real[rows], torch.ones(n, longest - 1, dtype=torch.bool, device=device)], 1)
-        positions = lengths[rows].unsqueeze(1) + torch.arange(longest - 1, device=device)
-        suffix = model.hidden_states(targets[:, :-1], positions, key_mask, cache, width)
-        hidden = torch.cat([hidden, suffix], dim=1)
+    # Response token j (j < longest - 1) is the input that predicts token j + 1.
+    suffix_positions = lengths[rows].unsqueeze(1) + torch.arange(longest - 1, device=device)
+    prefix, suffix = _hidden(
+        model,
+        prefix_ids,
+        (torch.arange(width, device=device) - pad).clamp(min=0),
+        real if padded else None,
+        rows,
+        targets[:, :-1],
+        suffix_positions,
+    )
+    hidden = torch.cat([prefix[:, -1][rows].unsqueeze(1), suffix], dim=1)
     mask = (
         torch.arange(longest, device=device)
         < torch.tensor([len(r) for r in responses], device=device)[:, None]
     )
     logprobs = picked_logprobs(hidden, model.lm_head.weight, targets, temperature)
     return logprobs.masked_fill(~mask, 0.0), mask.float()
+
+
+def _hidden(
+    model: Decoder,
+    prefix_ids: Tensor,
+    prefix_positions: Tensor,
+    prefix_real: Tensor | None,
+    rows: Tensor,
+    suffix_ids: Tensor,
+    suffix_positions: Tensor,
+) -> tuple[Tensor, Tensor]:
+    """Final-norm hidden states of the prompts [P, W, H] and of the responses [N, S, H].
+
+    Prompt p is `prefix_ids[p]` (left-padded, `prefix_real` marking real tokens, None: all
+    are); response row i continues prompt `rows[i]` with `suffix_ids[i]`.
+    """
+    (p, w), (n, s) = prefix_ids.shape, suffix_ids.shape
+    split = p * w
+    ids = torch.cat([prefix_ids.reshape(-1), suffix_ids.reshape(-1)])
+    positions = torch.cat([prefix_positions.reshape(-1), suffix_positions.reshape(-1)])
+    x = model.embed(ids, positions)  # [T, H], T = P*W + N*S
+    cos, sin = model.rotary(positions, x.dtype)
+    prefix_mask, prefix_causal = attention_mask(prefix_real, w, 0, ids.device)
+    suffix_keys = None
+    if prefix_real is not None:
+        suffix_keys = torch.cat([prefix_real[rows], prefix_real.new_ones(n, s)], dim=1)
+    suffix_mask, _ = attention_mask(suffix_keys, s, w, ids.device)
+
+    def heads(y: Tensor, batch: int, length: int) -> Tensor:  # [B*L, n, D] -> [B, n, L, D]
+        return y.view(batch, length, *y.shape[1:]).transpose(1, 2)
+
+    for layer in model.model.layers:
+        attn = layer.self_attn
+        q, k, v = attn.project(layer.input_layernorm(x), cos, sin)
+        qp, kp, vp = (heads(y[:split], p, w) for y in (q, k, v))
+        qs, ks, vs = (heads(y[split:], n, s) for y in (q, k, v))
+        out_p = attend(qp, kp, vp, prefix_mask, prefix_causal)
+        if n * s:
+            keys, values = torch.cat([kp[rows], ks], dim=2), torch.cat([vp[rows], vs], dim=2)
+            out_s = attend(qs, keys, values, suffix_mask, False)
+            out = torch.cat([out_p.transpose(1, 2).reshape(split, -1), out_s.transpose(1, 2).reshape(n * s, -1)])
+        else:
+            out = out_p.transpose(1, 2).reshape(split, -1)
+        x = x + attn.o_proj(out)
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+    x = model.model.norm(x)
+    return x[:split].view(p, w, -1), x[split:].view(n, s, -1)

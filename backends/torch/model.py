@@ -6,6 +6,7 @@ SwiGLU MLP -> residual, a final RMSNorm and an (optionally tied) output projecti
 """
 
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -39,7 +40,7 @@ def rope_inv_freq(config: ModelConfig) -> Tensor:
     return torch.where(medium, blended, scaled)
 
 
-def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     # Rotate-half convention: pairs are (i, i + head_dim/2), as in Hugging Face checkpoints.
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
@@ -106,6 +107,15 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(config.hidden_size, kv_size, bias=bias)
         self.o_proj = nn.Linear(q_size, config.hidden_size, bias=False)
 
+    def project(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Rotated queries [..., T, heads, D] and keys, values [..., T, kv_heads, D] of tokens
+        x [..., T, hidden]; `cos`/`sin` [..., T, 1, D/2] (`Decoder.rotary`)."""
+        lead = x.shape[:-1]
+        q = self.q_proj(x).view(*lead, self.heads, self.head_dim)
+        k = self.k_proj(x).view(*lead, self.kv_heads, self.head_dim)
+        v = self.v_proj(x).view(*lead, self.kv_heads, self.head_dim)
+        return rotate(q, cos, sin), rotate(k, cos, sin), v
+
     def forward(
         self,
         x: Tensor,
@@ -117,43 +127,64 @@ class Attention(nn.Module):
         start: int,
     ) -> Tensor:
         b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
-        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        q, k, v = (y.transpose(1, 2) for y in self.project(x, cos, sin))
         if cache is not None:
             k_cache, v_cache = cache
             k_cache[:, :, start : start + t] = k
             v_cache[:, :, start : start + t] = v
             k, v = k_cache[:, :, : start + t], v_cache[:, :, : start + t]
-        if not q.is_cuda and torch.is_grad_enabled() and q.shape[2] * k.shape[2] <= _MATH_MAX_SCORES:
-            out = _math_attention(q, k, v, mask, is_causal)
-        else:
-            out = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask, is_causal=is_causal, enable_gqa=self.heads != self.kv_heads
-            )
+        out = attend(q, k, v, mask, is_causal)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.heads * self.head_dim))
 
 
-# CPU training on short sequences: softmax(QK^T)V written out trains faster than torch's CPU
-# flash kernel, whose backward dominates there (reverse-digits: 38 vs 43 ms a step). Above this
-# many query x key positions the kernel's memory saving wins.
+def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool) -> Tensor:
+    """Attention of [B, H, T, D] queries over [B, KV, S, D] keys/values (KV divides H), with a
+    bool `mask` broadcastable to [B, H, T, S] (True: attend) or `is_causal`."""
+    if not q.is_cuda and q.shape[2] * k.shape[2] <= _MATH_MAX_SCORES:
+        return _math_attention(q, k, v, mask, is_causal)
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, is_causal=is_causal, enable_gqa=q.shape[1] != k.shape[1]
+    )
+
+
+# On CPU, for short sequences, softmax(QK^T)V written out beats torch's CPU flash kernel: its
+# backward dominates a training step (reverse-digits: 38 vs 43 ms a step) and each decode step
+# pays its fixed cost (13 vs 15 ms to sample a batch). Above this many query x key positions
+# the kernel's memory saving wins.
 _MATH_MAX_SCORES = 128 * 128
 
 
 def _math_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool) -> Tensor:
-    """`scaled_dot_product_attention` for [B, H, T, D] queries over [B, KV, S, D] keys/values
-    (grouped-query heads repeated), with a bool `mask` (True: attend) or `is_causal`."""
-    group = q.shape[1] // k.shape[1]
-    if group > 1:
-        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    scores = (q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5
+    """`attend` written out: each key/value head serves its group of query heads through a
+    reshape (no repeated copies of keys and values)."""
+    b, h, t, d = q.shape
+    kv, s = k.shape[1], k.shape[2]
+    grouped = q.reshape(b, kv, (h // kv) * t, d)
+    scores = (grouped @ k.transpose(-1, -2)).view(b, kv, h // kv, t, s) * d**-0.5
     if is_causal:
-        t, s = scores.shape[-2:]
         mask = torch.ones(t, s, dtype=torch.bool, device=q.device).tril(s - t)
     if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf"))
-    return torch.softmax(scores.float(), dim=-1).to(v.dtype) @ v
+        scores = scores.masked_fill(~(mask.unsqueeze(2) if mask.dim() == 4 else mask), float("-inf"))
+    weights = _Softmax.apply(scores.float()).to(v.dtype)
+    return (weights.view(b, kv, (h // kv) * t, s) @ v).view(b, h, t, d)
+
+
+class _Softmax(torch.autograd.Function):
+    """Softmax over the last dimension. On CPU, torch's kernel is slow for the short rows of
+    attention over a few keys (a fifth of the speed of this one at 11 keys)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor) -> Tensor:
+        e = (x - x.amax(dim=-1, keepdim=True)).exp_()
+        y = e.div_(e.sum(dim=-1, keepdim=True))
+        ctx.save_for_backward(y)
+        return y
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tensor:
+        (y,) = ctx.saved_tensors
+        weighted = grad * y
+        return weighted.sub_(y * weighted.sum(dim=-1, keepdim=True))
 
 
 class MLP(nn.Module):
@@ -245,18 +276,27 @@ class Decoder(nn.Module):
             raise ValueError(f"KV cache holds {kv_cache.length} positions, need {s}")
         if attn_mask is not None and attn_mask.shape != (b, s):
             raise ValueError(f"attn_mask must be [{b}, {s}], got {list(attn_mask.shape)}")
-        mask, is_causal = _attention_mask(attn_mask, t, cache_start, input_ids.device)
+        mask, is_causal = attention_mask(attn_mask, t, cache_start, input_ids.device)
 
-        x = self.model.embed_tokens(input_ids)
-        if self.model.embed_positions is not None:
-            x = x + self.model.embed_positions(position_ids)
-        freqs = position_ids.unsqueeze(-1).float() * self._inv_freq_on(input_ids.device)
-        cos = freqs.cos().to(x.dtype).unsqueeze(1)
-        sin = freqs.sin().to(x.dtype).unsqueeze(1)
+        x = self.embed(input_ids, position_ids)
+        cos, sin = self.rotary(position_ids, x.dtype)
         for i, layer in enumerate(self.model.layers):
             cache = None if kv_cache is None else (kv_cache.keys[i], kv_cache.values[i])
             x = layer(x, cos, sin, mask, is_causal, cache, cache_start)
         return self.model.norm(x)
+
+    def embed(self, input_ids: Tensor, position_ids: Tensor) -> Tensor:
+        """Input embeddings [..., hidden_size] of tokens at positions (same shapes)."""
+        x = self.model.embed_tokens(input_ids)
+        if self.model.embed_positions is not None:
+            x = x + self.model.embed_positions(position_ids)
+        return x
+
+    def rotary(self, position_ids: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """Rotary (cos, sin) [..., 1, head_dim / 2] for positions [...], computed in float32;
+        the 1 broadcasts over the heads of `Attention.project`."""
+        freqs = position_ids.unsqueeze(-1).float() * self._inv_freq_on(position_ids.device)
+        return freqs.cos().to(dtype).unsqueeze(-2), freqs.sin().to(dtype).unsqueeze(-2)
 
     def forward(
         self,
@@ -278,7 +318,7 @@ class Decoder(nn.Module):
         return inv_freq
 
 
-def _attention_mask(
+def attention_mask(
     key_mask: Tensor | None, t: int, start: int, device: torch.device
 ) -> tuple[Tensor | None, bool]:
     """SDPA ``(attn_mask, is_causal)`` for T queries at absolute positions [start, start + T)."""
