@@ -87,6 +87,8 @@ class DeadlineClock:
         self._fired = 0
         self._running = False
         self._sleep_scope: anyio.CancelScope | None = None
+        # Source time the timer task sleeps until: a new deadline expiring later needs no wake-up.
+        self._wake_at = -math.inf
 
     # -- reading and suspending -------------------------------------------------------------
 
@@ -165,7 +167,9 @@ class DeadlineClock:
         start = self.now() if suspendable else self.source.now()
         deadline = _Deadline(start + seconds, suspendable)
         self._deadlines.add(deadline)
-        self._changed()
+        # A suspendable deadline cannot expire while suspended (resuming wakes the timer).
+        if not (suspendable and self._depth) and self.source.now() + seconds < self._wake_at:
+            self._changed()
         try:
             with deadline.scope:
                 yield deadline
@@ -194,6 +198,7 @@ class DeadlineClock:
     def _changed(self) -> None:
         if self._sleep_scope is not None:
             self._sleep_scope.cancel()
+            self._wake_at = -math.inf  # the timer recomputes before sleeping again
 
     async def run(self) -> None:
         """The timer task: fires deadlines as they expire. Runs until cancelled."""
@@ -203,6 +208,7 @@ class DeadlineClock:
         try:
             while True:
                 delay = self._fire_expired()
+                self._wake_at = self.source.now() + delay
                 with anyio.CancelScope() as self._sleep_scope:
                     if math.isinf(delay):
                         await anyio.sleep_forever()
@@ -212,3 +218,4 @@ class DeadlineClock:
         finally:
             self._running = False
             self._sleep_scope = None
+            self._wake_at = -math.inf
