@@ -9,7 +9,8 @@ are named: `positional`, `exact_match`, `math` (math-verify equivalence of the f
 `stages.math_reward`) and `reasoning_gym` (the prompt source's own answer checker); anything
 else is given as `module:function`, importable from the working directory or the environment.
 Up to `concurrency` groups are scored at once, each under `reward_s` of wall time (the gate
-does not block reward work). A function that raises, or a group that times out, is a counted
+does not block reward work); the cheap built-ins (`positional`, `exact_match`: microseconds a
+sample) are scored on the event loop as each group arrives, with no thread or deadline. A function that raises, or a group that times out, is a counted
 data failure: those samples get no reward and are not trained on. More than `max_failures`
 failures stop the run.
 """
@@ -193,16 +194,18 @@ class RewardStage:
             async with anyio.create_task_group() as scoring:
                 with self.watchdog.waiting(self.name, "a group from rollout"):
                     async for item in self.inp:
-                        if isinstance(item, Group):
+                        if not isinstance(item, Group):
+                            await self.out.send(item)
+                        elif self.fn in CHEAP:  # scored in passing: no task, no slot
+                            await self._score_and_send(item, None)
+                        else:
                             await slots.acquire()
                             scoring.start_soon(self._score_and_send, item, slots)
-                        else:
-                            await self.out.send(item)
         finally:
             self.out.close()
             self.watchdog.done(self.name)
 
-    async def _score_and_send(self, group: Group, slots: anyio.Semaphore) -> None:
+    async def _score_and_send(self, group: Group, slots: anyio.Semaphore | None) -> None:
         try:
             start = self.clock.source.now()
             with self.trace.lane("reward", f"score {group.group_id}"):
@@ -211,21 +214,26 @@ class RewardStage:
             await self.out.send(scored)
             self.watchdog.beat(self.name)
         finally:
-            slots.release()
+            if slots is not None:
+                slots.release()
 
     async def _score_group(self, group: Group) -> Group:
         texts = [self.tokenizer.decode(s.tokens) for s in group.samples]
         wanted: list[str | None] = [
             None if s.poisoned else t for s, t in zip(group.samples, texts, strict=True)
         ]
+        pairs = [(group.prompt, text) for text in wanted]
         results: list[Scored] = [None] * len(texts)
-        try:
-            with self.clock.fail_after(
-                self.section.reward_s, f"reward of group {group.group_id}", suspendable=False
-            ):
-                results = await score_all(self.fn, [(group.prompt, text) for text in wanted])
-        except DeadlineExceeded as error:
-            self._failure("timeout", str(error))
+        if self.fn in CHEAP:  # microseconds, on the event loop: no deadline could interrupt it
+            results = _score_all_sync(self.fn, pairs)
+        else:
+            try:
+                with self.clock.fail_after(
+                    self.section.reward_s, f"reward of group {group.group_id}", suspendable=False
+                ):
+                    results = await score_all(self.fn, pairs)
+            except DeadlineExceeded as error:
+                self._failure("timeout", str(error))
         samples: list[Sample] = []
         for sample, text, result in zip(group.samples, texts, results, strict=True):
             if isinstance(result, Exception):
