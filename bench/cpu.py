@@ -8,7 +8,8 @@ bench/trl_reverse.py), each round also runs TRL's benchmark in a subprocess, int
 ours, so that both see the same machine (a shared 2-core VM drifts by 20% over minutes). Writes
 the per-round and overall medians, and TRL's over ours, to bench/results-cpu.json.
 
-    python -m bench.cpu [--steps 60] [--rounds 3] [--trl /tmp/trlvenv/bin/python] [key.path=value ...]
+    python -m bench.cpu [--steps 60] [--rounds 3] [--modes "colocated L=0,..."]
+                        [--trl /tmp/trlvenv/bin/python] [key.path=value ...]
 """
 
 from __future__ import annotations
@@ -66,13 +67,17 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--trl", help="a Python interpreter with TRL installed (bench/trl_reverse.py)")
+    parser.add_argument(
+        "--modes", default=",".join(MODES), help="comma-separated subset of: " + ", ".join(MODES)
+    )
     parser.add_argument("--out", default="bench/results-cpu.json")
     parser.add_argument("overrides", nargs="*", help="recipe overrides applied to every mode")
     args = parser.parse_args()
+    modes = {name: MODES[name] for name in args.modes.split(",")}
     rounds: list[dict[str, Any]] = []
     for index in range(args.rounds):
         result: dict[str, Any] = {}
-        for mode, overrides in MODES.items():
+        for mode, overrides in modes.items():
             result[mode] = ours([*overrides, *args.overrides], args.steps)
             print(f"round {index + 1} {mode}", json.dumps(result[mode]), flush=True)
         if args.trl:
@@ -81,15 +86,17 @@ def main() -> None:
             print(f"round {index + 1} trl", json.dumps(result["trl"]), flush=True)
         rounds.append(result)
     summary: dict[str, Any] = {"steps": args.steps, "rounds": rounds, "overrides": args.overrides}
-    for mode in MODES:
+    for mode in modes:
         summary[mode] = statistics.median(r[mode]["step_s_median"] for r in rounds)
     if args.trl:
         summary["trl"] = statistics.median(r["trl"]["step_s_median"] for r in rounds)
         # Per round, so that both sides of each ratio saw the same machine.
-        summary["trl_over_ours"] = {
+        ratios = {
             mode: [round(r["trl"]["step_s_median"] / r[mode]["step_s_median"], 2) for r in rounds]
-            for mode in MODES
+            for mode in modes
         }
+        summary["trl_over_ours"] = ratios
+        summary["trl_over_ours_median"] = {mode: statistics.median(v) for mode, v in ratios.items()}
     summary["python"] = sys.version.split()[0]
     Path(args.out).write_text(json.dumps(summary, indent=2) + "\n")
     print(json.dumps({k: v for k, v in summary.items() if k != "rounds"}, indent=2))

@@ -10,9 +10,9 @@ are named: `positional`, `exact_match`, `math` (math-verify equivalence of the f
 else is given as `module:function`, importable from the working directory or the environment.
 Up to `concurrency` groups are scored at once, each under `reward_s` of wall time (the gate
 does not block reward work); the cheap built-ins (`positional`, `exact_match`: microseconds a
-sample) are scored on the event loop as each group arrives, with no thread or deadline. A function that raises, or a group that times out, is a counted
-data failure: those samples get no reward and are not trained on. More than `max_failures`
-failures stop the run.
+sample) are scored on the event loop as each group arrives, with no thread or deadline. A
+function that raises, or a group that times out, is a counted data failure: those samples get
+no reward and are not trained on. More than `max_failures` failures stop the run.
 """
 
 from __future__ import annotations

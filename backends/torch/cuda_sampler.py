@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from backends.torch.kv_pool import KVPool, make_pool
-from backends.torch.model import Decoder, DecoderLayer, rope_inv_freq
+from backends.torch.model import Decoder, DecoderLayer, rope_inv_freq, rotary_tables
 from backends.torch.sampling import check_arguments, completions, draw
 from pipeline.messages import Completion
 
@@ -63,21 +63,6 @@ def _flash_works(device: torch.device) -> bool:
         except (RuntimeError, TypeError, NotImplementedError):
             _FLASH_WORKS[device] = False
     return _FLASH_WORKS[device]
-
-
-def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    # Same formula and dtype steps as backends.torch.model, so logprobs match training.
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-
-
-def _rotate_full(x: Tensor, cos_full: Tensor, sin_signed: Tensor) -> Tensor:
-    """`_rotate` in four kernels rather than seven, rounding identically: with cos_full =
-    (cos, cos) and sin_signed = (-sin, sin), x * cos_full + (x2, x1) * sin_signed holds the
-    same bf16 products, and a + (-b) is a - b exactly."""
-    half = x.shape[-1] // 2
-    swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
-    return x * cos_full + swapped * sin_signed
 
 
 class _Step:
@@ -295,18 +280,14 @@ class CudaSampler:
         m = self.model
         u, t = ids.shape
         positions = torch.arange(t, device=ids.device)
-        cos, sin = self._rope(positions)  # [T, D/2 * 2]
-        cos, sin = cos[None, None], sin[None, None]
+        cos, sin = self._rope(positions)  # [T, 1, D]
         x = m.model.embed_tokens(ids)
         if m.model.embed_positions is not None:
             x = x + m.model.embed_positions(positions)
         for i, layer in enumerate(m.model.layers):
             attn = layer.self_attn
             h = layer.input_layernorm(x)
-            q = attn.q_proj(h).view(u, t, attn.heads, attn.head_dim).transpose(1, 2)
-            k = attn.k_proj(h).view(u, t, attn.kv_heads, attn.head_dim).transpose(1, 2)
-            v = attn.v_proj(h).view(u, t, attn.kv_heads, attn.head_dim).transpose(1, 2)
-            q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+            q, k, v = (y.transpose(1, 2) for y in attn.project(h, cos, sin))
             self._keys[i][dest, :t] = k.transpose(1, 2)[src]
             self._values[i][dest, :t] = v.transpose(1, 2)[src]
             out = F.scaled_dot_product_attention(
@@ -317,8 +298,7 @@ class CudaSampler:
         return m.model.norm(x)
 
     def _rope(self, positions: Tensor) -> tuple[Tensor, Tensor]:
-        freqs = positions.unsqueeze(-1).float() * self._inv_freq
-        return freqs.cos().to(self.dtype), freqs.sin().to(self.dtype)
+        return rotary_tables(positions.unsqueeze(-1).float() * self._inv_freq, self.dtype)
 
     # ---- decode -------------------------------------------------------------------------
 
@@ -362,16 +342,14 @@ class CudaSampler:
         sampled token and its logprob in ``step.token``/``step.logprob``."""
         m = self.model
         position = step.position
-        cos, sin = self._rope(position)
-        cos_full = torch.cat((cos, cos), dim=-1)[:, None]
-        sin_signed = torch.cat((-sin, sin), dim=-1)[:, None]
+        cos, sin = self._rope(position)  # [rows, 1, D]
         write = step.row_base + position
         used = (position + 1).to(torch.int32)
         x = m.model.embed_tokens(step.token)
         if m.model.embed_positions is not None:
             x = x + m.model.embed_positions(position)
         for i, layer in enumerate(m.model.layers):
-            x = self._decode_layer(layer, x, cos_full, sin_signed, i, write, used, step)
+            x = self._decode_layer(layer, x, cos, sin, i, write, used, step)
         hidden = m.model.norm(x)
         scaled = torch.mul(self._logits(hidden), step.inv_temperature, out=step.logits)
         if sample:
@@ -385,8 +363,8 @@ class CudaSampler:
         self,
         layer: DecoderLayer,
         x: Tensor,
-        cos_full: Tensor,
-        sin_signed: Tensor,
+        cos: Tensor,
+        sin: Tensor,
         i: int,
         write: Tensor,
         used: Tensor,
@@ -395,9 +373,7 @@ class CudaSampler:
         attn = layer.self_attn
         kvh, d, rows = self.kv_heads, self.head_dim, step.rows
         h = layer.input_layernorm(x)
-        q = _rotate_full(attn.q_proj(h).view(rows, attn.heads, d), cos_full, sin_signed)
-        k = _rotate_full(attn.k_proj(h).view(rows, kvh, d), cos_full, sin_signed)
-        v = attn.v_proj(h).view(rows, kvh, d)
+        q, k, v = attn.project(h, cos, sin)
         keys = self._keys[i][:rows]
         values = self._values[i][:rows]
         keys.view(rows * self.length, kvh, d).index_copy_(0, write, k)

@@ -104,7 +104,9 @@ def _hidden(
         if n * s:
             keys, values = torch.cat([kp[rows], ks], dim=2), torch.cat([vp[rows], vs], dim=2)
             out_s = attend(qs, keys, values, suffix_mask, False)
-            out = torch.cat([out_p.transpose(1, 2).reshape(split, -1), out_s.transpose(1, 2).reshape(n * s, -1)])
+            out = torch.cat(
+                [out_p.transpose(1, 2).reshape(split, -1), out_s.transpose(1, 2).reshape(n * s, -1)]
+            )
         else:
             out = out_p.transpose(1, 2).reshape(split, -1)
         x = x + attn.o_proj(out)

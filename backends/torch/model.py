@@ -41,9 +41,21 @@ def rope_inv_freq(config: ModelConfig) -> Tensor:
 
 
 def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    # Rotate-half convention: pairs are (i, i + head_dim/2), as in Hugging Face checkpoints.
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    """Rotary embedding of x [..., D] in the rotate-half convention of Hugging Face checkpoints
+    (pairs (i, i + D/2)), given cos = (c, c) and sin = (-s, s) over D (`Decoder.rotary`):
+    x * cos + (x2, x1) * sin, four ops with the roundings of (x1 c - x2 s, x2 c + x1 s), since
+    a + (-b) is a - b exactly."""
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+def rotary_tables(freqs: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """(cos, sin) of `rotate` [..., 1, D] from angles [..., D/2] (float32), cast to `dtype`."""
+    cos, sin = freqs.cos(), freqs.sin()
+    return (
+        torch.cat((cos, cos), dim=-1).to(dtype).unsqueeze(-2),
+        torch.cat((-sin, sin), dim=-1).to(dtype).unsqueeze(-2),
+    )
 
 
 class KVCache:
@@ -109,7 +121,7 @@ class Attention(nn.Module):
 
     def project(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Rotated queries [..., T, heads, D] and keys, values [..., T, kv_heads, D] of tokens
-        x [..., T, hidden]; `cos`/`sin` [..., T, 1, D/2] (`Decoder.rotary`)."""
+        x [..., T, hidden]; `cos`/`sin` [..., T, 1, D] (`Decoder.rotary`)."""
         lead = x.shape[:-1]
         q = self.q_proj(x).view(*lead, self.heads, self.head_dim)
         k = self.k_proj(x).view(*lead, self.kv_heads, self.head_dim)
@@ -293,10 +305,11 @@ class Decoder(nn.Module):
         return x
 
     def rotary(self, position_ids: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        """Rotary (cos, sin) [..., 1, head_dim / 2] for positions [...], computed in float32;
+        """`rotate`'s (cos, sin) [..., 1, head_dim] for positions [...], computed in float32;
         the 1 broadcasts over the heads of `Attention.project`."""
-        freqs = position_ids.unsqueeze(-1).float() * self._inv_freq_on(position_ids.device)
-        return freqs.cos().to(dtype).unsqueeze(-2), freqs.sin().to(dtype).unsqueeze(-2)
+        return rotary_tables(
+            position_ids.unsqueeze(-1).float() * self._inv_freq_on(position_ids.device), dtype
+        )
 
     def forward(
         self,

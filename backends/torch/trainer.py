@@ -72,12 +72,13 @@ class TorchTrainer:
         self.temperature = temperature if temperature > 0 else 1.0
         self.reference = reference
         self.device = next(model.parameters()).device
-        fused = self.device.type == "cuda"
         low_precision = any(p.dtype != torch.float32 for p in model.parameters())
         # bf16 weights step through float32 masters (see backends/torch/precision.py).
         self.master = MasterWeights(model.parameters()) if master_weights and low_precision else None
         params = self.master.master if self.master is not None else list(model.parameters())
-        self.optimizer = torch.optim.AdamW(params, lr=lr, betas=betas, weight_decay=weight_decay, fused=fused)
+        # The fused kernel on CPU too: one call a parameter instead of a dozen ops (0.2 vs 1 ms a
+        # step for the CPU quickstart's model).
+        self.optimizer = torch.optim.AdamW(params, lr=lr, betas=betas, weight_decay=weight_decay, fused=True)
         # Off the device between steps (colocated: while the engine generates), when asked;
         # from the start, so the first generation has the room too.
         self.parking = HostParking() if offload_optimizer else None
