@@ -44,11 +44,14 @@ QWEN_1_5B = ModelConfig(
 PEAK_FLOPS = 790e12  # measured bf16 matmul rate of one H200 here (FACTS.md)
 
 
-def _model(seed: int = 0) -> Decoder:
+def _model(residual: str, seed: int = 0) -> Decoder:
     torch.manual_seed(seed)
     with torch.device("cuda"):
         model = Decoder(QWEN_1_5B)
-    return model.to(torch.bfloat16)
+    model = model.to(torch.bfloat16)
+    if residual == "float32":  # as `model.residual: float32` in a recipe
+        model.residual_dtype = torch.float32
+    return model
 
 
 def _sync_time() -> float:
@@ -163,7 +166,7 @@ def _flops_per_token(config: ModelConfig, seq: int) -> float:
 
 
 def _train_variant(compiled: bool, args: argparse.Namespace) -> dict[str, float]:
-    model = _model()
+    model = _model(args.residual)
     model.train()
     if compiled:
         for layer in model.model.layers:
@@ -225,6 +228,7 @@ def main() -> None:
     parser.add_argument("--micro-batch", type=int, default=16)
     parser.add_argument("--train-steps", type=int, default=10)
     parser.add_argument("--compile", action="store_true", help="also train with torch.compile'd layers")
+    parser.add_argument("--residual", choices=["model", "float32"], default="model")
     parser.add_argument("--out", default="bench/results-h200.json")
     args = parser.parse_args()
     parts = args.parts.split(",")
@@ -232,6 +236,7 @@ def main() -> None:
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "model": "Qwen2.5-1.5B shape, random init, bf16",
+        "residual": args.residual,
     }
     path = Path(args.out)
 
@@ -239,7 +244,7 @@ def main() -> None:
         path.write_text(json.dumps(results, indent=2) + "\n")
 
     if "generate" in parts or "handoff" in parts:
-        model = _model()
+        model = _model(args.residual)
         if "generate" in parts:
             results["generate"] = bench_generate(model, args)
             save()

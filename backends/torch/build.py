@@ -33,6 +33,8 @@ def build_model(section: ModelSection, *, vocab_size: int, seed: int) -> Decoder
         torch.manual_seed(seed)
         model = Decoder(section.config).to(device=section.device, dtype=DTYPES[section.dtype])
         field = "model.config.vocab_size"
+    if section.residual == "float32":
+        model.residual_dtype = torch.float32
     if model.config.vocab_size < vocab_size:
         raise RecipeError(
             f"{field}: the model's vocabulary ({model.config.vocab_size}) is smaller than the "

@@ -281,9 +281,7 @@ class CudaSampler:
         u, t = ids.shape
         positions = torch.arange(t, device=ids.device)
         cos, sin = self._rope(positions)  # [T, 1, D]
-        x = m.model.embed_tokens(ids)
-        if m.model.embed_positions is not None:
-            x = x + m.model.embed_positions(positions)
+        x = m.embed(ids, positions)
         for i, layer in enumerate(m.model.layers):
             attn = layer.self_attn
             h = layer.input_layernorm(x)
@@ -345,9 +343,7 @@ class CudaSampler:
         cos, sin = self._rope(position)  # [rows, 1, D]
         write = step.row_base + position
         used = (position + 1).to(torch.int32)
-        x = m.model.embed_tokens(step.token)
-        if m.model.embed_positions is not None:
-            x = x + m.model.embed_positions(position)
+        x = m.embed(step.token, position)
         for i, layer in enumerate(m.model.layers):
             x = self._decode_layer(layer, x, cos, sin, i, write, used, step)
         hidden = m.model.norm(x)

@@ -85,7 +85,7 @@ def _hidden(
     ids = torch.cat([prefix_ids.reshape(-1), suffix_ids.reshape(-1)])
     positions = torch.cat([prefix_positions.reshape(-1), suffix_positions.reshape(-1)])
     x = model.embed(ids, positions)  # [T, H], T = P*W + N*S
-    cos, sin = model.rotary(positions, x.dtype)
+    cos, sin = model.rotary(positions)
     prefix_mask, prefix_causal = attention_mask(prefix_real, w, 0, ids.device)
     suffix_keys = None
     if prefix_real is not None:

@@ -94,7 +94,8 @@ class KVCache:
 
 
 class RMSNorm(nn.Module):
-    """Root-mean-square norm computed in float32, then cast back and scaled (HF semantics)."""
+    """Root-mean-square norm computed in float32, cast to the weight's dtype and scaled (HF
+    semantics when the residual stream has the weight's dtype)."""
 
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
@@ -103,7 +104,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
-        return self.weight * normed.to(x.dtype)
+        return self.weight * normed.to(self.weight.dtype)
 
 
 class Attention(nn.Module):
@@ -264,6 +265,10 @@ class Decoder(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         # Kept off the module's buffers so that casting the model to bf16 cannot round it.
         self._inv_freq: dict[torch.device, Tensor] = {}
+        # The residual stream's dtype; None: the parameters' (as Hugging Face models run).
+        # float32 under bf16 weights keeps each layer's sum unrounded, so engine and trainer,
+        # whose kernels round differently, drift apart less (see backends/torch/section.py).
+        self.residual_dtype: torch.dtype | None = None
 
     def hidden_states(
         self,
@@ -291,22 +296,24 @@ class Decoder(nn.Module):
         mask, is_causal = attention_mask(attn_mask, t, cache_start, input_ids.device)
 
         x = self.embed(input_ids, position_ids)
-        cos, sin = self.rotary(position_ids, x.dtype)
+        cos, sin = self.rotary(position_ids)
         for i, layer in enumerate(self.model.layers):
             cache = None if kv_cache is None else (kv_cache.keys[i], kv_cache.values[i])
             x = layer(x, cos, sin, mask, is_causal, cache, cache_start)
         return self.model.norm(x)
 
     def embed(self, input_ids: Tensor, position_ids: Tensor) -> Tensor:
-        """Input embeddings [..., hidden_size] of tokens at positions (same shapes)."""
+        """Input embeddings [..., hidden_size] of tokens at positions (same shapes), in
+        `residual_dtype`: the residual stream starts here."""
         x = self.model.embed_tokens(input_ids)
         if self.model.embed_positions is not None:
             x = x + self.model.embed_positions(position_ids)
-        return x
+        return x if self.residual_dtype is None else x.to(self.residual_dtype)
 
-    def rotary(self, position_ids: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        """`rotate`'s (cos, sin) [..., 1, head_dim] for positions [...], computed in float32;
-        the 1 broadcasts over the heads of `Attention.project`."""
+    def rotary(self, position_ids: Tensor) -> tuple[Tensor, Tensor]:
+        """`rotate`'s (cos, sin) [..., 1, head_dim] for positions [...], computed in float32 and
+        cast to the parameters' dtype; the 1 broadcasts over the heads of `Attention.project`."""
+        dtype = self.model.embed_tokens.weight.dtype
         return rotary_tables(
             position_ids.unsqueeze(-1).float() * self._inv_freq_on(position_ids.device), dtype
         )

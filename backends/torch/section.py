@@ -16,6 +16,9 @@ class ModelSection(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
     `sampler`: the generation loop. `plain` is `Sampler` (any device); `cuda` is `CudaSampler`
     (CUDA graphs, flash decode, a KV cache released at stand-down); `auto` picks `cuda` on a
     CUDA device and `plain` elsewhere. `cuda_graphs: false` runs `CudaSampler` eagerly.
+    `residual`: the residual stream's dtype. `model` keeps it in `dtype`, as Hugging Face runs
+    the model; `float32` keeps bf16 layers' sums in float32 (norms and projections still run in
+    `dtype`), which makes the engine's and the trainer's logprobs agree more closely.
     """
 
     config: ModelConfig | None = None
@@ -25,6 +28,7 @@ class ModelSection(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
     threads: Annotated[int, msgspec.Meta(ge=0)] = 0
     sampler: Literal["auto", "plain", "cuda"] = "auto"
     cuda_graphs: bool = True
+    residual: Literal["model", "float32"] = "model"
 
     def __post_init__(self) -> None:
         if (self.config is None) == (self.path is None):

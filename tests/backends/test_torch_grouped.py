@@ -48,3 +48,41 @@ def test_grouped_logprobs_and_gradients_match_full_sequences(learned_positions: 
     torch.testing.assert_close(grouped, full, atol=1e-5, rtol=0)
     for name, param in model.named_parameters():
         torch.testing.assert_close(grads[name], param.grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_float32_residual_keeps_bf16_layers_and_matches_the_sampler() -> None:
+    """`model.residual: float32`: the residual stream is float32, every norm output and
+    projection stays bf16, and the engine and the trainer still compute the same logprobs."""
+    from backends.torch.engine import Sampler
+
+    torch.manual_seed(0)
+    model = Decoder(ModelConfig(vocab_size=23, hidden_size=64, intermediate_size=96)).to(torch.bfloat16)
+    ids = torch.tensor([[2, 5, 7, 9]])
+    positions = torch.arange(4).unsqueeze(0)
+    plain = model.hidden_states(ids, positions)
+    model.residual_dtype = torch.float32
+    assert model.embed(ids, positions).dtype == torch.float32
+    wide = model.hidden_states(ids, positions)
+    assert wide.dtype == torch.bfloat16
+    assert not torch.equal(wide, plain)  # the layers' sums were not rounded to bf16
+    torch.testing.assert_close(wide, plain, atol=0.1, rtol=0.05)
+    prompts = [[2, 5, 7, 9], [2, 11]]
+    out = Sampler(model).generate(
+        [prompts[0]] * 3 + [prompts[1]] * 2, max_new_tokens=6, temperature=1.0, generator=torch.Generator()
+    )
+    with torch.no_grad():
+        lp, mask = response_logprobs(model, prompts, [0, 0, 0, 1, 1], [o.tokens for o in out], 1.0)
+    gen = torch.zeros_like(lp)
+    for i, o in enumerate(out):
+        gen[i, : len(o.logprobs)] = torch.tensor(o.logprobs)
+    torch.testing.assert_close(lp * mask, gen, atol=0.02, rtol=0)
+
+
+def test_recipe_residual_field_reaches_the_model() -> None:
+    from backends.torch.build import build_model
+    from backends.torch.section import ModelSection
+
+    config = ModelConfig(vocab_size=23, hidden_size=64, intermediate_size=96)
+    assert build_model(ModelSection(config=config), vocab_size=23, seed=0).residual_dtype is None
+    section = ModelSection(config=config, residual="float32")
+    assert build_model(section, vocab_size=23, seed=0).residual_dtype == torch.float32
