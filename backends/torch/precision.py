@@ -8,12 +8,15 @@ Gradients are clipped by their norm computed in float32 and converted one tensor
 `HostParking`: moves a set of device tensors (master weights and optimizer moments) to pinned
 host buffers allocated once, and frees their device storage in place, so the optimizer's state
 dict and every reference stay valid; `restore` copies them back into the same tensors.
+`StreamedParking` does this per chunk of parameters, and the trainer restores, steps and parks
+one chunk after another: an 8B model's 96 GB of float32 masters and moments never need to be on
+the device at once.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import Tensor
@@ -133,3 +136,58 @@ class HostParking:
             torch.cuda.synchronize()
         self.parked = False
         return time.perf_counter() - start
+
+
+class StreamedParking:
+    """Optimizer state parked on the host in chunks, and streamed through the device one chunk
+    at a time while the optimizer steps: the device never holds more than one chunk of it.
+
+    `tensors_of(chunk)` lists what a chunk parks (its master weights and their Adam moments,
+    which AdamW creates at its first step). Each chunk has its own `HostParking`, so every
+    pinned buffer is still allocated once.
+    """
+
+    def __init__(self, chunks: list[list[int]], tensors_of: Callable[[list[int]], list[Tensor]]) -> None:
+        self.chunks = chunks
+        self.tensors_of = tensors_of
+        self.parkings = [HostParking() for _ in chunks]
+        self.moved_s = {"reload": 0.0, "offload": 0.0}
+
+    @property
+    def parked(self) -> bool:
+        return all(p.parked for p in self.parkings)
+
+    @property
+    def bytes(self) -> int:
+        return sum(p.bytes for p in self.parkings)
+
+    def park(self, index: int) -> None:
+        self.moved_s["offload"] += self.parkings[index].park(self.tensors_of(self.chunks[index]))
+
+    def restore(self, index: int) -> None:
+        self.moved_s["reload"] += self.parkings[index].restore()
+
+    def park_all(self) -> None:
+        for index in range(len(self.chunks)):
+            self.park(index)
+
+    def restore_all(self) -> None:
+        for index in range(len(self.chunks)):
+            self.restore(index)
+
+    def take_seconds(self) -> dict[str, float]:
+        """Seconds spent copying in and out since the last call."""
+        seconds, self.moved_s = self.moved_s, {"reload": 0.0, "offload": 0.0}
+        return seconds
+
+    def host_copy(self, tensor: Tensor) -> Tensor:
+        """The parked contents of `tensor` (itself when not parked)."""
+        for parking in self.parkings:
+            copy = parking.host_copy(tensor)
+            if copy is not tensor:
+                return copy
+        return tensor
+
+    def forget(self) -> None:
+        for parking in self.parkings:
+            parking.forget()

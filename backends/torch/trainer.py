@@ -21,7 +21,7 @@ from backends.torch.compute import ComputeThread
 from backends.torch.grouped import response_logprobs
 from backends.torch.grpo_loss import LossConfig, grpo_token_loss, mismatch_metrics
 from backends.torch.model import Decoder
-from backends.torch.precision import HostParking, MasterWeights
+from backends.torch.precision import MasterWeights, StreamedParking
 from pipeline.messages import Sample
 
 
@@ -79,11 +79,14 @@ class TorchTrainer:
         # The fused kernel on CPU too: one call a parameter instead of a dozen ops (0.2 vs 1 ms a
         # step for the CPU quickstart's model).
         self.optimizer = torch.optim.AdamW(params, lr=lr, betas=betas, weight_decay=weight_decay, fused=True)
-        # Off the device between steps (colocated: while the engine generates), when asked;
-        # from the start, so the first generation has the room too.
-        self.parking = HostParking() if offload_optimizer else None
-        if self.parking is not None:
-            self.parking.park(self._optimizer_tensors())
+        # Off the device between steps (colocated: while the engine generates) and streamed
+        # through it chunk by chunk during the optimizer step, when asked; parked from the
+        # start, so the first generation has the room too.
+        self.parking: StreamedParking | None = None
+        if offload_optimizer:
+            chunks = self.master.chunks if self.master is not None else [list(range(len(params)))]
+            self.parking = StreamedParking(chunks, self._optimizer_tensors)
+            self.parking.park_all()
         total_updates = max(1, total_steps * updates_per_step)
         warmup_updates = warmup_steps * updates_per_step
 
@@ -146,7 +149,6 @@ class TorchTrainer:
         return response_logprobs(model, chunk.prompts, chunk.owner, chunk.responses, self.temperature)
 
     def _train_step(self, samples: list[Sample], advantages: list[float]) -> dict[str, float]:
-        reload_s = self.parking.restore() if self.parking is not None else None
         self.model.train()
         minibatches = self._chunks(samples, advantages)
         chunks = [c for minibatch in minibatches for c in minibatch]
@@ -205,8 +207,9 @@ class TorchTrainer:
         if self.reference is not None:
             metrics["train/kl_ref"] = totals["kl_ref"] / tokens
         if self.parking is not None:
-            metrics["timing/optimizer_reload_s"] = reload_s or 0.0
-            metrics["timing/optimizer_offload_s"] = self.parking.park(self._optimizer_tensors())
+            moved = self.parking.take_seconds()
+            metrics["timing/optimizer_reload_s"] = moved["reload"]
+            metrics["timing/optimizer_offload_s"] = moved["offload"]
             metrics["train/offloaded_gb"] = self.parking.bytes / 1e9
         self.completed_steps += 1
         return metrics
@@ -221,21 +224,33 @@ class TorchTrainer:
             self.model.zero_grad(set_to_none=True)
             return True
         if self.master is None:
+            if self.parking is not None:
+                self.parking.restore_all()
             self.optimizer.step()
+            if self.parking is not None:
+                self.parking.park_all()
         else:
-            # One chunk at a time; AdamW skips parameters without a gradient.
+            # One chunk at a time (its state streamed in and out when parked); AdamW skips
+            # parameters without a gradient.
             scale = min(1.0, self.grad_clip / (grad_norm + 1e-6))
-            for chunk in self.master.chunks:
+            for index, chunk in enumerate(self.master.chunks):
+                if self.parking is not None:
+                    self.parking.restore(index)
                 self.master.load_grads(scale, chunk)
                 self.optimizer.step()
                 self.master.publish(chunk)
+                if self.parking is not None:
+                    self.parking.park(index)
         grad_norms.append(grad_norm)
         return False
 
-    def _optimizer_tensors(self) -> list[torch.Tensor]:
-        """What parking moves: the master weights and every optimizer moment."""
-        tensors: list[torch.Tensor] = list(self.master.master) if self.master is not None else []
-        for state in self.optimizer.state.values():
+    def _optimizer_tensors(self, chunk: list[int]) -> list[torch.Tensor]:
+        """What parking moves for the parameters `chunk` indexes: their master weights and
+        optimizer moments (the model's own weights stay: the engine may read them)."""
+        params = self.optimizer.param_groups[0]["params"]
+        tensors: list[torch.Tensor] = [self.master.master[i] for i in chunk] if self.master is not None else []
+        for i in chunk:
+            state = self.optimizer.state.get(params[i], {})
             tensors.extend(v for v in state.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
         return tensors
 
@@ -267,7 +282,7 @@ class TorchTrainer:
 
     def load_state(self, state: dict[str, Any]) -> None:
         if self.parking is not None:
-            self.parking.restore()  # loading replaces the optimizer's moments
+            self.parking.restore_all()  # loading replaces the optimizer's moments
             self.parking.forget()
         self.model.load_state_dict(state["model"])
         if self.master is not None:
@@ -283,4 +298,5 @@ class TorchTrainer:
         self.skipped_steps = int(state["skipped_steps"])
         self.completed_steps = int(state["completed_steps"])
         if self.parking is not None:  # the loaded state leaves the device until the next step
-            self.parking.park(self._optimizer_tensors())
+            self.parking.park_all()
+            self.parking.take_seconds()

@@ -11,7 +11,7 @@ import torch
 from backends.torch.config import ModelConfig
 from backends.torch.grpo_loss import LossConfig
 from backends.torch.model import Decoder
-from backends.torch.precision import HostParking
+from backends.torch.precision import HostParking, StreamedParking
 from backends.torch.trainer import TorchTrainer
 from pipeline.messages import Sample
 
@@ -132,6 +132,29 @@ def test_stepping_master_weights_chunk_by_chunk_equals_one_step() -> None:
         assert torch.equal(a, b)
 
 
+def test_parked_state_streams_through_the_device_one_chunk_at_a_time() -> None:
+    """With a chunk a parameter, the step restores, steps and parks each in turn: no more than
+    one parameter's master weight and moments are ever on the device, and training is exact."""
+    plain = _trainer(_model(), lr=1e-3)
+    streamed = _trainer(_model(), lr=1e-3, offload_optimizer=True)
+    assert streamed.master is not None and streamed.parking is not None
+    streamed.master.chunks = [[i] for i in range(len(streamed.master.params))]
+    streamed.parking.restore_all()
+    streamed.parking = StreamedParking(streamed.master.chunks, streamed._optimizer_tensors)
+    streamed.parking.park_all()
+    resident: list[int] = []
+    masters = streamed.master.master
+    streamed.optimizer.register_step_pre_hook(
+        lambda *_: resident.append(sum(m.untyped_storage().nbytes() > 0 for m in masters))
+    )
+    for _ in range(2):
+        assert streamed._train_step(*_batch())["train/loss"] == plain._train_step(*_batch())["train/loss"]
+    assert resident and max(resident) == 1
+    assert streamed.parking.parked
+    for a, b in zip(plain.model.parameters(), streamed.model.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
 def test_parking_starts_at_construction_and_after_loading_a_checkpoint() -> None:
     trainer = _trainer(_model(), lr=1e-3, offload_optimizer=True)
     assert trainer.parking is not None and trainer.parking.parked
@@ -160,11 +183,12 @@ def test_parking_on_a_gpu_frees_its_memory_and_leaves_training_unchanged() -> No
         expected = plain._train_step(*_batch())
         torch.cuda.synchronize()
         before = torch.cuda.memory_allocated()
-        parked.parking.restore()
+        parked.parking.restore_all()
         restored = torch.cuda.memory_allocated()
+        parked.parking.park_all()
         got = parked._train_step(*_batch())
         assert got["train/loss"] == pytest.approx(expected["train/loss"], rel=1e-6)
-    assert parked.parking.parked and parked.parking.host[0].is_pinned()
+    assert parked.parking.parked and parked.parking.parkings[0].host[0].is_pinned()
     # Master weights (4 bytes a parameter) and the two Adam moments (8) left the device.
     params = sum(p.numel() for p in parked.model.parameters())
     assert parked.parking.bytes == 12 * params
