@@ -248,7 +248,9 @@ class TorchTrainer:
         """What parking moves for the parameters `chunk` indexes: their master weights and
         optimizer moments (the model's own weights stay: the engine may read them)."""
         params = self.optimizer.param_groups[0]["params"]
-        tensors: list[torch.Tensor] = [self.master.master[i] for i in chunk] if self.master is not None else []
+        tensors: list[torch.Tensor] = []
+        if self.master is not None:
+            tensors.extend(self.master.master[i] for i in chunk)
         for i in chunk:
             state = self.optimizer.state.get(params[i], {})
             tensors.extend(v for v in state.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
