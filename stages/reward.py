@@ -78,7 +78,14 @@ BUILTIN: dict[str, RewardFn] = {
     "math": _math,
 }
 # Microseconds a sample: scored on the event loop.
-CHEAP: frozenset[RewardFn] = frozenset({positional_reward, exact_match_reward})
+CHEAP: tuple[RewardFn, ...] = (positional_reward, exact_match_reward)
+
+
+def is_cheap(fn: RewardFn) -> bool:
+    """A cheap built-in (by identity: a user's callable need not be hashable)."""
+    return any(fn is cheap for cheap in CHEAP)
+
+
 SOURCE_CHECKER = "reasoning_gym"
 
 
@@ -144,7 +151,7 @@ async def score_all(fn: RewardFn, items: list[tuple[Prompt, str | None]]) -> lis
     A plain function scores all pairs in one worker-thread call (a cheap built-in on the event
     loop: the thread hop would cost more than the scoring); an async one is awaited in turn.
     """
-    if fn in CHEAP:
+    if is_cheap(fn):
         return _score_all_sync(fn, items)
     if not inspect.iscoroutinefunction(fn):
         return await anyio.to_thread.run_sync(partial(_score_all_sync, fn, items), abandon_on_cancel=True)
@@ -180,6 +187,7 @@ class RewardStage:
         self.trace = trace or Trace(clock.source.now)
         self.timings = timings or BatchTimings()
         self.fn = fn
+        self.cheap = is_cheap(fn)
         self.tokenizer = tokenizer
         self.clock = clock
         self.inp = inp
@@ -196,7 +204,7 @@ class RewardStage:
                     async for item in self.inp:
                         if not isinstance(item, Group):
                             await self.out.send(item)
-                        elif self.fn in CHEAP:  # scored in passing: no task, no slot
+                        elif self.cheap:  # scored in passing: no task, no slot
                             await self._score_and_send(item, None)
                         else:
                             await slots.acquire()
@@ -224,7 +232,7 @@ class RewardStage:
         ]
         pairs = [(group.prompt, text) for text in wanted]
         results: list[Scored] = [None] * len(texts)
-        if self.fn in CHEAP:  # microseconds, on the event loop: no deadline could interrupt it
+        if self.cheap:  # microseconds, on the event loop: no deadline could interrupt it
             results = _score_all_sync(self.fn, pairs)
         else:
             try:

@@ -112,4 +112,5 @@ def _hidden(
         x = x + attn.o_proj(out)
         x = x + layer.mlp(layer.post_attention_layernorm(x))
     x = model.model.norm(x)
-    return x[:split].view(p, w, -1), x[split:].view(n, s, -1)
+    hidden = x.shape[-1]  # explicit: with one-token responses (s = 0) -1 would be ambiguous
+    return x[:split].view(p, w, hidden), x[split:].view(n, s, hidden)

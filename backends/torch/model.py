@@ -152,7 +152,7 @@ class Attention(nn.Module):
 
 def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool) -> Tensor:
     """Attention of [B, H, T, D] queries over [B, KV, S, D] keys/values (KV divides H), with a
-    bool `mask` broadcastable to [B, H, T, S] (True: attend) or `is_causal`."""
+    bool `mask` [T, S] or [B, 1, T, S] (True: attend; the same for every head) or `is_causal`."""
     if not q.is_cuda and q.shape[2] * k.shape[2] <= _MATH_MAX_SCORES:
         return _math_attention(q, k, v, mask, is_causal)
     return F.scaled_dot_product_attention(

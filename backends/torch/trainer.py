@@ -87,6 +87,7 @@ class TorchTrainer:
             chunks = self.master.chunks if self.master is not None else [list(range(len(params)))]
             self.parking = StreamedParking(chunks, self._optimizer_tensors)
             self.parking.park_all()
+            self.parking.take_seconds()  # not the first step's copies
         total_updates = max(1, total_steps * updates_per_step)
         warmup_updates = warmup_steps * updates_per_step
 
@@ -262,7 +263,7 @@ class TorchTrainer:
 
     def state(self) -> dict[str, Any]:
         optimizer = self.optimizer.state_dict()
-        if self.parking is not None and self.parking.parked:  # the parked host copies
+        if self.parking is not None:  # the host copies of whatever is parked
             optimizer["state"] = {
                 index: {
                     k: self.parking.host_copy(v) if isinstance(v, torch.Tensor) else v for k, v in s.items()

@@ -50,6 +50,18 @@ def test_grouped_logprobs_and_gradients_match_full_sequences(learned_positions: 
         torch.testing.assert_close(grads[name], param.grad, atol=1e-5, rtol=1e-4, msg=name)
 
 
+@pytest.mark.parametrize("padded", [False, True], ids=["equal-prompts", "padded-prompts"])
+def test_one_token_responses_only(padded: bool) -> None:
+    """Every response a single token (max_new_tokens 1, or an immediate stop): no suffix pass."""
+    torch.manual_seed(0)
+    model = Decoder(ModelConfig(vocab_size=23, hidden_size=64, intermediate_size=96))
+    prompts = [(2, 5, 7), (3, 11, 4)] if not padded else [(2, 5, 7), (11,)]
+    owner, responses = [0, 0, 1], [(4,), (9,), (1,)]
+    grouped, mask = response_logprobs(model, prompts, owner, responses, 1.0)
+    assert grouped.shape == (3, 1) and mask.sum() == 3
+    torch.testing.assert_close(grouped, _full(model, prompts, owner, responses, 1.0), atol=1e-5, rtol=0)
+
+
 def test_float32_residual_keeps_bf16_layers_and_matches_the_sampler() -> None:
     """`model.residual: float32`: the residual stream is float32, every norm output and
     projection stays bf16, and the engine and the trainer still compute the same logprobs."""

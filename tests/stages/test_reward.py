@@ -61,3 +61,19 @@ def test_reasoning_gym_reward_needs_its_source() -> None:
         "reward.function: 'reasoning_gym' scores with the prompt source's own checker; "
         "it needs prompts.source.kind: reasoning_gym"
     )
+
+
+async def test_an_unhashable_reward_callable_is_scored_in_a_worker_thread() -> None:
+    """Built-ins are recognised by identity: a callable object without `__hash__` still works."""
+    from stages.reward import is_cheap, positional_reward, score_all
+
+    class Scorer:
+        __hash__ = None  # type: ignore[assignment]
+
+        def __call__(self, prompt: Prompt, completion: str) -> float:
+            return float(completion == prompt.answer)
+
+    scorer = Scorer()
+    assert is_cheap(positional_reward) and not is_cheap(scorer)
+    scored = await score_all(scorer, [(_prompt("12"), "12"), (_prompt("12"), None), (_prompt("3"), "4")])
+    assert scored == [{"reward": 1.0}, None, {"reward": 0.0}]
