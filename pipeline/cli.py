@@ -9,7 +9,6 @@ command line, 128+N a second signal N (exits at once).
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import signal
 import sys
@@ -25,8 +24,6 @@ from pipeline import logs
 from pipeline.console import Console, ConsoleHandler
 from pipeline.errors import PipelineError, RecipeError, StageFailed
 from pipeline.runner import first_error
-
-log = logging.getLogger("pipeline.cli")
 
 
 def _parser() -> argparse.ArgumentParser:

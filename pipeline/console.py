@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -56,6 +57,9 @@ class Console:
         self.state: dict[str, Any] = {}
         self._step_times: deque[tuple[int, float]] = deque(maxlen=20)
         self._shown = ""
+        # Log records may arrive from worker threads (a reward function's warnings) while the
+        # event loop redraws: one writer at a time, or the lines interleave.
+        self._writing = threading.RLock()
         self._closed = False
 
     # -- what the pipeline reports ------------------------------------------------------------
@@ -93,15 +97,17 @@ class Console:
 
     def line(self, text: str) -> None:
         """A permanent line (above the status line when live)."""
-        self._clear()
-        self.stream.write(text + "\n")
-        self._redraw()
+        with self._writing:
+            self._clear()
+            self.stream.write(text + "\n")
+            self._redraw()
 
     def close(self) -> None:
         """Clear the status line; later lines (late log records) print plainly."""
-        self._clear()
-        self._closed = True
-        self.stream.flush()
+        with self._writing:
+            self._clear()
+            self._closed = True
+            self.stream.flush()
 
     # -- drawing ------------------------------------------------------------------------------
 
@@ -136,9 +142,10 @@ class Console:
     def _redraw(self) -> None:
         if not self.live or self._closed:
             return
-        self._shown = self._summary()
-        self.stream.write("\r\x1b[2K" + self._shown)
-        self.stream.flush()
+        with self._writing:
+            self._shown = self._summary()
+            self.stream.write("\r\x1b[2K" + self._shown)
+            self.stream.flush()
 
     def _clear(self) -> None:
         if self.live and self._shown:

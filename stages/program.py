@@ -21,7 +21,7 @@ from pipeline.errors import PipelineError, RecipeError
 from pipeline.gate import EngineGate
 from pipeline.logs import reset_warnings
 from pipeline.messages import Batch, Dropped, Group
-from pipeline.metrics import EVAL_FILE, STEPS_FILE, MetricsLog, finite
+from pipeline.metrics import EVAL_FILE, STEPS_FILE, MetricsLog, finite, read
 from pipeline.plot import write_report
 from pipeline.protocols import Engine, Trainer
 from pipeline.recipe import dump
@@ -136,7 +136,11 @@ async def run_program(
     )
     lookahead = recipe.async_rl.max_lookahead_versions
     tickets = TicketBox(lookahead, first_batch=first_batch)
-    progress = Progress(steps=recipe.run.steps, steps_done=resumed.step if resumed else 0)
+    progress = Progress(
+        steps=recipe.run.steps,
+        steps_done=resumed.step if resumed else 0,
+        empty_batches=resumed.empty_batches if resumed else 0,
+    )
     per_step = recipe.prompts.prompts_per_step
     batches: Channel[Batch] = Channel("batches", lookahead + 1)
     generated: Channel[Group | Dropped] = Channel("generated", per_step * (lookahead + 1))
@@ -153,6 +157,9 @@ async def run_program(
         ),
     )
     queues = (batches, generated, scored)
+
+    def depths() -> dict[str, int]:
+        return {q.name: q.statistics().depth for q in queues}
 
     rollout = RolloutStage(
         recipe.rollout,
@@ -187,7 +194,7 @@ async def run_program(
             next_batch=next_batch,
             rollout_counts=dict(rollout.counts),
             reward_counts=dict(reward.counts),
-            empty_batches=train.empty_batches,
+            empty_batches=progress.empty_batches,
             python_rng=python_rng_state(),
             last_record=record,
         )
@@ -230,7 +237,7 @@ async def run_program(
         counters=counters,
         timings=timings,
         max_lag=lookahead,
-        queues=lambda: {q.name: q.statistics().depth for q in queues},
+        queues=depths,
         save_due=lambda step: (
             bool(recipe.checkpoint.every_steps) and step % recipe.checkpoint.every_steps == 0
         ),
@@ -239,8 +246,6 @@ async def run_program(
         echo=_both(echo, console.record if console else None),
         on_eval=_both(on_eval, console.evaluation if console else None),
     )
-    if resumed is not None:
-        train.empty_batches = resumed.empty_batches
     stages = [
         PromptStage(
             prompts.train,
@@ -274,7 +279,7 @@ async def run_program(
             trace.span("save", start, clock.source.now(), track="train")
 
     def snapshot() -> dict[str, Any]:
-        return {"gate": gate.state.value, "queues": {q.name: q.statistics().depth for q in queues}}
+        return {"gate": gate.state.value, "queues": depths()}
 
     async def run_all() -> Any:
         return await run_stages(
@@ -367,12 +372,7 @@ def _restore_metrics(path: Path, state: PipelineState, *, recover: bool = True) 
     back from the checkpoint (with `recover`), marked `metrics/recovered` (without the save's
     and the wake's timings).
     """
-    records = []
-    for line in path.read_text().splitlines() if path.exists() else []:
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:  # the line a kill cut short
-            continue
+    records = read(path) if path.exists() else []  # read skips a line a kill cut short
     keep = [r for r in records if r.get("step", 0) <= state.step]
     if recover and state.last_record is not None and not any(r.get("step") == state.step for r in keep):
         keep.append(finite({**state.last_record, "metrics/recovered": 1}))

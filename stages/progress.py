@@ -13,12 +13,12 @@ class Progress:
     answer False from then on (a clean stop admits nothing new).
     """
 
-    def __init__(self, *, steps: int, steps_done: int = 0) -> None:
+    def __init__(self, *, steps: int, steps_done: int = 0, empty_batches: int = 0) -> None:
         self.steps = steps
         self.steps_done = steps_done
         self.admitted = 0
         self.finished_batches = 0
-        self.empty_batches = 0
+        self.empty_batches = empty_batches  # over the whole run, resumes included
         self.stopped = False
         self._changed = anyio.Event()
 

@@ -111,7 +111,6 @@ class TrainStage:
         self.timings = timings or BatchTimings()
         self.max_lag = max_lag
         self.queues = queues
-        self.empty_batches = 0
         self._last_step_end = clock.source.now()
         self.pending: dict[int, list[Group | Dropped]] = defaultdict(list)
 
@@ -164,7 +163,6 @@ class TrainStage:
             # train/empty_batches and the *_total counters include it.
             self.tickets.give_back(Ticket(batch=batch))
             self.progress.batch_finished(trained=False)
-            self.empty_batches += 1
             log.warning(
                 "batch %d had nothing to train on (%d groups dropped, %d samples poisoned); "
                 "another batch takes its place",
@@ -214,6 +212,7 @@ class TrainStage:
         self.tickets.give_back(Ticket(batch=batch))
         self.progress.batch_finished(trained=True)
         step_s = end - self._last_step_end
+        queue_depths = {f"queue/{name}": depth for name, depth in self.queues().items()}
         self._last_step_end = end
         record.update(
             {
@@ -223,12 +222,12 @@ class TrainStage:
                 **{f"timing/{name}_s": seconds for name, seconds in timings.items()},
                 "timing/step_s": step_s,
                 "throughput/tokens_per_s_per_gpu": response_tokens / step_s if step_s > 0 else math.nan,
-                **{f"queue/{name}": depth for name, depth in self.queues().items()},
-                "train/empty_batches": self.empty_batches,
+                **queue_depths,
+                "train/empty_batches": self.progress.empty_batches,
                 **self.counters(),
             }
         )
-        self.trace.counters("queues", {k: v for k, v in record.items() if k.startswith("queue/")})
+        self.trace.counters("queues", queue_depths)
         self.trace.counters("lag", {"mean": record["rollout/mean_lag"], "max": record["rollout/max_lag"]})
         clean = self.metrics.write(record)
         if self.echo is not None:

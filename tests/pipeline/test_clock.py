@@ -125,6 +125,26 @@ async def test_deadline_fires_while_body_waits_on_something_else(
         assert fake.now() == 3
 
 
+async def test_a_later_deadline_leaves_the_timer_asleep_and_an_earlier_one_wakes_it(
+    clock: DeadlineClock, fake: FakeTime
+) -> None:
+    """The timer sleeps until its earliest deadline: a new one expiring later must not delay
+    that wake-up, and a new one expiring sooner must bring it forward."""
+    async with ticking(clock, fake):
+        with pytest.raises(DeadlineExceeded, match="inner"):
+            with clock.fail_after(10, "outer"):
+                with clock.fail_after(20, "later"):
+                    with clock.fail_after(1, "inner"):
+                        await anyio.Event().wait()
+        assert fake.now() == 1
+        with pytest.raises(DeadlineExceeded, match="first"):
+            with clock.fail_after(2, "first"):
+                await anyio.sleep(0)  # the timer is asleep until t = 3
+                with clock.fail_after(5, "later"):
+                    await anyio.Event().wait()
+        assert fake.now() == 3
+
+
 async def test_wall_deadline_keeps_running_while_suspended(clock: DeadlineClock, fake: FakeTime) -> None:
     async with ticking(clock, fake):
         with clock.suspended_while():
