@@ -6,9 +6,11 @@ Parts (each can be picked with --parts):
   and the engine/recompute mismatch metrics of the generated tokens (`token_logprobs`).
 - `handoff`: `release` (stand-down) and `wake` times of the sampler's KV cache, and a check
   that the captured graphs still give the same greedy tokens afterwards.
-- `train`: training tokens/s and MFU at sequence length 1024: bf16 weights, fused AdamW,
-  SDPA, loss through `token_logprobs` as the trainer computes it; eager and (with
-  `--compile`) each decoder layer under torch.compile.
+- `train`: the model's training tokens/s and MFU at sequence length 1024: full sequences
+  through `token_logprobs` (the trainer's logprob projection, not its prompt-sharing pass),
+  bf16 weights stepped directly by fused AdamW (no float32 masters), SDPA; eager and (with
+  `--compile`) each decoder layer under torch.compile. The trainer end to end is measured by
+  the `recipes/bench-h200-*.yaml` runs.
   FLOPs per token = 6 * (non-embedding params + lm_head) + 12 * layers * hidden * seq.
 
     python -m bench.gpu [--parts generate,handoff,train] [--compile] [--out bench/results-h200.json]

@@ -78,6 +78,7 @@ class HFTokenizer:
             )
         self.eos_id: int = eos_id if eos_id is not None else generation_ids[0]
         self.stop_ids: tuple[int, ...] = tuple(dict.fromkeys([self.eos_id, *generation_ids]))
+        self._stops = frozenset(self.stop_ids)
         pad_token = self.special_tokens.get("pad_token")
         self.pad_id: int = self._token_id(pad_token, TOKENIZER_CONFIG_FILE) if pad_token else self.eos_id
         self.vocab_size: int = self._tokenizer.get_vocab_size(with_added_tokens=True)
@@ -111,11 +112,10 @@ class HFTokenizer:
         Ids past the tokenizer's vocabulary (models pad theirs) decode as U+FFFD, so they can
         never match an answer.
         """
-        stops = set(self.stop_ids)
         pieces: list[str] = []
         run: list[int] = []
         for i in ids:
-            if i in stops:
+            if i in self._stops:
                 break
             if 0 <= i < self.vocab_size:
                 run.append(i)

@@ -22,7 +22,7 @@ import yaml
 
 from backends.torch.config import ModelConfig
 from backends.torch.errors import ModelLoadError
-from backends.torch.hf import CONFIG_FILE, load_pretrained, save_pretrained
+from backends.torch.hf import CONFIG_FILE, load_pretrained, read_config, save_pretrained
 from backends.torch.model import Decoder
 from pipeline.errors import RecipeError
 from pipeline.recipe import convert
@@ -78,7 +78,7 @@ def _open_checkpoint(path: Path, device: str) -> OpenedModel:
                 f"{recipe_path}: model.path: {config_path} not found (the checkpoint's weights are in "
                 "trainer.pt; its shape and tokenizer are read from the directory the run started from)"
             )
-        config = ModelConfig.from_hf_dict(json.loads(config_path.read_text()), source=str(config_path))
+        config = read_config(hf_dir)
     else:
         assert section.config is not None
         config = section.config

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from backends.torch.kv_pool import KVPool, make_pool
-from backends.torch.model import Decoder, DecoderLayer, rope_inv_freq, rotary_tables
+from backends.torch.model import Decoder, DecoderLayer
 from backends.torch.sampling import check_arguments, completions, draw
 from pipeline.messages import Completion
 
@@ -123,7 +123,6 @@ class CudaSampler:
         self._values: list[Tensor] = []
         self._steps: dict[int, _Step] = {}
         self._graph_pool = torch.cuda.graph_pool_handle() if self.graphs else None
-        self._inv_freq = rope_inv_freq(c).to(self.device)
         self._down = False
         self.captures = 0
 
@@ -280,7 +279,7 @@ class CudaSampler:
         m = self.model
         u, t = ids.shape
         positions = torch.arange(t, device=ids.device)
-        cos, sin = self._rope(positions)  # [T, 1, D]
+        cos, sin = m.rotary(positions)  # [T, 1, D]
         x = m.embed(ids, positions)
         for i, layer in enumerate(m.model.layers):
             attn = layer.self_attn
@@ -294,9 +293,6 @@ class CudaSampler:
             x = x + attn.o_proj(out.transpose(1, 2).reshape(u, t, attn.heads * attn.head_dim))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return m.model.norm(x)
-
-    def _rope(self, positions: Tensor) -> tuple[Tensor, Tensor]:
-        return rotary_tables(positions.unsqueeze(-1).float() * self._inv_freq, self.dtype)
 
     # ---- decode -------------------------------------------------------------------------
 
@@ -340,7 +336,7 @@ class CudaSampler:
         sampled token and its logprob in ``step.token``/``step.logprob``."""
         m = self.model
         position = step.position
-        cos, sin = self._rope(position)  # [rows, 1, D]
+        cos, sin = m.rotary(position)  # [rows, 1, D]
         write = step.row_base + position
         used = (position + 1).to(torch.int32)
         x = m.embed(step.token, position)

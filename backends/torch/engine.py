@@ -48,6 +48,9 @@ class Sampler:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
+    def wake(self) -> None:
+        """Nothing to map back: the next `generate` allocates the cache it needs."""
+
     @torch.inference_mode()
     def generate(
         self,

@@ -19,6 +19,19 @@ _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
 _LISTED_NAMES = 10
 
 
+def read_config(root: Path) -> ModelConfig:
+    """The `ModelConfig` of a Hugging Face directory's config.json (ModelLoadError naming the
+    file when it is missing, not JSON or not a supported model)."""
+    config_path = root / CONFIG_FILE
+    if not config_path.is_file():
+        raise ModelLoadError(f"{root}: missing {CONFIG_FILE}")
+    try:
+        raw = json.loads(config_path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ModelLoadError(f"{config_path}: invalid JSON ({exc})") from None
+    return ModelConfig.from_hf_dict(raw, source=str(config_path))
+
+
 def load_pretrained(
     path: str | Path, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
 ) -> tuple[ModelConfig, Decoder]:
@@ -30,14 +43,7 @@ def load_pretrained(
     the offending file, shard or tensor names.
     """
     root = Path(path)
-    config_path = root / CONFIG_FILE
-    if not config_path.is_file():
-        raise ModelLoadError(f"{root}: missing {CONFIG_FILE}")
-    try:
-        raw = json.loads(config_path.read_text())
-    except json.JSONDecodeError as exc:
-        raise ModelLoadError(f"{config_path}: invalid JSON ({exc})") from None
-    config = ModelConfig.from_hf_dict(raw, source=str(config_path))
+    config = read_config(root)
 
     files = _weight_files(root)
     with torch.device(device):

@@ -16,7 +16,6 @@ from backends.torch.config import ModelConfig
 from backends.torch.logprobs import picked_logprobs
 
 _INIT_STD = 0.02
-# Upper bound on float32 elements of one logits chunk in `token_logprobs` (64 MiB).
 
 
 def rope_inv_freq(config: ModelConfig) -> Tensor:
@@ -47,15 +46,6 @@ def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     a + (-b) is a - b exactly."""
     half = x.shape[-1] // 2
     return x * cos + torch.cat((x[..., half:], x[..., :half]), dim=-1) * sin
-
-
-def rotary_tables(freqs: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """(cos, sin) of `rotate` [..., 1, D] from angles [..., D/2] (float32), cast to `dtype`."""
-    cos, sin = freqs.cos(), freqs.sin()
-    return (
-        torch.cat((cos, cos), dim=-1).to(dtype).unsqueeze(-2),
-        torch.cat((-sin, sin), dim=-1).to(dtype).unsqueeze(-2),
-    )
 
 
 class KVCache:
@@ -314,8 +304,11 @@ class Decoder(nn.Module):
         """`rotate`'s (cos, sin) [..., 1, head_dim] for positions [...], computed in float32 and
         cast to the parameters' dtype; the 1 broadcasts over the heads of `Attention.project`."""
         dtype = self.model.embed_tokens.weight.dtype
-        return rotary_tables(
-            position_ids.unsqueeze(-1).float() * self._inv_freq_on(position_ids.device), dtype
+        freqs = position_ids.unsqueeze(-1).float() * self._inv_freq_on(position_ids.device)
+        cos, sin = freqs.cos(), freqs.sin()
+        return (
+            torch.cat((cos, cos), dim=-1).to(dtype).unsqueeze(-2),
+            torch.cat((-sin, sin), dim=-1).to(dtype).unsqueeze(-2),
         )
 
     def forward(

@@ -8,7 +8,8 @@ interrupted), so one caller's deadline never orphans the others.
 
 Colocated (`shared=True`) the engine samples from the trainer's own parameter tensors: it must
 stand down for training (its KV cache is freed) and waking it serves the new weights at once
-(a sampler with a `wake` method, such as `CudaSampler`, maps its KV cache again there).
+(a sampler that frees its KV cache's memory at stand-down, such as `CudaSampler`, maps it again
+in `wake`).
 Otherwise it holds its own copy, keeps serving while the trainer works, and `refit` copies the
 new weights in between two batches.
 """
@@ -44,6 +45,8 @@ class BatchSampler(Protocol):
     ) -> list[Completion]: ...
 
     def release(self) -> None: ...
+
+    def wake(self) -> None: ...
 
     def cache_bytes(self) -> int: ...
 
@@ -167,9 +170,7 @@ class TorchEngine:
     async def wake(self) -> None:
         """No weights to load: colocated, the engine reads the trainer's tensors. A sampler
         that released device memory at stand-down takes it back here."""
-        wake = getattr(self.sampler, "wake", None)
-        if wake is not None:
-            await self.compute.run(wake)
+        await self.compute.run(self.sampler.wake)
 
     async def refit(self) -> None:
         if self.sampler.model is self.source:

@@ -84,8 +84,7 @@ class TorchTrainer:
         # start, so the first generation has the room too.
         self.parking: StreamedParking | None = None
         if offload_optimizer:
-            chunks = self.master.chunks if self.master is not None else [list(range(len(params)))]
-            self.parking = StreamedParking(chunks, self._optimizer_tensors)
+            self.parking = StreamedParking(self._param_chunks(), self._optimizer_tensors)
             self.parking.park_all()
             self.parking.take_seconds()  # not the first step's copies
         total_updates = max(1, total_steps * updates_per_step)
@@ -224,26 +223,28 @@ class TorchTrainer:
         if not (finite_loss and math.isfinite(grad_norm)):
             self.model.zero_grad(set_to_none=True)
             return True
-        if self.master is None:
+        # One chunk at a time (its state streamed in and out when parked); AdamW skips
+        # parameters without a gradient.
+        scale = min(1.0, self.grad_clip / (grad_norm + 1e-6))
+        for index, chunk in enumerate(self._param_chunks()):
             if self.parking is not None:
-                self.parking.restore_all()
-            self.optimizer.step()
-            if self.parking is not None:
-                self.parking.park_all()
-        else:
-            # One chunk at a time (its state streamed in and out when parked); AdamW skips
-            # parameters without a gradient.
-            scale = min(1.0, self.grad_clip / (grad_norm + 1e-6))
-            for index, chunk in enumerate(self.master.chunks):
-                if self.parking is not None:
-                    self.parking.restore(index)
+                self.parking.restore(index)
+            if self.master is not None:
                 self.master.load_grads(scale, chunk)
-                self.optimizer.step()
+            self.optimizer.step()
+            if self.master is not None:
                 self.master.publish(chunk)
-                if self.parking is not None:
-                    self.parking.park(index)
+            if self.parking is not None:
+                self.parking.park(index)
         grad_norms.append(grad_norm)
         return False
+
+    def _param_chunks(self) -> list[list[int]]:
+        """Indices of the optimizer's parameters, stepped one list at a time: the master
+        weights' chunks, or all at once without them (the model's grads are clipped in place)."""
+        if self.master is not None:
+            return self.master.chunks
+        return [list(range(len(self.optimizer.param_groups[0]["params"])))]
 
     def _optimizer_tensors(self, chunk: list[int]) -> list[torch.Tensor]:
         """What parking moves for the parameters `chunk` indexes: their master weights and

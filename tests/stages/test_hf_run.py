@@ -50,7 +50,7 @@ def test_export_loads_in_transformers_and_generates_our_tokens(tiny_qwen2_run, t
     with torch.no_grad():
         theirs = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False)
     new = theirs[0, ids.shape[1] :].tolist()
-    assert ours.tokens == new[: len(ours.tokens)]
+    assert ours.tokens and ours.tokens == new[: len(ours.tokens)]
     assert ours.finish_reason == "stop" or len(ours.tokens) == len(new) == 12
 
 

@@ -63,7 +63,7 @@ def test_reasoning_gym_reward_needs_its_source() -> None:
     )
 
 
-async def test_an_unhashable_reward_callable_is_scored_in_a_worker_thread() -> None:
+async def test_an_unhashable_reward_callable_is_scored() -> None:
     """Built-ins are recognised by identity: a callable object without `__hash__` still works."""
     from stages.reward import is_cheap, positional_reward, score_all
 
