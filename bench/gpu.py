@@ -2,18 +2,19 @@
 
 Parts (each can be picked with --parts):
 - `generate`: 256 sequences x 512 new tokens from 128-token prompts with `CudaSampler`
-  (CUDA graphs; first call captures, then timed calls), plus the same eagerly for comparison,
-  and the engine/recompute mismatch metrics of the generated tokens (`token_logprobs`).
+  (CUDA graphs of compiled decode steps; first call compiles and captures, then timed calls;
+  `--uncompiled`/`--eager` also time graphs of uncompiled steps / no graphs), the prefill's
+  share, and the engine/recompute mismatch metrics of the generated tokens (`token_logprobs`).
 - `handoff`: `release` (stand-down) and `wake` times of the sampler's KV cache, and a check
   that the captured graphs still give the same greedy tokens afterwards.
 - `train`: the model's training tokens/s and MFU at sequence length 1024: full sequences
-  through `token_logprobs` (the trainer's logprob projection, not its prompt-sharing pass),
-  bf16 weights stepped directly by fused AdamW (no float32 masters), SDPA; eager and (with
-  `--compile`) each decoder layer under torch.compile. The trainer end to end is measured by
-  the `recipes/bench-h200-*.yaml` runs.
+  through the trainer's logprob head (`picked_logprobs`, not its prompt-sharing pass), bf16
+  weights stepped directly by fused AdamW (no float32 masters), SDPA; `--train-modes`: eager
+  layers, each layer torch.compile'd, or the whole forward compiled. The trainer end to end
+  is measured by the `recipes/bench-h200-*.yaml` runs.
   FLOPs per token = 6 * (non-embedding params + lm_head) + 12 * layers * hidden * seq.
 
-    python -m bench.gpu [--parts generate,handoff,train] [--compile] [--out bench/results-h200.json]
+    python -m bench.gpu [--parts generate,handoff,train] [--train-modes eager,model] [--out ...]
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import torch
 from backends.torch.config import ModelConfig
 from backends.torch.cuda_sampler import CudaSampler
 from backends.torch.grpo_loss import mismatch_metrics
+from backends.torch.logprobs import picked_logprobs
 from backends.torch.model import Decoder, token_logprobs
 
 QWEN_1_5B = ModelConfig(
@@ -70,20 +72,27 @@ def bench_generate(model: Decoder, args: argparse.Namespace) -> dict[str, Any]:
         "new_tokens": args.new_tokens,
         "distinct_prompts": args.batch,
     }
-    for name, graphs in (("graphs", True), ("eager", False)):
-        if name == "eager" and not args.eager:
-            continue
-        sampler = CudaSampler(model, graphs=graphs)
+    variants = [("graphs", True, True)]
+    if args.uncompiled:
+        variants.append(("graphs_uncompiled", True, False))
+    if args.eager:
+        variants.append(("eager", False, False))
+    for name, graphs, compiled in variants:
+        sampler = CudaSampler(model, graphs=graphs, compiled=compiled)
         gen = torch.Generator("cuda").manual_seed(0)
         kw = dict(max_new_tokens=args.new_tokens, temperature=1.0, generator=gen)
         start = _sync_time()
-        sampler.generate(prompts, **kw)  # first call: allocates the cache, captures the graph
+        sampler.generate(prompts, **kw)  # first call: allocates the cache, compiles, captures
         first = _sync_time() - start
         times = []
         for _ in range(args.repeats if graphs else 1):
             start = _sync_time()
             outs = sampler.generate(prompts, **kw)
             times.append(_sync_time() - start)
+        # Prefill and the first token only (drawn from the prefill), to split the call's time.
+        start = _sync_time()
+        sampler.generate(prompts, max_new_tokens=1, temperature=1.0, generator=gen)
+        prefill = _sync_time() - start
         tokens = sum(len(o.tokens) for o in outs)
         best = min(times)
         out[name] = {
@@ -91,13 +100,14 @@ def bench_generate(model: Decoder, args: argparse.Namespace) -> dict[str, Any]:
             "call_s": times,
             "tokens": tokens,
             "tokens_per_s": tokens / best,
-            "ms_per_decode_step": 1000 * best / args.new_tokens,
+            "prefill_s": prefill,
+            "ms_per_decode_step": 1000 * (best - prefill) / (args.new_tokens - 1),
             "kv_cache_bytes": sampler.cache_bytes(),
         }
         print(name, json.dumps(out[name]), flush=True)
         if graphs:
-            out["mismatch"] = _mismatch(model, prompts, outs)
-            print("mismatch", json.dumps(out["mismatch"]), flush=True)
+            out[name]["mismatch"] = _mismatch(model, prompts, outs)
+            print("mismatch", json.dumps(out[name]["mismatch"]), flush=True)
         sampler.pool.free()
         del sampler
         torch.cuda.empty_cache()
@@ -167,18 +177,27 @@ def _flops_per_token(config: ModelConfig, seq: int) -> float:
     return 6 * dense + 12 * layers * q * seq
 
 
-def _train_variant(compiled: bool, args: argparse.Namespace) -> dict[str, float]:
+def _train_variant(mode: str, args: argparse.Namespace) -> dict[str, float]:
+    """One training setup: ``eager`` layers; ``layers``: each decoder layer torch.compile'd;
+    ``model``: the whole forward to the final norm (`Decoder.hidden_states`) compiled. The
+    logprob head (`picked_logprobs`) is the trainer's in all three (its per-chunk float32
+    work fused on CUDA)."""
     model = _model(args.residual)
     model.train()
-    if compiled:
+    hidden_states = model.hidden_states
+    if mode == "layers":
         for layer in model.model.layers:
             layer.compile()
+    elif mode == "model":
+        hidden_states = torch.compile(hidden_states, fullgraph=True, dynamic=False)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
     ids = torch.randint(3, QWEN_1_5B.vocab_size, (args.micro_batch, args.seq), device="cuda")
-    real = torch.ones_like(ids, dtype=torch.bool)
+    positions = torch.arange(args.seq - 1, device="cuda").expand(args.micro_batch, -1)
 
     def step() -> None:
-        loss = -token_logprobs(model, ids, real).mean()
+        # token_logprobs(model, ids, mask) for sequences without padding.
+        hidden = hidden_states(ids[:, :-1], positions)
+        loss = -picked_logprobs(hidden, model.lm_head.weight, ids[:, 1:]).mean()
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -210,9 +229,8 @@ def bench_train(args: argparse.Namespace) -> dict[str, Any]:
         "micro_batch": args.micro_batch,
         "flops_per_token": _flops_per_token(QWEN_1_5B, args.seq),
     }
-    variants = [("eager", False)] + ([("compile", True)] if args.compile else [])
-    for name, compiled in variants:
-        result[name] = _train_variant(compiled, args)
+    for name in args.train_modes.split(","):
+        result[name] = _train_variant(name, args)
         print("train", name, json.dumps(result[name]), flush=True)
         torch.cuda.empty_cache()
     return result
@@ -226,10 +244,17 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--eager", action="store_true", help="also time the sampler without graphs")
+    parser.add_argument(
+        "--uncompiled", action="store_true", help="also time graphs of uncompiled decode steps"
+    )
     parser.add_argument("--seq", type=int, default=1024)
     parser.add_argument("--micro-batch", type=int, default=16)
     parser.add_argument("--train-steps", type=int, default=10)
-    parser.add_argument("--compile", action="store_true", help="also train with torch.compile'd layers")
+    parser.add_argument(
+        "--train-modes",
+        default="eager,model",
+        help="comma list of eager, layers (each layer compiled), model (forward and head compiled)",
+    )
     parser.add_argument("--residual", choices=["model", "float32"], default="model")
     parser.add_argument("--out", default="bench/results-h200.json")
     args = parser.parse_args()

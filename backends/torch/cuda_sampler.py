@@ -11,10 +11,17 @@ one KV head laid out as that KV head's query "sequence" (non-causal), so each ro
 values are read once per step rather than once per query head.
 
 Sampling. The graph also samples: with exponential noise E (drawn from the caller's generator
-before each replay, outside the graph), ``argmax(softmax(logits / T) / E)`` is a draw from
-softmax(logits / T), and with E = 1 it is the greedy choice. Logprobs are those of the sampled
-token under log_softmax(logits / T), temperature 1 for greedy, before any top-p truncation.
-With ``top_p < 1`` the graph stops at the logits and sampling runs eagerly.
+before each replay, outside the graph), ``argmax(softmax(logits / T) / E)``, computed as
+``argmax(logits / T - log E)``, is a draw from softmax(logits / T), and with E = 1 it is the
+greedy choice. Logprobs are those of the sampled token under log_softmax(logits / T),
+temperature 1 for greedy, before any top-p truncation. With ``top_p < 1`` a second graph
+stops at the logits and the caller draws from them eagerly.
+
+Kernels. Each layer's q/k/v and gate/up projections run as one GEMM each over packed copies of
+their weights, which live in the KV cache's pool (released and restored with it) and are
+copied from the model at the start of every call. With ``compiled`` the code between
+attention calls runs as torch.compile'd kernels (norms, rotations, residual adds, SwiGLU and
+the draw fused), captured into the graphs like any other kernel.
 
 Colocation. Graphs read the model's parameter tensors in place: the trainer must update them
 in place (optimizers do), never rebind them. `release` hands the KV cache's memory back to the
@@ -25,7 +32,9 @@ again. On CPU (tests) the same code runs eagerly with SDPA and a length mask.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -65,16 +74,30 @@ def _flash_works(device: torch.device) -> bool:
     return _FLASH_WORKS[device]
 
 
-class _Step:
-    """Static buffers of one decode step over ``rows`` rows, and its captured graph."""
+class _Packed(NamedTuple):
+    """One layer's projections that read the same input, concatenated: one GEMM each."""
 
-    def __init__(self, rows: int, vocab: int, length: int, group: int, device: torch.device) -> None:
+    qkv_weight: Tensor
+    qkv_bias: Tensor | None
+    gate_up_weight: Tensor
+
+
+class _Step:
+    """Static buffers of one decode step over ``rows`` rows, and its captured graph. A step
+    that ``draws`` samples in the graph (from ``noise``); one that does not leaves logits / T
+    in ``logits`` for the caller to draw from."""
+
+    def __init__(
+        self, rows: int, draws: bool, vocab: int, length: int, group: int, device: torch.device
+    ) -> None:
         self.rows = rows
+        self.draws = draws
         self.token = torch.zeros(rows, dtype=torch.long, device=device)
         self.position = torch.zeros(rows, dtype=torch.long, device=device)
-        self.noise = torch.ones(rows, vocab, dtype=torch.float32, device=device)
+        shape = (rows, vocab)
+        self.noise = torch.ones(shape if draws else (), dtype=torch.float32, device=device)
+        self.logits = torch.empty(() if draws else shape, dtype=torch.float32, device=device)
         self.inv_temperature = torch.ones((), dtype=torch.float32, device=device)
-        self.logits = torch.empty(rows, vocab, dtype=torch.float32, device=device)
         self.logprob = torch.empty(rows, dtype=torch.float32, device=device)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.sampled = False
@@ -88,8 +111,12 @@ class CudaSampler:
     """Generates completions with a KV cache and (on CUDA) CUDA-graph decode steps.
 
     ``graphs``: capture decode steps (CUDA only). ``flash``: variable-length flash attention
-    for decode (CUDA only; otherwise SDPA with a key mask). The cache grows to the largest
-    bucketed batch and length seen; growing it drops and re-captures the graphs.
+    for decode (CUDA only; otherwise SDPA with a key mask). ``compiled`` (default: when
+    capturing graphs): the parts of a step between attention calls run as torch.compile'd
+    (inductor) kernels, which fuse the norms, rotations, residual adds, SwiGLU and sampling
+    into few launches. The cache
+    grows to the largest bucketed batch and length seen; growing it drops and re-captures the
+    graphs.
     """
 
     def __init__(
@@ -98,6 +125,7 @@ class CudaSampler:
         *,
         graphs: bool = True,
         flash: bool = True,
+        compiled: bool | None = None,
         pool: KVPool | None = None,
         check_every: int = 32,
     ) -> None:
@@ -112,6 +140,12 @@ class CudaSampler:
             flash and cuda and self.dtype in (torch.bfloat16, torch.float16) and _flash_works(self.device)
         )
         self.check_every = check_every
+        self.compiled = self.graphs if compiled is None else compiled
+        parts = (_before_attention, _after_attention, _draw, _scaled_logits)
+        if self.compiled:
+            # Shapes are fixed per batch-size bucket, and each bucket's graph is captured once.
+            parts = tuple(torch.compile(f, fullgraph=True, dynamic=False) for f in parts)
+        self._before_attention, self._after_attention, self._draw, self._scaled_logits = parts
         c = model.config
         self.kv_heads, self.head_dim = c.num_key_value_heads, c.head_dim
         self.group = c.num_attention_heads // c.num_key_value_heads
@@ -121,7 +155,8 @@ class CudaSampler:
         self.length = 0
         self._keys: list[Tensor] = []
         self._values: list[Tensor] = []
-        self._steps: dict[int, _Step] = {}
+        self._packed: list[_Packed] = []
+        self._steps: dict[tuple[int, bool], _Step] = {}
         self._graph_pool = torch.cuda.graph_pool_handle() if self.graphs else None
         self._down = False
         self.captures = 0
@@ -156,20 +191,52 @@ class CudaSampler:
             return
         rows, length = max(rows, self.rows), max(length, self.length)
         self._steps.clear()
-        self._keys, self._values = [], []
+        self._keys, self._values, self._packed = [], [], []
         per = rows * length * self.kv_heads * self.head_dim
         layers = self.model.config.num_hidden_layers
-        buffer = self.pool.allocate(2 * layers * per * torch.finfo(self.dtype).bits // 8)
+        elements = self._packed_elements() + 2 * layers * per
+        buffer = self.pool.allocate(elements * torch.finfo(self.dtype).bits // 8)
         self.rows, self.length = rows, length
         self._view(buffer)
 
+    def _packed_shapes(self) -> list[tuple[int, ...]]:
+        c = self.model.config
+        qkv = (c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim
+        bias = [(qkv,)] if c.attention_bias else []
+        return [(qkv, c.hidden_size), *bias, (2 * c.intermediate_size, c.hidden_size)]
+
+    def _packed_elements(self) -> int:
+        per_layer = sum(_aligned(math.prod(shape)) for shape in self._packed_shapes())
+        return self.model.config.num_hidden_layers * per_layer
+
     def _view(self, buffer: Tensor) -> None:
-        shape = (self.rows, self.length, self.kv_heads, self.head_dim)
-        per = self.rows * self.length * self.kv_heads * self.head_dim
+        """Views of the pool's buffer: each layer's packed weights, then keys and values."""
         flat = buffer.view(self.dtype)
         layers = self.model.config.num_hidden_layers
-        self._keys = [flat[(2 * i) * per : (2 * i + 1) * per].view(shape) for i in range(layers)]
-        self._values = [flat[(2 * i + 1) * per : (2 * i + 2) * per].view(shape) for i in range(layers)]
+        offset = 0
+        self._packed = []
+        for _ in range(layers):
+            views = []
+            for shape in self._packed_shapes():
+                views.append(flat[offset : offset + math.prod(shape)].view(shape))
+                offset += _aligned(math.prod(shape))
+            self._packed.append(_Packed(views[0], views[1] if len(views) == 3 else None, views[-1]))
+        shape = (self.rows, self.length, self.kv_heads, self.head_dim)
+        per = math.prod(shape)
+        kv = flat[offset:]
+        self._keys = [kv[(2 * i) * per : (2 * i + 1) * per].view(shape) for i in range(layers)]
+        self._values = [kv[(2 * i + 1) * per : (2 * i + 2) * per].view(shape) for i in range(layers)]
+
+    def _pack(self) -> None:
+        """Copy the model's current weights into the packed ones: the trainer may have changed
+        them since the last call, and a woken pool's contents are undefined (1.7 GB for a 1.5B
+        model: about a millisecond)."""
+        for layer, packed in zip(self.model.model.layers, self._packed, strict=True):
+            attn, mlp = layer.self_attn, layer.mlp
+            torch.cat((attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight), out=packed.qkv_weight)
+            if packed.qkv_bias is not None:
+                torch.cat((attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias), out=packed.qkv_bias)
+            torch.cat((mlp.gate_proj.weight, mlp.up_proj.weight), out=packed.gate_up_weight)
 
     # ---- generation ---------------------------------------------------------------------
 
@@ -194,10 +261,10 @@ class CudaSampler:
         batch = len(prompts)
         rows = _bucket(batch)
         self._ensure(rows, max(lengths) + max_new_tokens)
-        step = self._step(rows)
+        self._pack()
         dev = self.device
         greedy = temperature == 0
-        eager_sampling = top_p < 1 and not greedy
+        step = self._step(rows, draws=greedy or top_p == 1)
 
         hidden = self._prefill(prompts, rows)
         step.position[:batch] = torch.tensor(lengths, device=dev)
@@ -227,19 +294,19 @@ class CudaSampler:
                 break
             if token is not step.token:
                 step.token.copy_(token)
-            if not greedy and not eager_sampling:
+            if step.draws and not greedy:
                 step.noise.exponential_(generator=generator)
             elif greedy and step.sampled:
                 step.noise.fill_(1.0)
             step.sampled = not greedy
-            self._replay(step, sample=not eager_sampling)
+            self._replay(step)
             step.position += 1
-            if eager_sampling:
-                # step.logits already holds logits / temperature.
-                token, logprob = draw(step.logits, 1.0, top_p, generator)
-            else:
+            if step.draws:
                 # Read (by the copies above) before the next replay overwrites them.
                 token, logprob = step.token, step.logprob
+            else:
+                # step.logits holds logits / temperature.
+                token, logprob = draw(step.logits, 1.0, top_p, generator)
 
         return completions(
             generated[:batch], tokens[:batch, :count], logprobs[:batch, :count], stop_token_ids
@@ -296,15 +363,16 @@ class CudaSampler:
 
     # ---- decode -------------------------------------------------------------------------
 
-    def _step(self, rows: int) -> _Step:
-        step = self._steps.get(rows)
+    def _step(self, rows: int, *, draws: bool) -> _Step:
+        step = self._steps.get((rows, draws))
         if step is None:
-            step = self._steps[rows] = _Step(rows, self.vocab, self.length, self.group, self.device)
+            step = _Step(rows, draws, self.vocab, self.length, self.group, self.device)
+            self._steps[rows, draws] = step
         return step
 
-    def _replay(self, step: _Step, *, sample: bool) -> None:
+    def _replay(self, step: _Step) -> None:
         if not self.graphs:
-            self._decode(step, sample)
+            self._decode(step)
             return
         if step.graph is None:
             self._capture(step)
@@ -312,17 +380,17 @@ class CudaSampler:
         step.graph.replay()
 
     def _capture(self, step: _Step) -> None:
-        saved = (step.token.clone(), step.position.clone(), step.noise.clone())
+        saved = (step.token.clone(), step.position.clone(), step.noise.clone())  # noise: drawn
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
-            for _ in range(2):  # warm-up outside capture (kernel selection, workspaces)
-                self._decode(step, True)
+            for _ in range(2):  # warm-up outside capture (compilation, kernel selection, workspaces)
+                self._decode(step)
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         # Thread-local: a trainer working in another thread (not colocated) must not trip it.
         with torch.cuda.graph(graph, pool=self._graph_pool, capture_error_mode="thread_local"):
-            self._decode(step, True)
+            self._decode(step)
         step.graph = graph
         self.captures += 1
         step.token.copy_(saved[0])
@@ -330,59 +398,39 @@ class CudaSampler:
         step.noise.copy_(saved[2])
         # The warm-ups wrote keys/values at the current positions: the replay rewrites them.
 
-    def _decode(self, step: _Step, sample: bool) -> None:
+    def _decode(self, step: _Step) -> None:
         """One decode step over all of ``step.rows``: reads token/position, writes the cache at
-        each row's position, leaves logits / T in ``step.logits`` and (when ``sample``) the
-        sampled token and its logprob in ``step.token``/``step.logprob``."""
+        each row's position, and leaves the sampled token and its logprob in
+        ``step.token``/``step.logprob`` (a step that draws) or logits / T in ``step.logits``."""
         m = self.model
         position = step.position
         cos, sin = m.rotary(position)  # [rows, 1, D]
         write = step.row_base + position
         used = (position + 1).to(torch.int32)
         x = m.embed(step.token, position)
-        for i, layer in enumerate(m.model.layers):
-            x = self._decode_layer(layer, x, cos, sin, i, write, used, step)
-        hidden = m.model.norm(x)
-        scaled = torch.mul(self._logits(hidden), step.inv_temperature, out=step.logits)
-        if sample:
-            probs = torch.softmax(scaled, dim=-1)
-            token = (probs / step.noise).argmax(dim=-1)
-            picked = scaled.gather(-1, token.unsqueeze(-1)).squeeze(-1)
-            step.logprob.copy_(picked - torch.logsumexp(scaled, dim=-1))
+        rows, kvh, d = step.rows, self.kv_heads, self.head_dim
+        for i, (layer, packed) in enumerate(zip(m.model.layers, self._packed, strict=True)):
+            q, k, v = self._before_attention(layer, packed, x, cos, sin, self.flash)
+            keys = self._keys[i][:rows]
+            values = self._values[i][:rows]
+            keys.view(rows * self.length, kvh, d).index_copy_(0, write, k)
+            values.view(rows * self.length, kvh, d).index_copy_(0, write, v)
+            out = self._attend(q, keys, values, used, step)
+            x = self._after_attention(layer, packed, x, out, self.flash)
+        if step.draws:
+            token, logprob = self._draw(m, x, step.inv_temperature, step.noise)
             step.token.copy_(token)
-
-    def _decode_layer(
-        self,
-        layer: DecoderLayer,
-        x: Tensor,
-        cos: Tensor,
-        sin: Tensor,
-        i: int,
-        write: Tensor,
-        used: Tensor,
-        step: _Step,
-    ) -> Tensor:
-        attn = layer.self_attn
-        kvh, d, rows = self.kv_heads, self.head_dim, step.rows
-        h = layer.input_layernorm(x)
-        q, k, v = attn.project(h, cos, sin)
-        keys = self._keys[i][:rows]
-        values = self._values[i][:rows]
-        keys.view(rows * self.length, kvh, d).index_copy_(0, write, k)
-        values.view(rows * self.length, kvh, d).index_copy_(0, write, v)
-        out = self._attend(q, keys, values, used, step)
-        x = x + attn.o_proj(out)
-        return x + layer.mlp(layer.post_attention_layernorm(x))
+            step.logprob.copy_(logprob)
+        else:
+            self._scaled_logits(m, x, step.inv_temperature, step.logits)
 
     def _attend(self, q: Tensor, keys: Tensor, values: Tensor, used: Tensor, step: _Step) -> Tensor:
-        """Attention of one new query per row over its first ``used`` keys; [rows, heads * d]."""
+        """Attention of one new query per row (laid out by `_before_attention`) over its first
+        ``used`` keys."""
         kvh, d, g, rows = self.kv_heads, self.head_dim, self.group, step.rows
         if self.flash:
-            # Query head h belongs to KV head h // g (HF repeat_kv order): present the g query
-            # heads of a KV head as g query positions of that head.
-            q_var = q.view(rows, kvh, g, d).transpose(1, 2).reshape(rows * g, kvh, d)
-            out = torch.ops.aten._flash_attention_forward(
-                q_var,
+            return torch.ops.aten._flash_attention_forward(
+                q.view(rows * g, kvh, d),
                 keys.view(rows * self.length, kvh, d),
                 values.view(rows * self.length, kvh, d),
                 step.cu_q,
@@ -394,12 +442,58 @@ class CudaSampler:
                 False,
                 seqused_k=used,
             )[0]
-            return out.view(rows, g, kvh, d).transpose(1, 2).reshape(rows, kvh * g * d)
         mask = torch.arange(self.length, device=q.device) < used.unsqueeze(-1)
-        out = F.scaled_dot_product_attention(
-            q.view(rows, kvh, g, d),
-            keys.transpose(1, 2),
-            values.transpose(1, 2),
-            attn_mask=mask[:, None, None, :],
+        return F.scaled_dot_product_attention(
+            q, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask[:, None, None, :]
         )
-        return out.reshape(rows, kvh * g * d)
+
+
+def _aligned(elements: int) -> int:
+    """Elements rounded up to 128 (256 bytes in bf16: aligned for any GEMM kernel)."""
+    return -(-elements // 128) * 128
+
+
+# The parts of a decode step between attention calls. They are plain functions of a layer (not
+# methods) so that one torch.compile'd version serves every layer: dynamo lifts the layer's
+# parameters to inputs instead of recompiling per layer.
+
+
+def _before_attention(
+    layer: DecoderLayer, packed: _Packed, x: Tensor, cos: Tensor, sin: Tensor, flash: bool
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Input norm, projections, rotation: queries, keys [rows, kv_heads, D] and values. The
+    queries of KV head j are heads j*g..j*g+g-1 (HF repeat_kv order); for flash they are laid
+    out [rows, g, kv_heads, D], as g query positions of each KV head's variable-length
+    sequence, else [rows, kv_heads, g, D] for SDPA's batch of heads."""
+    attn = layer.self_attn
+    qkv = F.linear(layer.input_layernorm(x), packed.qkv_weight, packed.qkv_bias)
+    kv_size = attn.kv_heads * attn.head_dim
+    q, k, v = attn.rotated(*qkv.split((attn.heads * attn.head_dim, kv_size, kv_size), dim=-1), cos, sin)
+    rows, g = x.shape[0], attn.heads // attn.kv_heads
+    q = q.view(rows, attn.kv_heads, g, attn.head_dim)
+    return (q.transpose(1, 2).contiguous() if flash else q), k, v
+
+
+def _after_attention(layer: DecoderLayer, packed: _Packed, x: Tensor, out: Tensor, flash: bool) -> Tensor:
+    """Output projection, residual, MLP, residual, from `_attend`'s output."""
+    attn = layer.self_attn
+    rows = x.shape[0]
+    if flash:
+        out = out.view(rows, attn.heads // attn.kv_heads, attn.kv_heads, attn.head_dim).transpose(1, 2)
+    x = x + attn.o_proj(out.reshape(rows, attn.heads * attn.head_dim))
+    gate, up = F.linear(layer.post_attention_layernorm(x), packed.gate_up_weight).chunk(2, dim=-1)
+    return x + layer.mlp.combine(gate, up)
+
+
+def _draw(model: Decoder, x: Tensor, inv_temperature: Tensor, noise: Tensor) -> tuple[Tensor, Tensor]:
+    """Final norm, logits / T, and the draw argmax(softmax / noise), taken as
+    argmax(logits / T - log noise) (one pass, no softmax), with its logprob."""
+    scaled = model.lm_head(model.model.norm(x)).float() * inv_temperature
+    token = (scaled - noise.log()).argmax(dim=-1)
+    picked = scaled.gather(-1, token.unsqueeze(-1)).squeeze(-1)
+    return token, picked - torch.logsumexp(scaled, dim=-1)
+
+
+def _scaled_logits(model: Decoder, x: Tensor, inv_temperature: Tensor, out: Tensor) -> None:
+    """Final norm and logits / T, written to ``out``."""
+    out.copy_(model.lm_head(model.model.norm(x)).float() * inv_temperature)

@@ -23,18 +23,44 @@ def _rows(vocab: int) -> int:
     return max(1, _CHUNK_ELEMENTS // vocab)
 
 
+def _chunk_stats(logits: Tensor, targets: Tensor, temperature: float) -> tuple[Tensor, Tensor]:
+    """(logsumexp, logit at target) of a chunk of logits [R, V] / temperature, in float32."""
+    scaled = logits.float() / temperature
+    return torch.logsumexp(scaled, dim=-1), scaled.gather(-1, targets[:, None]).squeeze(-1)
+
+
+def _chunk_grad(logits: Tensor, lse: Tensor, grad: Tensor, targets: Tensor, temperature: float) -> Tensor:
+    """d(picked - lse)/dlogits = (onehot(target) - softmax) / temperature, times the incoming
+    grad, in the logits' dtype."""
+    scaled = logits.float() / temperature
+    onehot = torch.arange(logits.shape[-1], device=logits.device) == targets[:, None]
+    dscaled = (onehot.float() - torch.exp(scaled - lse[:, None])) * grad[:, None]
+    return (dscaled / temperature).to(logits.dtype)
+
+
+# On CUDA each chunk's float32 work runs as one fused kernel (torch.compile): a chunk's logits
+# are read once instead of the half-dozen passes of eager ops over 0.5 GB.
+_fused: dict[str, Any] = {}
+
+
+def _on(device: torch.device, name: str, fn: Any) -> Any:
+    if device.type != "cuda":
+        return fn
+    if name not in _fused:
+        _fused[name] = torch.compile(fn, fullgraph=True)
+    return _fused[name]
+
+
 class _PickedLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float) -> Tensor:
         rows = _rows(weight.shape[0])
+        stats = _on(hidden.device, "stats", _chunk_stats)
         picked = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
         lse = torch.empty_like(picked)
         for i in range(0, hidden.shape[0], rows):
-            logits = (hidden[i : i + rows] @ weight.T).float()
-            if temperature != 1.0:
-                logits = logits / temperature
-            lse[i : i + rows] = torch.logsumexp(logits, dim=-1)
-            picked[i : i + rows] = logits.gather(-1, targets[i : i + rows, None]).squeeze(-1)
+            logits = hidden[i : i + rows] @ weight.T
+            lse[i : i + rows], picked[i : i + rows] = stats(logits, targets[i : i + rows], temperature)
         ctx.save_for_backward(hidden, weight, targets, lse)
         ctx.temperature = temperature
         return picked - lse
@@ -43,19 +69,15 @@ class _PickedLogprobs(torch.autograd.Function):
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor | None, None, None]:
         hidden, weight, targets, lse = ctx.saved_tensors
         rows = _rows(weight.shape[0])
+        chunk_grad = _on(hidden.device, "grad", _chunk_grad)
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         for i in range(0, hidden.shape[0], rows):
-            chunk, g = hidden[i : i + rows], grad[i : i + rows]
-            logits = (chunk @ weight.T).float()
-            if ctx.temperature != 1.0:
-                logits = logits / ctx.temperature
-            # d(picked - lse)/dlogits = onehot(target) - softmax, scaled by the incoming grad.
-            dlogits = torch.exp(logits - lse[i : i + rows, None]).mul_(-g[:, None])
-            dlogits.scatter_add_(-1, targets[i : i + rows, None], g[:, None])
-            if ctx.temperature != 1.0:
-                dlogits /= ctx.temperature
-            dlogits = dlogits.to(weight.dtype)
+            chunk = hidden[i : i + rows]
+            logits = chunk @ weight.T
+            dlogits = chunk_grad(
+                logits, lse[i : i + rows], grad[i : i + rows], targets[i : i + rows], ctx.temperature
+            )
             if grad_hidden is not None:
                 grad_hidden[i : i + rows] = dlogits @ weight
             grad_weight += (dlogits.T @ chunk).float()

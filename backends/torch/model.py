@@ -113,11 +113,16 @@ class Attention(nn.Module):
     def project(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Rotated queries [..., T, heads, D] and keys, values [..., T, kv_heads, D] of tokens
         x [..., T, hidden]; `cos`/`sin` [..., T, 1, D] (`Decoder.rotary`)."""
-        lead = x.shape[:-1]
-        q = self.q_proj(x).view(*lead, self.heads, self.head_dim)
-        k = self.k_proj(x).view(*lead, self.kv_heads, self.head_dim)
-        v = self.v_proj(x).view(*lead, self.kv_heads, self.head_dim)
-        return rotate(q, cos, sin), rotate(k, cos, sin), v
+        return self.rotated(self.q_proj(x), self.k_proj(x), self.v_proj(x), cos, sin)
+
+    def rotated(
+        self, q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """`project`'s result from the projections q [..., heads * D], k and v [..., kv_heads * D]."""
+        lead = q.shape[:-1]
+        q = q.view(*lead, self.heads, self.head_dim)
+        k = k.view(*lead, self.kv_heads, self.head_dim)
+        return rotate(q, cos, sin), rotate(k, cos, sin), v.view(*lead, self.kv_heads, self.head_dim)
 
     def forward(
         self,
@@ -198,7 +203,11 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.combine(self.gate_proj(x), self.up_proj(x))
+
+    def combine(self, gate: Tensor, up: Tensor) -> Tensor:
+        """The output from the gate and up projections."""
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):

@@ -140,21 +140,28 @@ def test_learned_positions_bound_prompt_plus_new_tokens() -> None:
         _generate(sampler, [prompt], max_new_tokens=7)
 
 
-@pytest.mark.parametrize("learned_positions", [False, True], ids=["rotary", "rotary+learned"])
-def test_cuda_sampler_run_eagerly_on_cpu_equals_the_plain_sampler(learned_positions: bool) -> None:
+@pytest.mark.parametrize(
+    ("learned_positions", "compiled"),
+    [(False, False), (True, False), (False, True)],
+    ids=["rotary", "rotary+learned", "compiled"],
+)
+def test_cuda_sampler_run_eagerly_on_cpu_equals_the_plain_sampler(
+    learned_positions: bool, compiled: bool
+) -> None:
     """`CudaSampler` without a GPU (no graphs, no flash, a plain pool) decodes greedily like the
     plain sampler, and its sampled tokens' logprobs equal a full recomputation: its prefill and
-    decode can be checked on CPU."""
+    decode can be checked on CPU, with its step's parts torch.compile'd as on a GPU, too."""
     from backends.torch.cuda_sampler import CudaSampler
 
     plain = _sampler(learned_position_embeddings=learned_positions)
-    cuda = CudaSampler(plain.model)
+    cuda = CudaSampler(plain.model, compiled=compiled)
     expected = _generate(plain, PROMPTS, temperature=0.0)
     got = _generate(cuda, PROMPTS, temperature=0.0)
     assert [o.tokens for o in got] == [o.tokens for o in expected]
     for mine, theirs in zip(got, expected, strict=True):
         assert mine.logprobs == pytest.approx(theirs.logprobs, abs=1e-5)
-    sampled = _generate(cuda, PROMPTS, temperature=1.0)
-    recomputed = _recomputed(plain.model, PROMPTS, sampled, 1.0)
-    for out, reference in zip(sampled, recomputed, strict=True):
-        assert out.logprobs == pytest.approx(reference, abs=1e-5)
+    for temperature, top_p in ((1.0, 1.0), (0.7, 0.9)):  # drawn in the step; from its logits
+        sampled = _generate(cuda, PROMPTS, temperature=temperature, top_p=top_p)
+        recomputed = _recomputed(plain.model, PROMPTS, sampled, temperature)
+        for out, reference in zip(sampled, recomputed, strict=True):
+            assert out.logprobs == pytest.approx(reference, abs=1e-5)
