@@ -144,7 +144,10 @@ class CudaSampler:
         parts = (_before_attention, _after_attention, _draw, _scaled_logits)
         if self.compiled:
             # Shapes are fixed per batch-size bucket, and each bucket's graph is captured once.
-            parts = tuple(torch.compile(f, fullgraph=True, dynamic=False) for f in parts)
+            # Fused kernels round to bf16 where the eager ops they replace do (not only at the
+            # end), so the engine's logprobs stay as close to the trainer's as uncompiled.
+            options = {"emulate_precision_casts": True}
+            parts = tuple(torch.compile(f, fullgraph=True, dynamic=False, options=options) for f in parts)
         self._before_attention, self._after_attention, self._draw, self._scaled_logits = parts
         c = model.config
         self.kv_heads, self.head_dim = c.num_key_value_heads, c.head_dim
