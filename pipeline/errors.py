@@ -27,6 +27,11 @@ class DeadlineExceeded(PipelineError):
         self.seconds = seconds
 
 
+class RequestRejected(PipelineError):
+    """The engine refuses a request for what it asks (a prompt too long for the model, say):
+    unlike a crash or a timeout, retrying it cannot help."""
+
+
 class StallError(PipelineError):
     """The watchdog saw a stage make no progress for longer than `watchdog.stall_s`."""
 

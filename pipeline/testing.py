@@ -21,6 +21,7 @@ from typing import Any
 
 import anyio
 
+from pipeline.errors import RequestRejected
 from pipeline.messages import Completion, Sample
 
 
@@ -86,7 +87,8 @@ class FakeEngine:
     Each completion has `response_len` tokens, each token `prompt_tokens[0] + sample index`,
     with logprob -1.0. `latency` (seconds, or a function of the call number) is slept on the
     given time source; `nonfinite_calls` returns NaN logprobs on those call numbers;
-    `crash_calls` raises `EngineCrash` on those call numbers.
+    `crash_calls` raises `EngineCrash` on those call numbers; `reject_calls` raises
+    `RequestRejected` on those call numbers.
     """
 
     def __init__(
@@ -99,6 +101,7 @@ class FakeEngine:
         response_len: int = 4,
         nonfinite_calls: Sequence[int] = (),
         crash_calls: Sequence[int] = (),
+        reject_calls: Sequence[int] = (),
         events: list[str] | None = None,
     ) -> None:
         self.time = time
@@ -108,6 +111,7 @@ class FakeEngine:
         self.response_len = response_len
         self.nonfinite_calls = set(nonfinite_calls)
         self.crash_calls = set(crash_calls)
+        self.reject_calls = set(reject_calls)
         self.events = events if events is not None else []
         self.calls = 0
         self.down = False
@@ -125,6 +129,8 @@ class FakeEngine:
             await (self.time.sleep(latency) if self.time is not None else anyio.sleep(latency))
         if call in self.crash_calls:
             raise EngineCrash(f"fake engine crashed on call {call}")
+        if call in self.reject_calls:
+            raise RequestRejected(f"fake engine rejected call {call}")
         logprob = math.nan if call in self.nonfinite_calls else -1.0
         first = prompt_tokens[0] if prompt_tokens else 0
         return [

@@ -3,7 +3,8 @@
 Every request runs under deadlines on the pipeline clock: `generation_s` per engine call,
 `sample_s` per group (retries included) and `batch_s` per batch, so time the engine spends
 stood down is never charged. A failed call (timeout or engine error) is retried with exponential
-backoff up to `max_retries`; then the group is dropped with a reason. More than
+backoff up to `max_retries`; then the group is dropped with a reason. A request the engine
+rejects (`RequestRejected`: it asks for something the model cannot do) is dropped at once. More than
 `max_dropped_groups` drops stop the run. A completion with a non-finite logprob is kept but
 marked poisoned, so it is never trained on and never reaches a metric.
 """
@@ -20,7 +21,7 @@ import msgspec
 
 from pipeline.channel import Channel
 from pipeline.clock import DeadlineClock
-from pipeline.errors import DeadlineExceeded, DropBudgetExceeded
+from pipeline.errors import DeadlineExceeded, DropBudgetExceeded, RequestRejected
 from pipeline.gate import EngineGate
 from pipeline.logs import warn_once
 from pipeline.messages import Batch, Completion, Dropped, Group, Prompt, Sample
@@ -151,6 +152,9 @@ class RolloutStage:
             except DeadlineExceeded:
                 self.counts["timeouts"] += 1
                 reason = "generation_timeout"
+            except RequestRejected as error:  # the same request would be refused again
+                self.counts["engine_errors"] += 1
+                raise _GiveUp(f"rejected: {error}") from None
             except Exception as error:  # an engine failure is retried like a timeout
                 self.counts["engine_errors"] += 1
                 reason = f"engine_error: {type(error).__name__}: {error}"

@@ -12,6 +12,10 @@ stand down for training (its KV cache is freed) and waking it serves the new wei
 in `wake`).
 Otherwise it holds its own copy, keeps serving while the trainer works, and `refit` copies the
 new weights in between two batches.
+
+Each request's own arguments are checked before it joins a batch: one that the model cannot
+serve (a prompt too long for learned position embeddings) is refused with `RequestRejected`
+instead of failing the batched call of every request gathered with it.
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ import torch
 
 from backends.torch.compute import ComputeThread
 from backends.torch.model import Decoder
+from backends.torch.sampling import check_arguments
+from pipeline.errors import RequestRejected
 from pipeline.messages import Completion
 
 
@@ -95,6 +101,16 @@ class TorchEngine:
     async def generate(
         self, prompt_tokens: Sequence[int], n: int, *, greedy: bool = False
     ) -> list[Completion]:
+        try:  # here, alone: in a batched call one bad prompt would fail all the others
+            check_arguments(
+                [list(prompt_tokens)],
+                self.max_new_tokens,
+                self.temperature,
+                self.top_p,
+                max_positions=self.sampler.model.config.position_limit,
+            )
+        except ValueError as error:
+            raise RequestRejected(str(error)) from None
         request = _Request(prompt_tokens, n, greedy)
         self._queue.append(request)
         try:

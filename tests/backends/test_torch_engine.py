@@ -1,5 +1,7 @@
 """Sampler behaviour: logprob agreement with training, padding, stops, determinism."""
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -165,3 +167,40 @@ def test_cuda_sampler_run_eagerly_on_cpu_equals_the_plain_sampler(
         recomputed = _recomputed(plain.model, PROMPTS, sampled, temperature)
         for out, reference in zip(sampled, recomputed, strict=True):
             assert out.logprobs == pytest.approx(reference, abs=1e-5)
+
+
+async def test_engine_rejects_a_request_the_model_cannot_serve_without_failing_its_batch() -> None:
+    import anyio
+
+    from backends.torch.serving import TorchEngine
+    from pipeline.errors import RequestRejected
+
+    sampler = _sampler(learned_position_embeddings=True)
+    limit = sampler.model.config.max_position_embeddings
+    engine = TorchEngine(
+        sampler,
+        shared=True,
+        source=sampler.model,
+        max_new_tokens=6,
+        temperature=1.0,
+        top_p=1.0,
+        stop_token_ids=(),
+        seed=0,
+    )
+    results: dict[str, Any] = {}
+
+    async def ask(name: str, prompt: list[int]) -> None:
+        try:
+            results[name] = await engine.generate(prompt, 2)
+        except RequestRejected as error:
+            results[name] = error
+
+    try:
+        async with anyio.create_task_group() as tg:  # gathered into one batch
+            tg.start_soon(ask, "fits", [3] * (limit - 6))
+            tg.start_soon(ask, "too long", [3] * (limit - 5))
+    finally:
+        engine.close()
+    assert [len(c.tokens) for c in results["fits"]] == [6, 6]
+    assert isinstance(results["too long"], RequestRejected)
+    assert f"max_position_embeddings {limit}" in str(results["too long"])

@@ -286,6 +286,18 @@ async def test_every_admitted_prompt_ends_trained_dropped_or_poisoned(
     assert summary.steps_done == 6
 
 
+async def test_a_rejected_request_is_dropped_without_retries(tmp_path: Path, fake: FakeTime) -> None:
+    recipe = make_recipe(tmp_path, steps=2, rollout={"samples_per_prompt": 2, "max_retries": 3})
+    engine = FakeEngine(time=fake, latency=1.0, reject_calls=[0], crash_calls=[1])
+    trainer = FakeTrainer(time=fake, latency=5.0)
+    summary = await drive(recipe, engine, trainer, fake)
+    lines = metrics(recipe)
+    assert summary.dropped_groups == 1 and summary.steps_done == 2
+    # The crashed call is retried (once, successfully); the rejected one is not.
+    assert lines[-1]["rollout/retries"] == 1
+    assert lines[-1]["rollout/engine_errors"] == 2
+
+
 async def test_drop_budget_exceeded_stops_the_run(tmp_path: Path, fake: FakeTime) -> None:
     recipe = make_recipe(
         tmp_path, steps=4, rollout={"samples_per_prompt": 2, "max_retries": 0, "max_dropped_groups": 1}
