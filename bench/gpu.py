@@ -102,7 +102,7 @@ def bench_generate(model: Decoder, args: argparse.Namespace) -> dict[str, Any]:
             "tokens_per_s": tokens / best,
             "prefill_s": prefill,
             "ms_per_decode_step": 1000 * (best - prefill) / (args.new_tokens - 1),
-            "kv_cache_bytes": sampler.cache_bytes(),
+            "pool_bytes": sampler.cache_bytes(),  # KV cache and packed weights
         }
         print(name, json.dumps(out[name]), flush=True)
         if graphs:
@@ -154,7 +154,7 @@ def bench_handoff(model: Decoder, args: argparse.Namespace) -> dict[str, Any]:
         wake.append(_sync_time() - start)
     after = sampler.generate(prompts, **kw)
     result = {
-        "kv_cache_bytes": sampler.cache_bytes(),
+        "pool_bytes": sampler.cache_bytes(),  # KV cache and packed weights
         "stable_addresses": sampler.pool.stable,
         "stand_down_ms": [1000 * t for t in stand_down],
         "wake_ms": [1000 * t for t in wake],
@@ -230,6 +230,8 @@ def bench_train(args: argparse.Namespace) -> dict[str, Any]:
         "flops_per_token": _flops_per_token(QWEN_1_5B, args.seq),
     }
     for name in args.train_modes.split(","):
+        if name not in ("eager", "layers", "model"):
+            raise SystemExit(f"--train-modes: unknown mode {name!r} (eager, layers, model)")
         result[name] = _train_variant(name, args)
         print("train", name, json.dumps(result[name]), flush=True)
         torch.cuda.empty_cache()
@@ -241,7 +243,7 @@ def main() -> None:
     parser.add_argument("--parts", default="generate,handoff,train")
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--prompt-len", type=int, default=128)
-    parser.add_argument("--new-tokens", type=int, default=512)
+    parser.add_argument("--new-tokens", type=int, default=512, help="at least 2")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--eager", action="store_true", help="also time the sampler without graphs")
     parser.add_argument(
@@ -253,11 +255,13 @@ def main() -> None:
     parser.add_argument(
         "--train-modes",
         default="eager,model",
-        help="comma list of eager, layers (each layer compiled), model (forward and head compiled)",
+        help="comma list of eager, layers (each layer compiled), model (forward compiled)",
     )
     parser.add_argument("--residual", choices=["model", "float32"], default="model")
     parser.add_argument("--out", default="bench/results-h200.json")
     args = parser.parse_args()
+    if args.new_tokens < 2:
+        parser.error("--new-tokens must be at least 2 (decode steps are timed apart from the prefill)")
     parts = args.parts.split(",")
     results: dict[str, Any] = {
         "device": torch.cuda.get_device_name(),

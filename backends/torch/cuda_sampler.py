@@ -1,14 +1,15 @@
 """A GPU sampler over a `Decoder`: batched prefill, one preallocated KV cache, decode steps
 replayed from CUDA graphs, per-token logprobs. Same contract as `Sampler.generate`.
 
-Layout. The KV cache is one flat buffer from a `KVPool`, viewed per layer as keys and values
-[rows, length, kv_heads, head_dim]. Every row keeps its own tokens at positions 0..n-1 (no
-left padding), so a decode step writes each row at its own position and attention reads the
-first ``position + 1`` keys of each row: on CUDA through flash attention's variable-length
-kernel with ``seqused_k``, so one captured graph serves every step of a batch-size bucket
-(no KV-length buckets, no masks). Grouped-query attention is computed with the query heads of
-one KV head laid out as that KV head's query "sequence" (non-causal), so each row's keys and
-values are read once per step rather than once per query head.
+Layout. The KV cache is one flat buffer from a `KVPool` (after the packed weights, below),
+viewed per layer as keys and values [rows, length, kv_heads, head_dim]. Every row keeps its own
+tokens at positions 0..n-1 (no left padding), so a decode step writes each row at its own
+position and attention reads the first ``position + 1`` keys of each row: on CUDA through
+flash attention's variable-length kernel with ``seqused_k``, so one captured graph serves every
+step of a batch-size bucket (no KV-length buckets, no masks). Grouped-query attention is
+computed with the query heads of one KV head laid out as that KV head's query "sequence"
+(non-causal), so each row's keys and values are read once per step rather than once per query
+head.
 
 Sampling. The graph also samples: with exponential noise E (drawn from the caller's generator
 before each replay, outside the graph), ``argmax(softmax(logits / T) / E)``, computed as
@@ -19,7 +20,8 @@ stops at the logits and the caller draws from them eagerly.
 
 Kernels. Each layer's q/k/v and gate/up projections run as one GEMM each over packed copies of
 their weights, which live in the KV cache's pool (released and restored with it) and are
-copied from the model at the start of every call. With ``compiled`` the code between
+copied from the model at the start of every call. The wider GEMMs may round differently from
+the trainer's separate projections, as any other engine kernel may. With ``compiled`` the code between
 attention calls runs as torch.compile'd kernels (norms, rotations, residual adds, SwiGLU and
 the draw fused), captured into the graphs like any other kernel.
 
@@ -54,7 +56,7 @@ def _bucket(n: int) -> int:
     for b in _BUCKETS:
         if b >= n:
             return b
-    return n
+    return -(-n // _BUCKETS[-1]) * _BUCKETS[-1]
 
 
 _FLASH_WORKS: dict[torch.device, bool] = {}
@@ -114,9 +116,8 @@ class CudaSampler:
     for decode (CUDA only; otherwise SDPA with a key mask). ``compiled`` (default: when
     capturing graphs): the parts of a step between attention calls run as torch.compile'd
     (inductor) kernels, which fuse the norms, rotations, residual adds, SwiGLU and sampling
-    into few launches. The cache
-    grows to the largest bucketed batch and length seen; growing it drops and re-captures the
-    graphs.
+    into few launches. The pool grows to the largest bucketed batch and length seen; growing
+    it drops and re-captures the graphs.
     """
 
     def __init__(
@@ -143,11 +144,13 @@ class CudaSampler:
         self.compiled = self.graphs if compiled is None else compiled
         parts = (_before_attention, _after_attention, _draw, _scaled_logits)
         if self.compiled:
-            # Shapes are fixed per batch-size bucket, and each bucket's graph is captured once.
             # Fused kernels round to bf16 where the eager ops they replace do (not only at the
-            # end), so the engine's logprobs stay as close to the trainer's as uncompiled.
+            # end), so the engine's logprobs stay as close to the trainer's as uncompiled. The
+            # first batch-size bucket gets kernels for its shapes, a second one kernels for any
+            # number of rows (dynamo's automatic dynamic shapes), so buckets never exhaust its
+            # recompile limit; past that limit (other dtypes, models) a part runs uncompiled.
             options = {"emulate_precision_casts": True}
-            parts = tuple(torch.compile(f, fullgraph=True, dynamic=False, options=options) for f in parts)
+            parts = tuple(torch.compile(f, options=options) for f in parts)
         self._before_attention, self._after_attention, self._draw, self._scaled_logits = parts
         c = model.config
         self.kv_heads, self.head_dim = c.num_key_value_heads, c.head_dim
@@ -167,7 +170,8 @@ class CudaSampler:
     # ---- memory and handoff -------------------------------------------------------------
 
     def cache_bytes(self) -> int:
-        """Device bytes the KV cache holds now (0 while stood down or before the first call)."""
+        """Device bytes the pool holds now: the KV cache and the packed weights (0 while stood
+        down or before the first call)."""
         return self.pool.resident_bytes
 
     def release(self) -> None:
@@ -186,6 +190,7 @@ class CudaSampler:
         if not self.pool.stable:
             self._view(buffer)
             self._steps.clear()
+        self._clear_for_masks()
 
     def _ensure(self, rows: int, length: int) -> None:
         if self._down:
@@ -201,6 +206,15 @@ class CudaSampler:
         buffer = self.pool.allocate(elements * torch.finfo(self.dtype).bits // 8)
         self.rows, self.length = rows, length
         self._view(buffer)
+        self._clear_for_masks()
+
+    def _clear_for_masks(self) -> None:
+        """Zero fresh keys and values where attention masks them rather than not reading them
+        (SDPA, not flash): masked positions still enter its products, and uninitialised
+        memory may hold NaN, which a mask does not cancel (0 * NaN is NaN)."""
+        if not self.flash:
+            for tensor in (*self._keys, *self._values):
+                tensor.zero_()
 
     def _packed_shapes(self) -> list[tuple[int, ...]]:
         c = self.model.config
@@ -383,7 +397,7 @@ class CudaSampler:
         step.graph.replay()
 
     def _capture(self, step: _Step) -> None:
-        saved = (step.token.clone(), step.position.clone(), step.noise.clone())  # noise: drawn
+        saved = (step.token.clone(), step.position.clone(), step.noise.clone())
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):

@@ -3,7 +3,8 @@
 The draw picks argmax(p / E) with E ~ Exponential(1) per vocabulary entry, which selects token
 i with probability p_i (the exponential race; equivalent to the Gumbel-max trick). Unlike
 `torch.multinomial` it has a fixed shape and no host sync, so a CUDA graph can capture it; the
-plain and the CUDA sampler draw the same way.
+plain and the CUDA sampler draw the same way (the CUDA sampler's graphs as
+argmax(log p - log E): the same draw, rounded differently).
 """
 
 from __future__ import annotations

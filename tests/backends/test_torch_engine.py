@@ -1,5 +1,6 @@
 """Sampler behaviour: logprob agreement with training, padding, stops, determinism."""
 
+import math
 from typing import Any
 
 import pytest
@@ -204,3 +205,52 @@ async def test_engine_rejects_a_request_the_model_cannot_serve_without_failing_i
     assert [len(c.tokens) for c in results["fits"]] == [6, 6]
     assert isinstance(results["too long"], RequestRejected)
     assert f"max_position_embeddings {limit}" in str(results["too long"])
+
+
+def test_compiled_cuda_sampler_serves_every_batch_bucket_and_new_weights() -> None:
+    """Compiled decode parts: no graph breaks, any number of batch-size buckets (dynamo's
+    recompile limit is 8), and weights changed in place between calls (as the trainer changes
+    them) are served through the packed copies, also after a stand-down and wake."""
+    from torch._dynamo.utils import counters
+
+    from backends.torch.cuda_sampler import CudaSampler
+
+    plain = _sampler(seed=1)
+    cuda = CudaSampler(plain.model, compiled=True)
+    for batch in (1, 9, 17, 33, 65, 129, 257, 513, 1025, 2049, 3000):
+        outs = _generate(cuda, [[1, 2, 3]] * batch, max_new_tokens=2, temperature=0.0)
+        assert len(outs) == batch
+    assert not counters["graph_break"]
+    with torch.no_grad():
+        for layer in plain.model.model.layers:
+            layer.self_attn.k_proj.weight.mul_(3)
+            layer.self_attn.v_proj.bias.add_(0.5)
+            layer.mlp.up_proj.weight.mul_(-2)
+    cuda.release()
+    cuda.wake()
+    got = _generate(cuda, PROMPTS, temperature=0.0)
+    want = _generate(plain, PROMPTS, temperature=0.0)
+    assert [o.tokens for o in got] == [o.tokens for o in want]
+    for mine, theirs in zip(got, want, strict=True):
+        assert mine.logprobs == pytest.approx(theirs.logprobs, abs=1e-5)
+
+
+def test_cuda_sampler_ignores_what_fresh_cache_memory_holds() -> None:
+    """Uninitialised pool memory may hold NaN bit patterns; keys and values the SDPA path masks
+    (positions not yet written) must not turn them into NaN logprobs."""
+    from backends.torch.cuda_sampler import CudaSampler
+    from backends.torch.kv_pool import PlainPool
+
+    class NaNPool(PlainPool):
+        def restore(self) -> torch.Tensor:
+            return super().restore().fill_(0xFF)  # every float is NaN
+
+    plain = _sampler()
+    cuda = CudaSampler(plain.model, pool=NaNPool(torch.device("cpu")))
+    want = _generate(plain, PROMPTS, temperature=0.0)
+    for _ in range(2):  # fresh memory, then memory restored after a stand-down
+        got = _generate(cuda, PROMPTS, temperature=0.0)
+        assert [o.tokens for o in got] == [o.tokens for o in want]
+        assert all(math.isfinite(lp) for o in got for lp in o.logprobs)
+        cuda.release()
+        cuda.wake()
