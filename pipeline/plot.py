@@ -21,15 +21,20 @@ class PlotError(PipelineError):
     exit_code = 2
 
 
-def pyplot() -> Any:
+def new_figure(width: float, height: float) -> Any:
+    """A matplotlib Figure outside pyplot: no global backend switch or figure registry, so a
+    host application's own plotting is left as it was."""
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        from matplotlib.figure import Figure
     except ImportError:
         raise PlotError("plotting needs matplotlib: pip install matplotlib") from None
-    return plt
+    return Figure(figsize=(width, height))
+
+
+def colour_cycle() -> list[str]:
+    import matplotlib
+
+    return matplotlib.rcParams["axes.prop_cycle"].by_key()["color"]
 
 
 def _series(records: list[dict[str, Any]], key: str) -> tuple[list[float], list[float]]:
@@ -74,11 +79,10 @@ def load_run(run_dir: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]
 
 def write_report(run_dirs: Sequence[Path], out: Path) -> Path:
     """Draw the report of `run_dirs` (one colour per run) into the PNG `out`."""
-    plt = pyplot()
     runs = [(Path(d), *load_run(Path(d))) for d in run_dirs]
-    figure, axes = plt.subplots(2, 3, figsize=(16, 8.5))
-    (reward, loss, mismatch), (timing, lag, throughput) = axes
-    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    figure = new_figure(16, 8.5)
+    (reward, loss, mismatch), (timing, lag, throughput) = figure.subplots(2, 3)
+    colours = colour_cycle()
     single = len(runs) == 1
     for index, (run_dir, steps, evals) in enumerate(runs):
         colour = colours[index % len(colours)]
@@ -120,7 +124,6 @@ def write_report(run_dirs: Sequence[Path], out: Path) -> Path:
     figure.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(out, dpi=90)
-    plt.close(figure)
     return out
 
 

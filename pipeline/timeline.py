@@ -11,7 +11,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from pipeline.plot import PlotError, pyplot
+from pipeline.plot import PlotError, new_figure
 
 _COLOURS = {
     "generate": "#4c9be8",
@@ -63,7 +63,6 @@ def step_window(spans: list[dict[str, Any]], first: int | None, last: int | None
 
 
 def write_timeline(run_dir: Path, out: Path, *, first: int | None = None, last: int | None = None) -> Path:
-    plt = pyplot()
     names, spans = load_trace(run_dir)
     start, end = step_window(spans, first, last)
     shown = [s for s in spans if s["ts"] < end and s["ts"] + s["dur"] > start]
@@ -72,7 +71,8 @@ def write_timeline(run_dir: Path, out: Path, *, first: int | None = None, last: 
     family = {tid: re.sub(r" \d+$", "", name) for tid, name in names.items()}
     rows = list(dict.fromkeys(family.get(t, str(t)) for t in sorted({s["tid"] for s in shown})))
     row = {tid: rows.index(family.get(tid, str(tid))) for tid in {s["tid"] for s in shown}}
-    figure, ax = plt.subplots(figsize=(14, 0.6 * len(rows) + 1.5))
+    figure = new_figure(14, 0.6 * len(rows) + 1.5)
+    ax = figure.subplots()
     for span in shown:
         left = (max(span["ts"], start) - start) / 1e3
         width = (min(span["ts"] + span["dur"], end) - max(span["ts"], start)) / 1e3
@@ -100,5 +100,4 @@ def write_timeline(run_dir: Path, out: Path, *, first: int | None = None, last: 
     ax.grid(axis="x", alpha=0.3)
     figure.tight_layout()
     figure.savefig(out, dpi=110)
-    plt.close(figure)
     return out

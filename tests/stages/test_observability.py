@@ -260,6 +260,24 @@ def test_timeline_writes_a_png_of_a_window_of_the_trace(runs: dict[bool, Path], 
     assert (tmp_path / "t.png").read_bytes().startswith(PNG)
 
 
+def test_reports_leave_the_host_applications_matplotlib_alone(
+    runs: dict[bool, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Embedded in another program, drawing a report must not switch its backend or register
+    figures with its pyplot."""
+    import matplotlib
+
+    from pipeline.plot import write_report
+    from pipeline.timeline import write_timeline
+
+    monkeypatch.setitem(matplotlib.rcParams, "backend", "svg")  # the host's choice
+    write_report([runs[True]], tmp_path / "r.png")
+    write_timeline(runs[True], tmp_path / "t.png")
+    assert matplotlib.rcParams["backend"] == "svg"
+    assert (tmp_path / "r.png").read_bytes().startswith(PNG)
+    assert (tmp_path / "t.png").read_bytes().startswith(PNG)
+
+
 def test_plot_of_a_directory_that_is_not_a_run_is_a_one_line_error(tmp_path: Path) -> None:
     result = cli("plot", str(tmp_path))
     assert result.returncode == 2
