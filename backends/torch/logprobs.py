@@ -47,7 +47,9 @@ def _on(device: torch.device, name: str, fn: Any) -> Any:
     if device.type != "cuda":
         return fn
     if name not in _fused:
-        _fused[name] = torch.compile(fn, fullgraph=True)
+        # Not fullgraph: past dynamo's recompile limit (many temperatures, dtypes) a chunk
+        # runs eagerly instead of failing the step.
+        _fused[name] = torch.compile(fn)
     return _fused[name]
 
 
