@@ -32,10 +32,11 @@ def _chunk_stats(logits: Tensor, targets: Tensor, temperature: float) -> tuple[T
 def _chunk_grad(logits: Tensor, lse: Tensor, grad: Tensor, targets: Tensor, temperature: float) -> Tensor:
     """d(picked - lse)/dlogits = (onehot(target) - softmax) / temperature, times the incoming
     grad, in the logits' dtype."""
-    scaled = logits.float() / temperature
+    # In place on the fresh `scaled`: eagerly (CPU) one float32 chunk and a bool one-hot are
+    # all that is allocated; compiled, the same ops fuse into one kernel.
     onehot = torch.arange(logits.shape[-1], device=logits.device) == targets[:, None]
-    dscaled = (onehot.float() - torch.exp(scaled - lse[:, None])) * grad[:, None]
-    return (dscaled / temperature).to(logits.dtype)
+    probs = (logits.float() / temperature).sub_(lse[:, None]).exp_()
+    return probs.neg_().add_(onehot).mul_(grad[:, None]).div_(temperature).to(logits.dtype)
 
 
 # On CUDA each chunk's float32 work runs as one fused kernel (torch.compile): a chunk's logits

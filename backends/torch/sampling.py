@@ -34,6 +34,11 @@ def check_arguments(
         raise ValueError(f"temperature must be >= 0, got {temperature}")
     if not 0 < top_p <= 1:
         raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    check_prompts(prompts, max_new_tokens, max_positions=max_positions)
+
+
+def check_prompts(prompts: list[list[int]], max_new_tokens: int, *, max_positions: int | None) -> None:
+    """`check_arguments`'s checks of the prompts alone (the other arguments known good)."""
     if prompts and min(len(p) for p in prompts) == 0:
         raise ValueError("prompts must be non-empty")
     if max_positions is not None and prompts:

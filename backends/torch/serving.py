@@ -28,7 +28,7 @@ import torch
 
 from backends.torch.compute import ComputeThread
 from backends.torch.model import Decoder
-from backends.torch.sampling import check_arguments
+from backends.torch.sampling import check_arguments, check_prompts
 from pipeline.errors import RequestRejected
 from pipeline.messages import Completion
 
@@ -87,6 +87,7 @@ class TorchEngine:
         self.blocks_training = shared
         self.wake_carries_weights = shared
         self.source = source
+        check_arguments([], max_new_tokens, temperature, top_p)  # once; prompts per request
         self.max_new_tokens = max_new_tokens
         self.temperature = temperature
         self.top_p = top_p
@@ -102,11 +103,9 @@ class TorchEngine:
         self, prompt_tokens: Sequence[int], n: int, *, greedy: bool = False
     ) -> list[Completion]:
         try:  # here, alone: in a batched call one bad prompt would fail all the others
-            check_arguments(
+            check_prompts(
                 [list(prompt_tokens)],
                 self.max_new_tokens,
-                self.temperature,
-                self.top_p,
                 max_positions=self.sampler.model.config.position_limit,
             )
         except ValueError as error:
