@@ -10,8 +10,10 @@ Parts (each can be picked with --parts):
 - `train`: the model's training tokens/s and MFU at sequence length 1024: full sequences
   through the trainer's logprob head (`picked_logprobs`, not its prompt-sharing pass), bf16
   weights stepped directly by fused AdamW (no float32 masters), SDPA; `--train-modes`: eager
-  layers, each layer torch.compile'd, or the whole forward compiled. The trainer end to end
-  is measured by the `recipes/bench-h200-*.yaml` runs.
+  layers, each layer torch.compile'd, the whole forward compiled, or `trainer`: the trainer's
+  own prompt-sharing pass with `train.compile` (`response_logprobs(compiled=True)`), each
+  sequence a one-token prompt and a 1023-token response (its attention takes an explicit
+  causal mask). The trainer end to end is measured by the `recipes/bench-h200-*.yaml` runs.
   FLOPs per token = 6 * (non-embedding params + lm_head) + 12 * layers * hidden * seq.
 
     python -m bench.gpu [--parts generate,handoff,train] [--train-modes eager,model] [--out ...]
@@ -29,6 +31,7 @@ import torch
 
 from backends.torch.config import ModelConfig
 from backends.torch.cuda_sampler import CudaSampler
+from backends.torch.grouped import response_logprobs
 from backends.torch.grpo_loss import mismatch_metrics
 from backends.torch.logprobs import picked_logprobs
 from backends.torch.model import Decoder, token_logprobs
@@ -179,9 +182,9 @@ def _flops_per_token(config: ModelConfig, seq: int) -> float:
 
 def _train_variant(mode: str, args: argparse.Namespace) -> dict[str, float]:
     """One training setup: ``eager`` layers; ``layers``: each decoder layer torch.compile'd;
-    ``model``: the whole forward to the final norm (`Decoder.hidden_states`) compiled. The
-    logprob head (`picked_logprobs`) is the trainer's in all three (its per-chunk float32
-    work fused on CUDA)."""
+    ``model``: the whole forward to the final norm (`Decoder.hidden_states`) compiled;
+    ``trainer``: `response_logprobs` with compiled layer parts. The logprob head
+    (`picked_logprobs`) is the trainer's in all (its per-chunk float32 work fused on CUDA)."""
     model = _model(args.residual)
     model.train()
     hidden_states = model.hidden_states
@@ -193,11 +196,17 @@ def _train_variant(mode: str, args: argparse.Namespace) -> dict[str, float]:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
     ids = torch.randint(3, QWEN_1_5B.vocab_size, (args.micro_batch, args.seq), device="cuda")
     positions = torch.arange(args.seq - 1, device="cuda").expand(args.micro_batch, -1)
+    rows = ids.tolist()
+    prompts, responses = [tuple(r[:1]) for r in rows], [tuple(r[1:]) for r in rows]
 
     def step() -> None:
-        # token_logprobs(model, ids, mask) for sequences without padding.
-        hidden = hidden_states(ids[:, :-1], positions)
-        loss = -picked_logprobs(hidden, model.lm_head.weight, ids[:, 1:]).mean()
+        if mode == "trainer":
+            owner = list(range(len(prompts)))
+            lp, _ = response_logprobs(model, prompts, owner, responses, 1.0, compiled=True)
+            loss = -lp.mean()
+        else:  # token_logprobs(model, ids, mask) for sequences without padding
+            hidden = hidden_states(ids[:, :-1], positions)
+            loss = -picked_logprobs(hidden, model.lm_head.weight, ids[:, 1:]).mean()
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -230,8 +239,8 @@ def bench_train(args: argparse.Namespace) -> dict[str, Any]:
         "flops_per_token": _flops_per_token(QWEN_1_5B, args.seq),
     }
     for name in args.train_modes.split(","):
-        if name not in ("eager", "layers", "model"):
-            raise SystemExit(f"--train-modes: unknown mode {name!r} (eager, layers, model)")
+        if name not in ("eager", "layers", "model", "trainer"):
+            raise SystemExit(f"--train-modes: unknown mode {name!r} (eager, layers, model, trainer)")
         result[name] = _train_variant(name, args)
         print("train", name, json.dumps(result[name]), flush=True)
         torch.cuda.empty_cache()
@@ -255,7 +264,8 @@ def main() -> None:
     parser.add_argument(
         "--train-modes",
         default="eager,model",
-        help="comma list of eager, layers (each layer compiled), model (forward compiled)",
+        help="comma list of eager, layers (each layer compiled), model (forward compiled), "
+        "trainer (the trainer's pass with train.compile)",
     )
     parser.add_argument("--residual", choices=["model", "float32"], default="model")
     parser.add_argument("--out", default="bench/results-h200.json")

@@ -102,6 +102,8 @@ def build_backend(
         reference=reference,
         master_weights=train.master_weights,
         offload_optimizer=train.offload_optimizer,
+        compiled=train.compile,
+        checkpointed=train.activation_checkpointing,
         compute=trainer_thread,
     )
     return engine, trainer

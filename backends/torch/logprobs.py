@@ -1,11 +1,17 @@
-"""Log-probabilities of chosen tokens through the output projection, without keeping logits.
+"""Log-probabilities of chosen tokens through the output projection, without float32 logits.
 
 `picked_logprobs(hidden, weight, targets, temperature)` returns
 log_softmax(hidden @ weight.T / temperature)[targets] in float32. The forward pass works in row
-chunks and keeps only each row's logsumexp; the backward pass recomputes each chunk's logits.
-With a 152k vocabulary, keeping float32 logits for autograd would hold ~0.6 MB per token (10 GB
-for a 16 x 1024 micro-batch) and force tiny chunks; recomputing costs one extra output
-projection, about 5% of a 1.5B model's training FLOPs.
+chunks, each chunk's float32 softmax work done on the fly, so float32 logits for a whole batch
+(0.6 MB a token with a 152k vocabulary: 10 GB for a 16 x 1024 micro-batch) never exist.
+
+When gradients are wanted, the forward pass also keeps the softmax's gradient factor
+(onehot(target) - softmax(logits / T)) / T in the logits' dtype (2 bytes a vocabulary entry in
+bf16, as the logits Hugging Face models keep; about a tenth of a 1.5B model's saved activations
+a token). The backward pass is then two GEMMs, with the incoming per-token gradient folded into
+their thin operands: grad_hidden = (F @ W) * g and grad_W = F.T @ (g * hidden). Keeping F
+instead of recomputing the logits saves one output projection (about 5% of a 1.5B model's
+training FLOPs) and a float32 pass over every chunk.
 """
 
 from __future__ import annotations
@@ -29,18 +35,24 @@ def _chunk_stats(logits: Tensor, targets: Tensor, temperature: float) -> tuple[T
     return torch.logsumexp(scaled, dim=-1), scaled.gather(-1, targets[:, None]).squeeze(-1)
 
 
-def _chunk_grad(logits: Tensor, lse: Tensor, grad: Tensor, targets: Tensor, temperature: float) -> Tensor:
-    """d(picked - lse)/dlogits = (onehot(target) - softmax) / temperature, times the incoming
-    grad, in the logits' dtype."""
-    # In place on the fresh `scaled`: eagerly (CPU) one float32 chunk and a bool one-hot are
-    # all that is allocated; compiled, the same ops fuse into one kernel.
+def _chunk_stats_and_factor(
+    logits: Tensor, targets: Tensor, temperature: float, factor: Tensor
+) -> tuple[Tensor, Tensor]:
+    """`_chunk_stats`, and d(picked - lse)/dlogits = (onehot(target) - softmax) / temperature
+    written to ``factor`` (the logits' dtype)."""
+    scaled = logits.float() / temperature
+    lse = torch.logsumexp(scaled, dim=-1)
     onehot = torch.arange(logits.shape[-1], device=logits.device) == targets[:, None]
-    probs = (logits.float() / temperature).sub_(lse[:, None]).exp_()
-    return probs.neg_().add_(onehot).mul_(grad[:, None]).div_(temperature).to(logits.dtype)
+    # In place on the fresh `scaled` where eager (CPU): one float32 chunk and a bool one-hot;
+    # compiled, the same ops fuse into one kernel.
+    picked = scaled.gather(-1, targets[:, None]).squeeze(-1)
+    probs = scaled.sub_(lse[:, None]).exp_()
+    factor.copy_(probs.neg_().add_(onehot).div_(temperature))
+    return lse, picked
 
 
 # On CUDA each chunk's float32 work runs as one fused kernel (torch.compile): a chunk's logits
-# are read once instead of the half-dozen passes of eager ops over 0.5 GB.
+# are read once or twice instead of the half-dozen passes of eager ops over 0.5 GB.
 _fused: dict[str, Any] = {}
 
 
@@ -56,35 +68,37 @@ def _on(device: torch.device, name: str, fn: Any) -> Any:
 
 class _PickedLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float) -> Tensor:
+    def forward(
+        ctx: Any, hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float, keep: bool
+    ) -> Tensor:
         rows = _rows(weight.shape[0])
-        stats = _on(hidden.device, "stats", _chunk_stats)
         picked = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
         lse = torch.empty_like(picked)
+        factor = None
+        if keep:
+            factor = torch.empty(hidden.shape[0], weight.shape[0], dtype=hidden.dtype, device=hidden.device)
+            stats = _on(hidden.device, "stats_and_factor", _chunk_stats_and_factor)
+        else:
+            stats = _on(hidden.device, "stats", _chunk_stats)
         for i in range(0, hidden.shape[0], rows):
-            logits = hidden[i : i + rows] @ weight.T
-            lse[i : i + rows], picked[i : i + rows] = stats(logits, targets[i : i + rows], temperature)
-        ctx.save_for_backward(hidden, weight, targets, lse)
-        ctx.temperature = temperature
+            part = slice(i, i + rows)
+            extra = () if factor is None else (factor[part],)
+            lse[part], picked[part] = stats(hidden[part] @ weight.T, targets[part], temperature, *extra)
+        if factor is not None:
+            ctx.save_for_backward(hidden, weight, factor)
         return picked - lse
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor | None, None, None]:
-        hidden, weight, targets, lse = ctx.saved_tensors
-        rows = _rows(weight.shape[0])
-        chunk_grad = _on(hidden.device, "grad", _chunk_grad)
-        grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
-        for i in range(0, hidden.shape[0], rows):
-            chunk = hidden[i : i + rows]
-            logits = chunk @ weight.T
-            dlogits = chunk_grad(
-                logits, lse[i : i + rows], grad[i : i + rows], targets[i : i + rows], ctx.temperature
-            )
-            if grad_hidden is not None:
-                grad_hidden[i : i + rows] = dlogits @ weight
-            grad_weight += (dlogits.T @ chunk).float()
-        return grad_hidden, grad_weight.to(weight.dtype) if ctx.needs_input_grad[1] else None, None, None
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor | None, None, None, None]:
+        if not ctx.saved_tensors:
+            raise RuntimeError("picked_logprobs ran without gradients enabled: it kept nothing for backward")
+        hidden, weight, factor = ctx.saved_tensors
+        grad_hidden = grad_weight = None
+        if ctx.needs_input_grad[0]:
+            grad_hidden = ((factor @ weight) * grad[:, None]).to(hidden.dtype)
+        if ctx.needs_input_grad[1]:
+            grad_weight = factor.T @ (hidden * grad[:, None]).to(hidden.dtype)
+        return grad_hidden, grad_weight, None, None, None
 
 
 def picked_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float = 1.0) -> Tensor:
@@ -93,4 +107,5 @@ def picked_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor, temperature
     flat = hidden.reshape(-1, hidden.shape[-1])
     if flat.shape[0] == 0:
         return flat.new_zeros(shape, dtype=torch.float32)
-    return _PickedLogprobs.apply(flat, weight, targets.reshape(-1), temperature).view(shape)
+    keep = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    return _PickedLogprobs.apply(flat, weight, targets.reshape(-1), temperature, keep).view(shape)

@@ -60,9 +60,13 @@ class TorchTrainer:
         reference: Decoder | None = None,
         master_weights: bool = True,
         offload_optimizer: bool = False,
+        compiled: bool = False,
+        checkpointed: bool = False,
         compute: ComputeThread | None = None,
     ) -> None:
         self.model = model
+        self.compiled = compiled
+        self.checkpointed = checkpointed
         self.compute = compute or ComputeThread("trainer")
         self.loss = loss
         self.grad_clip = grad_clip
@@ -146,7 +150,15 @@ class TorchTrainer:
         return minibatches
 
     def _logprobs(self, model: Decoder, chunk: _Chunk) -> tuple[torch.Tensor, torch.Tensor]:
-        return response_logprobs(model, chunk.prompts, chunk.owner, chunk.responses, self.temperature)
+        return response_logprobs(
+            model,
+            chunk.prompts,
+            chunk.owner,
+            chunk.responses,
+            self.temperature,
+            compiled=self.compiled,
+            checkpointed=self.checkpointed,
+        )
 
     def _train_step(self, samples: list[Sample], advantages: list[float]) -> dict[str, float]:
         self.model.train()

@@ -50,6 +50,28 @@ def test_grouped_logprobs_and_gradients_match_full_sequences(learned_positions: 
         torch.testing.assert_close(grads[name], param.grad, atol=1e-5, rtol=1e-4, msg=name)
 
 
+@pytest.mark.parametrize(
+    "options", [{"compiled": True}, {"checkpointed": True}], ids=["compiled", "checkpointed"]
+)
+def test_compiled_and_checkpointed_layers_give_the_same_logprobs_and_gradients(options: dict) -> None:
+    torch.manual_seed(0)
+    model = Decoder(ModelConfig(vocab_size=23, hidden_size=64, intermediate_size=96, num_attention_heads=4))
+    prompts = [(2, 5, 7, 9), (3, 11)]
+    owner, responses = [0, 0, 1, 1], [(4, 1), (5, 6, 1), (12, 13), (14,)]
+
+    def run(**kw: bool) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        model.zero_grad()
+        lp, mask = response_logprobs(model, prompts, owner, responses, 0.7, **kw)
+        (lp * mask).sum().backward()
+        return lp.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    plain, plain_grads = run()
+    ours, grads = run(**options)
+    torch.testing.assert_close(ours, plain, atol=1e-5, rtol=0)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, plain_grads[name], atol=1e-5, rtol=1e-4, msg=name)
+
+
 @pytest.mark.parametrize("padded", [False, True], ids=["equal-prompts", "padded-prompts"])
 def test_one_token_responses_only(padded: bool) -> None:
     """Every response a single token (max_new_tokens 1, or an immediate stop): no suffix pass."""

@@ -28,3 +28,16 @@ def test_picked_logprobs_match_log_softmax(monkeypatch: pytest.MonkeyPatch, temp
     torch.testing.assert_close(ours, reference.squeeze(-1).float(), atol=1e-5, rtol=0)
     torch.testing.assert_close(ours_grads[0], hidden.grad, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(ours_grads[1], weight.grad, atol=1e-5, rtol=1e-5)
+
+
+def test_without_gradients_the_same_values_and_nothing_kept(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(logprobs, "_CHUNK_ELEMENTS", 3 * 50)
+    torch.manual_seed(0)
+    hidden = torch.randn(7, 16, requires_grad=True)
+    weight = torch.randn(50, 16, requires_grad=True)
+    targets = torch.randint(0, 50, (7,))
+    with torch.no_grad():
+        plain = logprobs.picked_logprobs(hidden, weight, targets)
+    kept = logprobs.picked_logprobs(hidden, weight, targets)
+    torch.testing.assert_close(plain, kept, atol=0, rtol=0)
+    assert plain.grad_fn is None and kept.grad_fn is not None
