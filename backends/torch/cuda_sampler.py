@@ -20,10 +20,14 @@ stops at the logits and the caller draws from them eagerly.
 
 Kernels. Each layer's q/k/v and gate/up projections run as one GEMM each over packed copies of
 their weights, which live in the KV cache's pool (released and restored with it) and are
-copied from the model at the start of every call. The wider GEMMs may round differently from
-the trainer's separate projections, as any other engine kernel may. With ``compiled`` the code
-between attention calls runs as torch.compile'd kernels (norms, rotations, residual adds,
-SwiGLU and the draw fused), captured into the graphs like any other kernel.
+copied from the model at the start of every call. For flash, the packed copies of q_proj's
+rows and o_proj's columns are in flash's query order ([g, kv_heads] rather than heads), so
+queries go into attention, and its output into o_proj, without a transposing copy. The wider
+GEMMs may round differently from the trainer's separate projections, as any other engine kernel
+may. With ``compiled`` the code between attention calls runs as torch.compile'd kernels (norms,
+rotations, residual adds, SwiGLU and the draw fused), captured into the graphs like any other
+kernel, and so does the prefill's (`compiled_layer_parts`, which the trainer's `train.compile`
+shares).
 
 Colocation. Graphs read the model's parameter tensors in place: the trainer must update them
 in place (optimizers do), never rebind them. `release` hands the KV cache's memory back to the
@@ -43,10 +47,12 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from backends.torch.kv_pool import KVPool, make_pool
-from backends.torch.model import Decoder, DecoderLayer
+from backends.torch.model import Decoder, DecoderLayer, compiled_layer_parts, layer_finish, layer_project
 from backends.torch.sampling import check_arguments, completions, draw
 from pipeline.messages import Completion
 
+# Inductor options of the compiled decode parts (see `CudaSampler.__init__`).
+DECODE_COMPILE_OPTIONS = {"emulate_precision_casts": True}
 _BUCKETS = (8, 16, 32, 64, 128, 256, 512, 1024, 2048)
 # Tokens of the prefill forward at once (bounds prefill activation memory).
 _PREFILL_TOKENS = 32768
@@ -77,10 +83,12 @@ def _flash_works(device: torch.device) -> bool:
 
 
 class _Packed(NamedTuple):
-    """One layer's projections that read the same input, concatenated: one GEMM each."""
+    """One layer's projections that read the same input, concatenated (one GEMM each), and
+    o_proj's weight; query heads in the order `_attend` takes them."""
 
     qkv_weight: Tensor
     qkv_bias: Tensor | None
+    o_weight: Tensor
     gate_up_weight: Tensor
 
 
@@ -149,8 +157,7 @@ class CudaSampler:
             # first batch-size bucket gets kernels for its shapes, a second one kernels for any
             # number of rows (dynamo's automatic dynamic shapes), so buckets never exhaust its
             # recompile limit; past that limit (other dtypes, models) a part runs uncompiled.
-            options = {"emulate_precision_casts": True}
-            parts = tuple(torch.compile(f, options=options) for f in parts)
+            parts = tuple(torch.compile(f, options=DECODE_COMPILE_OPTIONS) for f in parts)
         self._before_attention, self._after_attention, self._draw, self._scaled_logits = parts
         c = model.config
         self.kv_heads, self.head_dim = c.num_key_value_heads, c.head_dim
@@ -216,15 +223,29 @@ class CudaSampler:
             for tensor in (*self._keys, *self._values):
                 tensor.zero_()
 
-    def _packed_shapes(self) -> list[tuple[int, ...]]:
+    def _packed_shapes(self) -> dict[str, tuple[int, ...]]:
+        """`_Packed`'s tensors and their shapes (no bias without attention_bias)."""
         c = self.model.config
-        qkv = (c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim
-        bias = [(qkv,)] if c.attention_bias else []
-        return [(qkv, c.hidden_size), *bias, (2 * c.intermediate_size, c.hidden_size)]
+        q = c.num_attention_heads * c.head_dim
+        qkv = q + 2 * c.num_key_value_heads * c.head_dim
+        shapes = {"qkv_weight": (qkv, c.hidden_size), "qkv_bias": (qkv,)}
+        if not c.attention_bias:
+            del shapes["qkv_bias"]
+        return shapes | {
+            "o_weight": (c.hidden_size, q),
+            "gate_up_weight": (2 * c.intermediate_size, c.hidden_size),
+        }
 
     def _packed_elements(self) -> int:
-        per_layer = sum(_aligned(math.prod(shape)) for shape in self._packed_shapes())
+        per_layer = sum(_aligned(math.prod(shape)) for shape in self._packed_shapes().values())
         return self.model.config.num_hidden_layers * per_layer
+
+    def _head_order(self) -> Tensor:
+        """Query heads in `_attend`'s order: for flash [g, kv_heads] (head j * g + i at
+        i * kv_heads + j), else the model's."""
+        c = self.model.config
+        heads = torch.arange(c.num_attention_heads, device=self.device)
+        return heads.view(self.kv_heads, self.group).T.reshape(-1) if self.flash else heads
 
     def _view(self, buffer: Tensor) -> None:
         """Views of the pool's buffer: each layer's packed weights, then keys and values."""
@@ -233,11 +254,11 @@ class CudaSampler:
         offset = 0
         self._packed = []
         for _ in range(layers):
-            views = []
-            for shape in self._packed_shapes():
-                views.append(flat[offset : offset + math.prod(shape)].view(shape))
+            views: dict[str, Tensor | None] = {"qkv_bias": None}
+            for name, shape in self._packed_shapes().items():
+                views[name] = flat[offset : offset + math.prod(shape)].view(shape)
                 offset += _aligned(math.prod(shape))
-            self._packed.append(_Packed(views[0], views[1] if len(views) == 3 else None, views[-1]))
+            self._packed.append(_Packed(**views))
         shape = (self.rows, self.length, self.kv_heads, self.head_dim)
         per = math.prod(shape)
         kv = flat[offset:]
@@ -246,13 +267,19 @@ class CudaSampler:
 
     def _pack(self) -> None:
         """Copy the model's current weights into the packed ones: the trainer may have changed
-        them since the last call, and a woken pool's contents are undefined (1.7 GB for a 1.5B
+        them since the last call, and a woken pool's contents are undefined (1.9 GB for a 1.5B
         model: about a millisecond at an H200's memory bandwidth, against seconds of decode)."""
+        order = self._head_order()
+        d = self.head_dim
         for layer, packed in zip(self.model.model.layers, self._packed, strict=True):
             attn, mlp = layer.self_attn, layer.mlp
-            torch.cat((attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight), out=packed.qkv_weight)
+            q = attn.q_proj.weight.view(-1, d, attn.q_proj.in_features)[order].flatten(0, 1)
+            torch.cat((q, attn.k_proj.weight, attn.v_proj.weight), out=packed.qkv_weight)
             if packed.qkv_bias is not None:
-                torch.cat((attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias), out=packed.qkv_bias)
+                q_bias = attn.q_proj.bias.view(-1, d)[order].flatten()
+                torch.cat((q_bias, attn.k_proj.bias, attn.v_proj.bias), out=packed.qkv_bias)
+            o = attn.o_proj.weight
+            packed.o_weight.copy_(o.view(o.shape[0], -1, d)[:, order].flatten(1))
             torch.cat((mlp.gate_proj.weight, mlp.up_proj.weight), out=packed.gate_up_weight)
 
     # ---- generation ---------------------------------------------------------------------
@@ -365,17 +392,19 @@ class CudaSampler:
         positions = torch.arange(t, device=ids.device)
         cos, sin = m.rotary(positions)  # [T, 1, D]
         x = m.embed(ids, positions)
+        project, finish = compiled_layer_parts() if self.compiled else (layer_project, layer_finish)
         for i, layer in enumerate(m.model.layers):
-            attn = layer.self_attn
-            h = layer.input_layernorm(x)
-            q, k, v = (y.transpose(1, 2) for y in attn.project(h, cos, sin))
-            self._keys[i][dest, :t] = k.transpose(1, 2)[src]
-            self._values[i][dest, :t] = v.transpose(1, 2)[src]
+            q, k, v = project(layer, x, cos, sin)  # [U, T, heads or kv_heads, D]
+            self._keys[i][dest, :t] = k[src]
+            self._values[i][dest, :t] = v[src]
             out = F.scaled_dot_product_attention(
-                q, k, v, is_causal=True, enable_gqa=attn.heads != attn.kv_heads
+                q.transpose(1, 2),
+                k.transpose(1, 2),
+                v.transpose(1, 2),
+                is_causal=True,
+                enable_gqa=self.group > 1,
             )
-            x = x + attn.o_proj(out.transpose(1, 2).reshape(u, t, attn.heads * attn.head_dim))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            x = finish(layer, x, out.transpose(1, 2).reshape(u, t, -1))
         return m.model.norm(x)
 
     # ---- decode -------------------------------------------------------------------------
@@ -427,13 +456,13 @@ class CudaSampler:
         x = m.embed(step.token, position)
         rows, kvh, d = step.rows, self.kv_heads, self.head_dim
         for i, (layer, packed) in enumerate(zip(m.model.layers, self._packed, strict=True)):
-            q, k, v = self._before_attention(layer, packed, x, cos, sin, self.flash)
+            q, k, v = self._before_attention(layer, packed, x, cos, sin)
             keys = self._keys[i][:rows]
             values = self._values[i][:rows]
             keys.view(rows * self.length, kvh, d).index_copy_(0, write, k)
             values.view(rows * self.length, kvh, d).index_copy_(0, write, v)
             out = self._attend(q, keys, values, used, step)
-            x = self._after_attention(layer, packed, x, out, self.flash)
+            x = self._after_attention(layer, packed, x, out)
         if step.draws:
             token, logprob = self._draw(m, x, step.inv_temperature, step.noise)
             step.token.copy_(token)
@@ -442,8 +471,10 @@ class CudaSampler:
             self._scaled_logits(m, x, step.inv_temperature, step.logits)
 
     def _attend(self, q: Tensor, keys: Tensor, values: Tensor, used: Tensor, step: _Step) -> Tensor:
-        """Attention of one new query per row (laid out by `_before_attention`) over its first
-        ``used`` keys."""
+        """Attention of one new query per row over its first ``used`` keys: queries [rows,
+        heads, D] in `_head_order`, the output in the same layout. Grouped-query attention as
+        in the module docstring: for flash, the g query heads of a KV head are g query
+        positions of its variable-length sequence; for SDPA, a batch of g heads."""
         kvh, d, g, rows = self.kv_heads, self.head_dim, self.group, step.rows
         if self.flash:
             return torch.ops.aten._flash_attention_forward(
@@ -461,7 +492,10 @@ class CudaSampler:
             )[0]
         mask = torch.arange(self.length, device=q.device) < used.unsqueeze(-1)
         return F.scaled_dot_product_attention(
-            q, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask[:, None, None, :]
+            q.view(rows, kvh, g, d),
+            keys.transpose(1, 2),
+            values.transpose(1, 2),
+            attn_mask=mask[:, None, None, :],
         )
 
 
@@ -476,28 +510,20 @@ def _aligned(elements: int) -> int:
 
 
 def _before_attention(
-    layer: DecoderLayer, packed: _Packed, x: Tensor, cos: Tensor, sin: Tensor, flash: bool
+    layer: DecoderLayer, packed: _Packed, x: Tensor, cos: Tensor, sin: Tensor
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Input norm, projections, rotation: queries, keys [rows, kv_heads, D] and values. The
-    queries of KV head j are heads j*g..j*g+g-1 (HF repeat_kv order); for flash they are laid
-    out [rows, g, kv_heads, D], as g query positions of each KV head's variable-length
-    sequence, else [rows, kv_heads, g, D] for SDPA's batch of heads."""
+    """Input norm, projections, rotation: queries [rows, heads, D] (in the packed weights'
+    head order), keys and values [rows, kv_heads, D]."""
     attn = layer.self_attn
     qkv = F.linear(layer.input_layernorm(x), packed.qkv_weight, packed.qkv_bias)
     kv_size = attn.kv_heads * attn.head_dim
-    q, k, v = attn.rotated(*qkv.split((attn.heads * attn.head_dim, kv_size, kv_size), dim=-1), cos, sin)
-    rows, g = x.shape[0], attn.heads // attn.kv_heads
-    q = q.view(rows, attn.kv_heads, g, attn.head_dim)
-    return (q.transpose(1, 2).contiguous() if flash else q), k, v
+    return attn.rotated(*qkv.split((attn.heads * attn.head_dim, kv_size, kv_size), dim=-1), cos, sin)
 
 
-def _after_attention(layer: DecoderLayer, packed: _Packed, x: Tensor, out: Tensor, flash: bool) -> Tensor:
-    """Output projection, residual, MLP, residual, from `_attend`'s output."""
-    attn = layer.self_attn
-    rows = x.shape[0]
-    if flash:
-        out = out.view(rows, attn.heads // attn.kv_heads, attn.kv_heads, attn.head_dim).transpose(1, 2)
-    x = x + attn.o_proj(out.reshape(rows, attn.heads * attn.head_dim))
+def _after_attention(layer: DecoderLayer, packed: _Packed, x: Tensor, out: Tensor) -> Tensor:
+    """Output projection, residual, MLP, residual, from `_attend`'s output (query heads in
+    the packed weights' order, as o_weight's columns)."""
+    x = x + F.linear(out.reshape(x.shape[0], -1), packed.o_weight)
     gate, up = F.linear(layer.post_attention_layernorm(x), packed.gate_up_weight).chunk(2, dim=-1)
     return x + layer.mlp.combine(gate, up)
 

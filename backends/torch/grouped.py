@@ -22,16 +22,22 @@ percent of the activation memory).
 
 from __future__ import annotations
 
-import warnings
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
 from backends.torch.logprobs import picked_logprobs
-from backends.torch.model import Decoder, DecoderLayer, attend, attention_mask
+from backends.torch.model import (
+    Decoder,
+    DecoderLayer,
+    attend,
+    attention_mask,
+    compiled_layer_parts,
+    layer_finish,
+    layer_project,
+)
 
 
 def response_logprobs(
@@ -110,7 +116,7 @@ def _hidden(
         suffix_keys = torch.cat([prefix_real[rows], prefix_real.new_ones(n, s)], dim=1)
     suffix_mask, _ = attention_mask(suffix_keys, s, w, ids.device)
 
-    project, finish = _compiled_parts() if compiled else (_project, _finish)
+    project, finish = compiled_layer_parts() if compiled else (layer_project, layer_finish)
 
     def heads(y: Tensor, batch: int, length: int) -> Tensor:  # [B*L, n, D] -> [B, n, L, D]
         return y.view(batch, length, *y.shape[1:]).transpose(1, 2)
@@ -138,30 +144,3 @@ def _hidden(
     x = model.model.norm(x)
     hidden = x.shape[-1]  # explicit: with one-token responses (s = 0) -1 would be ambiguous
     return x[:split].view(p, w, hidden), x[split:].view(n, s, hidden)
-
-
-# A layer's position-wise parts, as plain functions of the layer (not methods) so that one
-# torch.compile'd version serves every layer.
-
-
-def _project(layer: DecoderLayer, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """Input norm, then rotated queries [T, heads, D], keys and values [T, kv_heads, D]."""
-    return layer.self_attn.project(layer.input_layernorm(x), cos, sin)
-
-
-def _finish(layer: DecoderLayer, x: Tensor, out: Tensor) -> Tensor:
-    """Output projection of attention's ``out`` [T, heads * D], residual, MLP, residual."""
-    x = x + layer.self_attn.o_proj(out)
-    return x + layer.mlp(layer.post_attention_layernorm(x))
-
-
-_COMPILED: list[Any] = []
-
-
-def _compiled_parts() -> tuple[Callable[..., Any], Callable[..., Any]]:
-    if not _COMPILED:
-        # Dynamo reads the .grad of every tensor it traces, and the residual stream between
-        # layers is not a leaf: torch warns of that access at each compile, needlessly.
-        warnings.filterwarnings("ignore", "The .grad attribute of a Tensor that is not a leaf", UserWarning)
-        _COMPILED.extend(torch.compile(f) for f in (_project, _finish))
-    return _COMPILED[0], _COMPILED[1]

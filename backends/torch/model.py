@@ -6,6 +6,8 @@ SwiGLU MLP -> residual, a final RMSNorm and an (optionally tied) output projecti
 """
 
 import math
+import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -230,6 +232,40 @@ class DecoderLayer(nn.Module):
     ) -> Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, is_causal, cache, start)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+
+# A layer's position-wise parts around attention, as plain functions of the layer (not methods)
+# so that one torch.compile'd version serves every layer (dynamo lifts a layer's parameters to
+# inputs). The trainer's prompt-sharing pass and the CUDA sampler's prefill use them.
+
+
+def layer_project(layer: DecoderLayer, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Input norm, then rotated queries [..., T, heads, D], keys and values [..., T, kv_heads, D]."""
+    return layer.self_attn.project(layer.input_layernorm(x), cos, sin)
+
+
+def layer_finish(layer: DecoderLayer, x: Tensor, out: Tensor) -> Tensor:
+    """Output projection of attention's ``out`` [..., T, heads * D], residual, MLP, residual."""
+    x = x + layer.self_attn.o_proj(out)
+    return x + layer.mlp(layer.post_attention_layernorm(x))
+
+
+_COMPILED_PARTS: list[Any] = []
+# Inductor options of the compiled parts.
+COMPILE_OPTIONS: dict[str, Any] = {}
+
+
+def compiled_layer_parts() -> tuple[Callable[..., Any], Callable[..., Any]]:
+    """`layer_project` and `layer_finish` through torch.compile (inductor), for any number of
+    tokens (dynamo's automatic dynamic shapes), with and without gradients."""
+    if not _COMPILED_PARTS:
+        # Dynamo reads the .grad of every tensor it traces, and the residual stream between
+        # layers is not a leaf: torch warns of that access at each compile, needlessly.
+        warnings.filterwarnings("ignore", "The .grad attribute of a Tensor that is not a leaf", UserWarning)
+        _COMPILED_PARTS.extend(
+            torch.compile(f, options=COMPILE_OPTIONS) for f in (layer_project, layer_finish)
+        )
+    return _COMPILED_PARTS[0], _COMPILED_PARTS[1]
 
 
 class Backbone(nn.Module):
