@@ -11,10 +11,11 @@ computed with the query heads of one KV head laid out as that KV head's query "s
 (non-causal), so each row's keys and values are read once per step rather than once per query
 head.
 
-Sampling. The graph also samples: with exponential noise E (drawn from the caller's generator
-before each replay, outside the graph), ``argmax(softmax(logits / T) / E)``, computed as
-``argmax(logits / T - log E)``, is a draw from softmax(logits / T), and with E = 1 it is the
-greedy choice. Logprobs are those of the sampled token under log_softmax(logits / T),
+Sampling. The graph also samples: with exponential noise E, ``argmax(softmax(logits / T) /
+E)``, computed as ``argmax(logits / T - log E)``, is a draw from softmax(logits / T), and with
+E = 1 it is the greedy choice. On CUDA the noise is made inside one Triton pass over the logits
+(`race.race_draw`) from a seed drawn from the caller's generator before each replay; elsewhere
+a noise tensor is drawn from it. Logprobs are those of the sampled token under log_softmax(logits / T),
 temperature 1 for greedy, before any top-p truncation. With ``top_p < 1`` a second graph
 stops at the logits and the caller draws from them eagerly.
 
@@ -46,6 +47,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from backends.torch import race
 from backends.torch.kv_pool import KVPool, make_pool
 from backends.torch.model import Decoder, DecoderLayer, compiled_layer_parts, layer_finish, layer_project
 from backends.torch.sampling import check_arguments, completions, draw
@@ -94,8 +96,9 @@ class _Packed(NamedTuple):
 
 class _Step:
     """Static buffers of one decode step over ``rows`` rows, and its captured graph. A step
-    that ``draws`` samples in the graph (from ``noise``); one that does not leaves logits / T
-    in ``logits`` for the caller to draw from."""
+    that ``draws`` samples in the graph (on CUDA with `race_draw`, from ``seed``, as ``noisy``
+    says; elsewhere from ``noise``); one that does not leaves logits / T in ``logits`` for the
+    caller to draw from."""
 
     def __init__(
         self, rows: int, draws: bool, vocab: int, length: int, group: int, device: torch.device
@@ -105,12 +108,14 @@ class _Step:
         self.token = torch.zeros(rows, dtype=torch.long, device=device)
         self.position = torch.zeros(rows, dtype=torch.long, device=device)
         shape = (rows, vocab)
-        self.noise = torch.ones(shape if draws else (), dtype=torch.float32, device=device)
+        self.race = draws and race.available(device)
+        self.noise = torch.ones(shape if draws and not self.race else (), dtype=torch.float32, device=device)
+        self.seed = torch.zeros((), dtype=torch.long, device=device)
+        self.noisy = torch.ones((), dtype=torch.float32, device=device)
         self.logits = torch.empty(() if draws else shape, dtype=torch.float32, device=device)
         self.inv_temperature = torch.ones((), dtype=torch.float32, device=device)
         self.logprob = torch.empty(rows, dtype=torch.float32, device=device)
         self.graph: torch.cuda.CUDAGraph | None = None
-        self.sampled = False
         self.row_base = torch.arange(rows, device=device) * length
         # Flash's variable-length offsets: g query "positions" and `length` keys per row.
         self.cu_q = torch.arange(0, (rows + 1) * group, group, dtype=torch.int32, device=device)
@@ -150,7 +155,7 @@ class CudaSampler:
         )
         self.check_every = check_every
         self.compiled = self.graphs if compiled is None else compiled
-        parts = (_before_attention, _after_attention, _draw, _scaled_logits)
+        parts = (_before_attention, _after_attention, _draw, _scaled_logits, _head)
         if self.compiled:
             # Fused kernels round to bf16 where the eager ops they replace do (not only at the
             # end), so the engine's logprobs stay as close to the trainer's as uncompiled. The
@@ -158,7 +163,7 @@ class CudaSampler:
             # number of rows (dynamo's automatic dynamic shapes), so buckets never exhaust its
             # recompile limit; past that limit (other dtypes, models) a part runs uncompiled.
             parts = tuple(torch.compile(f, options=DECODE_COMPILE_OPTIONS) for f in parts)
-        self._before_attention, self._after_attention, self._draw, self._scaled_logits = parts
+        self._before_attention, self._after_attention, self._draw, self._scaled_logits, self._head = parts
         c = model.config
         self.kv_heads, self.head_dim = c.num_key_value_heads, c.head_dim
         self.group = c.num_attention_heads // c.num_key_value_heads
@@ -314,6 +319,9 @@ class CudaSampler:
         step.position[:batch] = torch.tensor(lengths, device=dev)
         step.position[batch:] = 0
         step.inv_temperature.fill_(1.0 if greedy else 1.0 / temperature)
+        step.noisy.fill_(0.0 if greedy else 1.0)
+        if greedy and step.draws and not step.race:
+            step.noise.fill_(1.0)
 
         stop = torch.tensor(list(stop_token_ids), dtype=torch.long, device=dev)
         tokens = torch.empty(rows, max_new_tokens, dtype=torch.long, device=dev)
@@ -339,10 +347,10 @@ class CudaSampler:
             if token is not step.token:
                 step.token.copy_(token)
             if step.draws and not greedy:
-                step.noise.exponential_(generator=generator)
-            elif greedy and step.sampled:
-                step.noise.fill_(1.0)
-            step.sampled = not greedy
+                if step.race:
+                    step.seed.random_(generator=generator)
+                else:
+                    step.noise.exponential_(generator=generator)
             self._replay(step)
             step.position += 1
             if step.draws:
@@ -464,7 +472,10 @@ class CudaSampler:
             out = self._attend(q, keys, values, used, step)
             x = self._after_attention(layer, packed, x, out)
         if step.draws:
-            token, logprob = self._draw(m, x, step.inv_temperature, step.noise)
+            if step.race:
+                token, logprob = race.race_draw(self._head(m, x), step.inv_temperature, step.seed, step.noisy)
+            else:
+                token, logprob = self._draw(m, x, step.inv_temperature, step.noise)
             step.token.copy_(token)
             step.logprob.copy_(logprob)
         else:
@@ -535,6 +546,11 @@ def _draw(model: Decoder, x: Tensor, inv_temperature: Tensor, noise: Tensor) -> 
     token = (scaled - noise.log()).argmax(dim=-1)
     picked = scaled.gather(-1, token.unsqueeze(-1)).squeeze(-1)
     return token, picked - torch.logsumexp(scaled, dim=-1)
+
+
+def _head(model: Decoder, x: Tensor) -> Tensor:
+    """Final norm and logits, in the model's dtype."""
+    return model.lm_head(model.model.norm(x))
 
 
 def _scaled_logits(model: Decoder, x: Tensor, inv_temperature: Tensor, out: Tensor) -> None:

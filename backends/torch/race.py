@@ -1,0 +1,103 @@
+"""The CUDA sampler's in-graph draw as one pass over the logits (a Triton kernel).
+
+A draw from softmax(logits / T) is the winner of an exponential race, argmax(logits / T -
+log E) with E ~ Exp(1) per vocabulary entry. Here each entry's E comes from Philox counters
+inside the kernel (`tl.rand`, seeded from a device scalar the caller refreshes from its
+generator before each step), so no noise tensor (rows x vocab floats) is written or read, and
+the same pass keeps the running max and sum of exp for the logsumexp: logits are read once.
+
+Each program reduces one block of one row to partials (max, sum of exp, best score, its index
+and logit); a few small ops combine a row's blocks. E = -log(1 - u) is computed from u's
+series where u is small, since the race's winners have small E and 1 - u in float32 would
+round them to a 2^-24 grid. With ``noisy`` 0 the race is the greedy argmax.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the sampler draws with torch ops there
+    triton = None
+
+BLOCK = 4096
+
+
+def available(device: torch.device) -> bool:
+    return triton is not None and device.type == "cuda"
+
+
+if triton is not None:
+
+    @triton.jit
+    def _partials(
+        logits,
+        seed_ptr,
+        inv_t_ptr,
+        noisy_ptr,
+        out_max,
+        out_sum,
+        out_score,
+        out_index,
+        out_logit,
+        vocab,
+        blocks,
+        BLOCK: tl.constexpr,
+    ):
+        row = tl.program_id(0)
+        block = tl.program_id(1)
+        cols = block * BLOCK + tl.arange(0, BLOCK)
+        valid = cols < vocab
+        x = tl.load(logits + row.to(tl.int64) * vocab + cols, mask=valid, other=float("-inf"))
+        x = x.to(tl.float32) * tl.load(inv_t_ptr)
+        top = tl.max(x, axis=0)
+        total = tl.sum(tl.exp(x - top), axis=0)
+        u = tl.rand(tl.load(seed_ptr), row * vocab + cols)
+        e = tl.where(u < 1e-3, u * (1.0 + u * (0.5 + u / 3.0)), -tl.log(1.0 - u))
+        score = tl.where(valid, x - tl.load(noisy_ptr) * tl.log(e), float("-inf"))
+        best = tl.max(score, axis=0)
+        index = tl.argmax(score, axis=0)
+        picked = tl.max(tl.where(tl.arange(0, BLOCK) == index, x, float("-inf")), axis=0)
+        out = row * blocks + block
+        tl.store(out_max + out, top)
+        tl.store(out_sum + out, total)
+        tl.store(out_score + out, best)
+        tl.store(out_index + out, block * BLOCK + index)
+        tl.store(out_logit + out, picked)
+
+
+def race_draw(logits: Tensor, inv_temperature: Tensor, seed: Tensor, noisy: Tensor) -> tuple[Tensor, Tensor]:
+    """(token [rows] int64, its logprob under log_softmax(logits * inv_temperature) [rows]
+    float32) from logits [rows, vocab] (contiguous, any float dtype). ``seed``: int64 device
+    scalar; ``noisy``: float32 device scalar, 1 to sample, 0 for the argmax. Capturable in a
+    CUDA graph (every input is read from device memory)."""
+    rows, vocab = logits.shape
+    blocks = triton.cdiv(vocab, BLOCK)
+    shape = (rows, blocks)
+    top, total, score, logit = (
+        torch.empty(shape, dtype=torch.float32, device=logits.device) for _ in range(4)
+    )
+    index = torch.empty(shape, dtype=torch.int32, device=logits.device)
+    _partials[(rows, blocks)](
+        logits,
+        seed,
+        inv_temperature,
+        noisy,
+        top,
+        total,
+        score,
+        index,
+        logit,
+        vocab,
+        blocks,
+        BLOCK=BLOCK,
+        num_warps=8,
+    )
+    row_top = top.amax(dim=1, keepdim=True)
+    lse = row_top.squeeze(1) + (total * (top - row_top).exp()).sum(dim=1).log()
+    winner = score.argmax(dim=1, keepdim=True)
+    token = index.gather(1, winner).squeeze(1).long()
+    return token, logit.gather(1, winner).squeeze(1) - lse
