@@ -53,8 +53,10 @@ from backends.torch.model import Decoder, DecoderLayer, compiled_layer_parts, la
 from backends.torch.sampling import check_arguments, completions, draw
 from pipeline.messages import Completion
 
-# Inductor options of the compiled decode parts (see `CudaSampler.__init__`).
-DECODE_COMPILE_OPTIONS = {"emulate_precision_casts": True}
+# Inductor options of the compiled decode parts. Inductor's default (fused kernels keep float32
+# intermediates where eager ops would round to bf16) was measured closest to the compiled
+# trainer's logprobs on the H200 (bench/results-h200.json, session_2026-11-29e).
+DECODE_COMPILE_OPTIONS: dict[str, object] = {}
 _BUCKETS = (8, 16, 32, 64, 128, 256, 512, 1024, 2048)
 # Tokens of the prefill forward at once (bounds prefill activation memory).
 _PREFILL_TOKENS = 32768
@@ -157,11 +159,9 @@ class CudaSampler:
         self.compiled = self.graphs if compiled is None else compiled
         parts = (_before_attention, _after_attention, _draw, _scaled_logits, _head)
         if self.compiled:
-            # Fused kernels round to bf16 where the eager ops they replace do (not only at the
-            # end), so the engine's logprobs stay as close to the trainer's as uncompiled. The
-            # first batch-size bucket gets kernels for its shapes, a second one kernels for any
-            # number of rows (dynamo's automatic dynamic shapes), so buckets never exhaust its
-            # recompile limit; past that limit (other dtypes, models) a part runs uncompiled.
+            # The first batch-size bucket gets kernels for its shapes, a second one kernels for
+            # any number of rows (dynamo's automatic dynamic shapes), so buckets never exhaust
+            # its recompile limit; past that limit (other dtypes, models) a part runs uncompiled.
             parts = tuple(torch.compile(f, options=DECODE_COMPILE_OPTIONS) for f in parts)
         self._before_attention, self._after_attention, self._draw, self._scaled_logits, self._head = parts
         c = model.config
