@@ -128,7 +128,9 @@ class TorchTrainer:
         """Minibatches (one per optimizer update) of micro-batches, split between groups.
 
         Groups are shuffled with the trainer's generator and never split, so each micro-batch
-        computes each of its prompts once.
+        computes each of its prompts once. Within a minibatch, whose micro-batches' gradients
+        are summed into one update, groups go to micro-batches in order of their longest
+        response (length bucketing), so short responses are not padded to long ones.
         """
         groups: dict[str, list[int]] = {}
         for i, sample in enumerate(samples):
@@ -138,7 +140,8 @@ class TorchTrainer:
         minibatches = []
         for part in torch.tensor(order).tensor_split(min(self.updates_per_step, len(members))):
             chunks, current = [], []
-            for g in part.tolist():
+            longest = {g: max(len(samples[i].tokens) for i in members[g]) for g in part.tolist()}
+            for g in sorted(longest, key=longest.__getitem__):
                 if current and len(current) + len(members[g]) > self.micro_batch_samples:
                     chunks.append(current)
                     current = []

@@ -195,3 +195,31 @@ def test_parking_on_a_gpu_frees_its_memory_and_leaves_training_unchanged() -> No
     assert restored - before >= 0.99 * parked.parking.bytes
     seconds = got["timing/optimizer_offload_s"]
     print(f"parked {parked.parking.bytes / 1e9:.2f} GB in {seconds:.3f} s")
+
+
+def test_micro_batches_bucket_groups_by_response_length() -> None:
+    """One update's micro-batches take groups in order of their longest response, so a
+    micro-batch pads short responses only to similar lengths."""
+    torch.manual_seed(0)
+    trainer = _trainer(Decoder(ModelConfig(vocab_size=23, hidden_size=32, intermediate_size=64)))
+    trainer.micro_batch_samples = 4
+    samples = [
+        Sample(
+            prompt_id=f"p{g}",
+            group_id=f"g{g}",
+            sample_index=i,
+            target_step=0,
+            gen_version=(0, 0),
+            prompt_tokens=(2, 3),
+            tokens=(5,) * (length - i),
+            logprobs=(-2.0,) * (length - i),
+            finish_reason="length",
+        )
+        for g, length in enumerate([9, 2, 7, 3, 8, 1])
+        for i in range(2 if length > 1 else 1)
+    ]
+    (minibatch,) = trainer._chunks(samples, [0.0] * len(samples))
+    assert [max(len(r) for r in chunk.responses) for chunk in minibatch] == [2, 7, 9]
+    assert sorted(len(r) for chunk in minibatch for r in chunk.responses) == sorted(
+        len(s.tokens) for s in samples
+    )
