@@ -103,7 +103,14 @@ class _Step:
     caller to draw from."""
 
     def __init__(
-        self, rows: int, draws: bool, vocab: int, length: int, group: int, device: torch.device
+        self,
+        rows: int,
+        draws: bool,
+        vocab: int,
+        length: int,
+        group: int,
+        pool_rows: int,
+        device: torch.device,
     ) -> None:
         self.rows = rows
         self.draws = draws
@@ -118,7 +125,9 @@ class _Step:
         self.inv_temperature = torch.ones((), dtype=torch.float32, device=device)
         self.logprob = torch.empty(rows, dtype=torch.float32, device=device)
         self.graph: torch.cuda.CUDAGraph | None = None
-        self.row_base = torch.arange(rows, device=device) * length
+        # Where each row's keys, then its values, start in a layer's `CudaSampler._kv`.
+        row_base = torch.arange(rows, device=device) * length
+        self.kv_base = torch.cat((row_base, row_base + pool_rows * length))
         # Flash's variable-length offsets: g query "positions" and `length` keys per row.
         self.cu_q = torch.arange(0, (rows + 1) * group, group, dtype=torch.int32, device=device)
         self.cu_k = torch.arange(0, (rows + 1) * length, length, dtype=torch.int32, device=device)
@@ -157,13 +166,20 @@ class CudaSampler:
         )
         self.check_every = check_every
         self.compiled = self.graphs if compiled is None else compiled
-        parts = (_before_attention, _after_attention, _draw, _scaled_logits, _head)
+        parts = (_prologue, _before_attention, _after_attention, _draw, _scaled_logits, _head)
         if self.compiled:
             # The first batch-size bucket gets kernels for its shapes, a second one kernels for
             # any number of rows (dynamo's automatic dynamic shapes), so buckets never exhaust
             # its recompile limit; past that limit (other dtypes, models) a part runs uncompiled.
             parts = tuple(torch.compile(f, options=DECODE_COMPILE_OPTIONS) for f in parts)
-        self._before_attention, self._after_attention, self._draw, self._scaled_logits, self._head = parts
+        (
+            self._prologue,
+            self._before_attention,
+            self._after_attention,
+            self._draw,
+            self._scaled_logits,
+            self._head,
+        ) = parts
         c = model.config
         self.kv_heads, self.head_dim = c.num_key_value_heads, c.head_dim
         self.group = c.num_attention_heads // c.num_key_value_heads
@@ -173,6 +189,7 @@ class CudaSampler:
         self.length = 0
         self._keys: list[Tensor] = []
         self._values: list[Tensor] = []
+        self._kv: list[Tensor] = []
         self._packed: list[_Packed] = []
         self._steps: dict[tuple[int, bool], _Step] = {}
         self._graph_pool = torch.cuda.graph_pool_handle() if self.graphs else None
@@ -211,7 +228,7 @@ class CudaSampler:
             return
         rows, length = max(rows, self.rows), max(length, self.length)
         self._steps.clear()
-        self._keys, self._values, self._packed = [], [], []
+        self._keys, self._values, self._kv, self._packed = [], [], [], []
         per = rows * length * self.kv_heads * self.head_dim
         layers = self.model.config.num_hidden_layers
         elements = self._packed_elements() + 2 * layers * per
@@ -269,6 +286,9 @@ class CudaSampler:
         kv = flat[offset:]
         self._keys = [kv[(2 * i) * per : (2 * i + 1) * per].view(shape) for i in range(layers)]
         self._values = [kv[(2 * i + 1) * per : (2 * i + 2) * per].view(shape) for i in range(layers)]
+        # A layer's keys and values are adjacent: one index_copy_ writes both (`_decode`).
+        tokens = 2 * self.rows * self.length
+        self._kv = [kv[(2 * i) * per : (2 * i + 2) * per].view(tokens, *shape[2:]) for i in range(layers)]
 
     def _pack(self) -> None:
         """Copy the model's current weights into the packed ones: the trainer may have changed
@@ -420,7 +440,7 @@ class CudaSampler:
     def _step(self, rows: int, *, draws: bool) -> _Step:
         step = self._steps.get((rows, draws))
         if step is None:
-            step = _Step(rows, draws, self.vocab, self.length, self.group, self.device)
+            step = _Step(rows, draws, self.vocab, self.length, self.group, self.rows, self.device)
             self._steps[rows, draws] = step
         return step
 
@@ -457,19 +477,12 @@ class CudaSampler:
         each row's position, and leaves the sampled token and its logprob in
         ``step.token``/``step.logprob`` (a step that draws) or logits / T in ``step.logits``."""
         m = self.model
-        position = step.position
-        cos, sin = m.rotary(position)  # [rows, 1, D]
-        write = step.row_base + position
-        used = (position + 1).to(torch.int32)
-        x = m.embed(step.token, position)
+        x, cos, sin, write, used = self._prologue(m, step.token, step.position, step.kv_base)
         rows, kvh, d = step.rows, self.kv_heads, self.head_dim
         for i, (layer, packed) in enumerate(zip(m.model.layers, self._packed, strict=True)):
-            q, k, v = self._before_attention(layer, packed, x, cos, sin)
-            keys = self._keys[i][:rows]
-            values = self._values[i][:rows]
-            keys.view(rows * self.length, kvh, d).index_copy_(0, write, k)
-            values.view(rows * self.length, kvh, d).index_copy_(0, write, v)
-            out = self._attend(q, keys, values, used, step)
+            q, kv = self._before_attention(layer, packed, x, cos, sin)
+            self._kv[i].index_copy_(0, write, kv.view(2 * rows, kvh, d))
+            out = self._attend(q, self._keys[i][:rows], self._values[i][:rows], used, step)
             x = self._after_attention(layer, packed, x, out)
         if step.draws:
             if step.race:
@@ -520,15 +533,27 @@ def _aligned(elements: int) -> int:
 # parameters to inputs instead of recompiling per layer.
 
 
+def _prologue(
+    model: Decoder, token: Tensor, position: Tensor, kv_base: Tensor
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """A step's inputs to every layer: embeddings, rotary cos/sin [rows, 1, D], where each row's
+    new key and value go in a layer's flat keys-then-values (``kv_base`` + position, keys
+    then values), and how many keys each row attends over (int32)."""
+    cos, sin = model.rotary(position)
+    write = kv_base + torch.cat((position, position))
+    return model.embed(token, position), cos, sin, write, (position + 1).to(torch.int32)
+
+
 def _before_attention(
     layer: DecoderLayer, packed: _Packed, x: Tensor, cos: Tensor, sin: Tensor
-) -> tuple[Tensor, Tensor, Tensor]:
+) -> tuple[Tensor, Tensor]:
     """Input norm, projections, rotation: queries [rows, heads, D] (in the packed weights'
-    head order), keys and values [rows, kv_heads, D]."""
+    head order), and keys and values stacked [2, rows, kv_heads, D]."""
     attn = layer.self_attn
     qkv = F.linear(layer.input_layernorm(x), packed.qkv_weight, packed.qkv_bias)
     kv_size = attn.kv_heads * attn.head_dim
-    return attn.rotated(*qkv.split((attn.heads * attn.head_dim, kv_size, kv_size), dim=-1), cos, sin)
+    q, k, v = attn.rotated(*qkv.split((attn.heads * attn.head_dim, kv_size, kv_size), dim=-1), cos, sin)
+    return q, torch.stack((k, v))
 
 
 def _after_attention(layer: DecoderLayer, packed: _Packed, x: Tensor, out: Tensor) -> Tensor:
