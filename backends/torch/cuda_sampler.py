@@ -50,7 +50,7 @@ from torch import Tensor
 from backends.torch import race
 from backends.torch.kv_pool import KVPool, make_pool
 from backends.torch.model import Decoder, DecoderLayer, compiled_layer_parts, layer_finish, layer_project
-from backends.torch.sampling import check_arguments, completions, draw
+from backends.torch.sampling import check_arguments, completions, completions_of_rows, draw
 from pipeline.messages import Completion
 
 # Inductor options of the compiled decode parts. Inductor's default (fused kernels keep float32
@@ -350,18 +350,27 @@ class CudaSampler:
         done = torch.zeros(rows, dtype=torch.bool, device=dev)
         done[batch:] = True
 
-        # The first token comes from the prefill's hidden states, eagerly.
-        token, logprob = draw(self._logits(hidden), temperature, top_p, generator)
+        # The first token comes from the prefill's hidden states, outside the graphs.
+        if step.race:
+            step.seed.random_(generator=generator)
+            token, logprob = race.race_draw(
+                self.model.lm_head(hidden), step.inv_temperature, step.seed, step.noisy
+            )
+        else:
+            token, logprob = draw(self._logits(hidden), temperature, top_p, generator)
         count = 0
+        early: _HostColumns | None = None
         while True:
             tokens[:, count] = token
             logprobs[:, count] = logprob
-            generated += ~done
-            if stop.numel():
+            if stop.numel():  # without stop tokens every row generates `count`
+                generated += ~done
                 done |= torch.isin(token, stop)
             count += 1
             if count == max_new_tokens:
                 break
+            if count == max_new_tokens - _HOST_TAIL and self.device.type == "cuda":
+                early = _HostColumns(tokens[:batch, :count], logprobs[:batch, :count])
             if stop.numel() and count % self.check_every == 0 and bool(done.all()):
                 break
             if token is not step.token:
@@ -380,8 +389,23 @@ class CudaSampler:
                 # step.logits holds logits / temperature.
                 token, logprob = draw(step.logits, 1.0, top_p, generator)
 
-        return completions(
-            generated[:batch], tokens[:batch, :count], logprobs[:batch, :count], stop_token_ids
+        if not stop.numel():
+            generated.fill_(count)
+        if early is None:
+            return completions(
+                generated[:batch], tokens[:batch, :count], logprobs[:batch, :count], stop_token_ids
+            )
+        # The early columns were copied while the last steps ran; they become lists while the
+        # GPU decodes the tail (about a quarter second), then only the tail is converted.
+        head_tokens, head_logprobs = early.lists()
+        start = early.columns
+        tail_tokens = tokens[:batch, start:count].tolist()
+        tail_logprobs = logprobs[:batch, start:count].tolist()
+        return completions_of_rows(
+            generated[:batch].tolist(),
+            [a + b for a, b in zip(head_tokens, tail_tokens, strict=True)],
+            [a + b for a, b in zip(head_logprobs, tail_logprobs, strict=True)],
+            stop_token_ids,
         )
 
     def _logits(self, hidden: Tensor) -> Tensor:
@@ -521,6 +545,28 @@ class CudaSampler:
             values.transpose(1, 2),
             attn_mask=mask[:, None, None, :],
         )
+
+
+# Decode steps left when the tokens so far start their copy to the host (`_HostColumns`).
+_HOST_TAIL = 64
+
+
+class _HostColumns:
+    """The first columns of a call's tokens and logprobs, copied to pinned host memory without
+    waiting, so that turning them into Python lists overlaps the GPU's last decode steps."""
+
+    def __init__(self, tokens: Tensor, logprobs: Tensor) -> None:
+        self.columns = tokens.shape[1]
+        self.tokens = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+        self.logprobs = torch.empty(logprobs.shape, dtype=logprobs.dtype, pin_memory=True)
+        self.tokens.copy_(tokens, non_blocking=True)
+        self.logprobs.copy_(logprobs, non_blocking=True)
+        self.copied = torch.cuda.Event()
+        self.copied.record()
+
+    def lists(self) -> tuple[list[list[int]], list[list[float]]]:
+        self.copied.synchronize()
+        return self.tokens.tolist(), self.logprobs.tolist()
 
 
 def _aligned(elements: int) -> int:

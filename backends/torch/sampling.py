@@ -81,9 +81,18 @@ def completions(
     generated: Tensor, tokens: Tensor, logprobs: Tensor, stop_token_ids: Sequence[int]
 ) -> list[Completion]:
     """One Completion per row: its first `generated[row]` tokens and their logprobs."""
+    return completions_of_rows(generated.tolist(), tokens.tolist(), logprobs.tolist(), stop_token_ids)
+
+
+def completions_of_rows(
+    generated: list[int], tokens: list[list[int]], logprobs: list[list[float]], stop_token_ids: Sequence[int]
+) -> list[Completion]:
+    """`completions` from rows already on the host."""
     stop_ids = set(stop_token_ids)
     results = []
-    for n, toks, lps in zip(generated.tolist(), tokens.tolist(), logprobs.tolist(), strict=True):
+    for n, toks, lps in zip(generated, tokens, logprobs, strict=True):
         reason: Literal["stop", "length"] = "stop" if toks[n - 1] in stop_ids else "length"
-        results.append(Completion(tokens=tuple(toks[:n]), logprobs=tuple(lps[:n]), finish_reason=reason))
+        if n < len(toks):
+            toks, lps = toks[:n], lps[:n]
+        results.append(Completion(tokens=tuple(toks), logprobs=tuple(lps), finish_reason=reason))
     return results
