@@ -47,6 +47,8 @@ class TrainSection(Section):
     min_lr_ratio: Annotated[float, msgspec.Meta(ge=0, le=1)] = 0.1
     grad_clip: PositiveFloat = 1.0
     micro_batch_samples: PositiveInt = 256
+    # Also cap a micro-batch's computed tokens (prompts once, padding included); 0: no cap.
+    micro_batch_tokens: NonNegativeInt = 0
     updates_per_step: PositiveInt = 1
     clip_low: NonNegativeFloat = 0.2
     clip_high: NonNegativeFloat = 0.28

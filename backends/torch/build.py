@@ -96,6 +96,7 @@ def build_backend(
         total_steps=recipe.run.steps,
         grad_clip=train.grad_clip,
         micro_batch_samples=train.micro_batch_samples,
+        micro_batch_tokens=train.micro_batch_tokens,
         updates_per_step=train.updates_per_step,
         temperature=rollout.temperature,
         seed=seed + 2,

@@ -4,8 +4,9 @@
 recomputes the pre-step logprobs (only needed when a step makes several optimizer updates;
 with one update they equal the detached logprobs of the same forward), splits the samples into
 `updates_per_step` minibatches, accumulates gradients over micro-batches of at most
-`micro_batch_samples`, and steps the optimizer once per minibatch. A non-finite loss or gradient
-norm skips that update (counted in `train/skipped_steps`), so no NaN reaches the weights.
+`micro_batch_samples` (and `micro_batch_tokens`), and steps the optimizer once per minibatch.
+A non-finite loss or gradient norm skips that update (counted in `train/skipped_steps`), so no
+NaN reaches the weights.
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ class TorchTrainer:
         total_steps: int,
         grad_clip: float,
         micro_batch_samples: int,
+        micro_batch_tokens: int = 0,
         updates_per_step: int,
         temperature: float,
         seed: int,
@@ -71,6 +73,7 @@ class TorchTrainer:
         self.loss = loss
         self.grad_clip = grad_clip
         self.micro_batch_samples = micro_batch_samples
+        self.micro_batch_tokens = micro_batch_tokens
         self.updates_per_step = updates_per_step
         # Greedy generation reports temperature-1 logprobs, so recompute at 1 then as well.
         self.temperature = temperature if temperature > 0 else 1.0
@@ -130,7 +133,10 @@ class TorchTrainer:
         Groups are shuffled with the trainer's generator and never split, so each micro-batch
         computes each of its prompts once. Within a minibatch, whose micro-batches' gradients
         are summed into one update, groups go to micro-batches in order of their longest
-        response (length bucketing), so short responses are not padded to long ones.
+        response (length bucketing), so short responses are not padded to long ones. A
+        micro-batch holds at most `micro_batch_samples` samples and, when
+        `micro_batch_tokens` is set, at most that many computed tokens (padding included); a
+        group over the token budget alone still makes a micro-batch of its own.
         """
         groups: dict[str, list[int]] = {}
         for i, sample in enumerate(samples):
@@ -139,13 +145,20 @@ class TorchTrainer:
         order = torch.randperm(len(members), generator=self.generator).tolist()
         minibatches = []
         for part in torch.tensor(order).tensor_split(min(self.updates_per_step, len(members))):
-            chunks, current = [], []
+            chunks, current, prompts, width = [], [], 0, 0
             longest = {g: max(len(samples[i].tokens) for i in members[g]) for g in part.tolist()}
             for g in sorted(longest, key=longest.__getitem__):
-                if current and len(current) + len(members[g]) > self.micro_batch_samples:
+                rows = len(current) + len(members[g])
+                prompt = len(samples[members[g][0]].prompt_tokens)
+                # Tokens the pass computes: each prompt once, padded to the widest, and every
+                # response padded to the longest (this group's: they come in length order).
+                tokens = (prompts + 1) * max(width, prompt) + rows * longest[g]
+                over_tokens = self.micro_batch_tokens and tokens > self.micro_batch_tokens
+                if current and (rows > self.micro_batch_samples or over_tokens):
                     chunks.append(current)
-                    current = []
+                    current, prompts, width = [], 0, 0
                 current = current + members[g]
+                prompts, width = prompts + 1, max(width, prompt)
             chunks.append(current)
             minibatches.append(
                 [self._chunk([samples[i] for i in c], [advantages[i] for i in c]) for c in chunks]

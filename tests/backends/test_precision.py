@@ -223,3 +223,29 @@ def test_micro_batches_bucket_groups_by_response_length() -> None:
     assert sorted(len(r) for chunk in minibatch for r in chunk.responses) == sorted(
         len(s.tokens) for s in samples
     )
+
+
+def test_micro_batches_keep_to_a_token_budget() -> None:
+    """With `micro_batch_tokens`, a micro-batch closes before its prompts (once each) and
+    padded responses would pass the budget; a group over it alone still gets one."""
+    torch.manual_seed(0)
+    trainer = _trainer(Decoder(ModelConfig(vocab_size=23, hidden_size=32, intermediate_size=64)))
+    trainer.micro_batch_tokens = 30
+    samples = [
+        Sample(
+            prompt_id=f"p{g}",
+            group_id=f"g{g}",
+            sample_index=i,
+            target_step=0,
+            gen_version=(0, 0),
+            prompt_tokens=(2,) * 3,
+            tokens=(5,) * length,
+            logprobs=(-2.0,) * length,
+            finish_reason="length",
+        )
+        for g, length in enumerate([2, 4, 5, 20])
+        for i in range(2)
+    ]
+    (minibatch,) = trainer._chunks(samples, [0.0] * len(samples))
+    # lengths 2, 4: 2 x 3 + 4 x 4 = 22; adding 5s: 3 x 3 + 6 x 5 = 39 > 30; 5 then 20 alone.
+    assert [sorted({len(r) for r in chunk.responses}) for chunk in minibatch] == [[2, 4], [5], [20]]
