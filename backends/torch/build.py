@@ -57,7 +57,8 @@ def build_backend(
     if section.uses_cuda_sampler:
         from backends.torch.cuda_sampler import CudaSampler
 
-        sampler = CudaSampler(engine_model, graphs=section.cuda_graphs)
+        # Engine kernels round as the trainer's do (compiled or eager): closer logprobs.
+        sampler = CudaSampler(engine_model, graphs=section.cuda_graphs, eager_rounding=not train.compile)
     else:
         sampler = Sampler(engine_model)
     # Colocated, engine and trainer never run at once: one thread (one OpenMP team) for both.

@@ -53,10 +53,6 @@ from backends.torch.model import Decoder, DecoderLayer, compiled_layer_parts, la
 from backends.torch.sampling import check_arguments, completions, completions_of_rows, draw
 from pipeline.messages import Completion
 
-# Inductor options of the compiled decode parts. Inductor's default (fused kernels keep float32
-# intermediates where eager ops would round to bf16) was measured closest to the compiled
-# trainer's logprobs on the H200 (bench/results-h200.json, session_2026-11-29e).
-DECODE_COMPILE_OPTIONS: dict[str, object] = {}
 _BUCKETS = (8, 16, 32, 64, 128, 256, 512, 1024, 2048)
 # Tokens of the prefill forward at once (bounds prefill activation memory).
 _PREFILL_TOKENS = 32768
@@ -140,8 +136,15 @@ class CudaSampler:
     for decode (CUDA only; otherwise SDPA with a key mask). ``compiled`` (default: when
     capturing graphs): the parts of a step between attention calls run as torch.compile'd
     (inductor) kernels, which fuse the norms, rotations, residual adds, SwiGLU and sampling
-    into few launches. The pool grows to the largest bucketed batch and length seen; growing
-    it drops and re-captures the graphs.
+    into few launches, and so do the prefill's layers. The pool grows to the largest bucketed
+    batch and length seen; growing it drops and re-captures the graphs.
+
+    Rounding. Compiled kernels keep float32 intermediates where eager ops round to bf16; the
+    engine's logprobs agree best with a trainer that rounds the same way. By default the
+    engine rounds as compiled kernels do (`train.compile`'s trainer); ``eager_rounding``
+    rounds as eager ops do, for a trainer without it: decode parts emulate eager's casts
+    (`emulate_precision_casts`) and the prefill runs its layers uncompiled. Measured on the
+    H200 in `bench/results-h200.json`, session_2026-11-29e.
     """
 
     def __init__(
@@ -151,6 +154,7 @@ class CudaSampler:
         graphs: bool = True,
         flash: bool = True,
         compiled: bool | None = None,
+        eager_rounding: bool = False,
         pool: KVPool | None = None,
         check_every: int = 32,
     ) -> None:
@@ -166,12 +170,14 @@ class CudaSampler:
         )
         self.check_every = check_every
         self.compiled = self.graphs if compiled is None else compiled
+        self.eager_rounding = eager_rounding
         parts = (_prologue, _before_attention, _after_attention, _draw, _scaled_logits, _head)
         if self.compiled:
             # The first batch-size bucket gets kernels for its shapes, a second one kernels for
             # any number of rows (dynamo's automatic dynamic shapes), so buckets never exhaust
             # its recompile limit; past that limit (other dtypes, models) a part runs uncompiled.
-            parts = tuple(torch.compile(f, options=DECODE_COMPILE_OPTIONS) for f in parts)
+            options = {"emulate_precision_casts": True} if eager_rounding else {}
+            parts = tuple(torch.compile(f, options=options) for f in parts)
         (
             self._prologue,
             self._before_attention,
@@ -444,7 +450,8 @@ class CudaSampler:
         positions = torch.arange(t, device=ids.device)
         cos, sin = m.rotary(positions)  # [T, 1, D]
         x = m.embed(ids, positions)
-        project, finish = compiled_layer_parts() if self.compiled else (layer_project, layer_finish)
+        compiled = self.compiled and not self.eager_rounding
+        project, finish = compiled_layer_parts() if compiled else (layer_project, layer_finish)
         for i, layer in enumerate(m.model.layers):
             q, k, v = project(layer, x, cos, sin)  # [U, T, heads or kv_heads, D]
             self._keys[i][dest, :t] = k[src]

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 
 # Float32 logits materialised at once per chunk (512 MiB).
 _CHUNK_ELEMENTS = 1 << 27
@@ -89,6 +90,7 @@ class _PickedLogprobs(torch.autograd.Function):
         return picked - lse
 
     @staticmethod
+    @once_differentiable  # the kept factor has no graph of its own: no double backward
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor | None, None, None, None]:
         if not ctx.saved_tensors:
             raise RuntimeError("picked_logprobs ran without gradients enabled: it kept nothing for backward")

@@ -39,6 +39,10 @@ if triton is not None:
         top = tl.max(x, axis=0)
         # A slice past the vocabulary's end holds only -inf: its sum is 0, not exp(-inf + inf).
         total = tl.sum(tl.where(valid, tl.exp(x - top), 0.0), axis=0)
+        # u is k / 2^32 for a random 32-bit k, so it can be 0: moved to the middle of its step
+        # ((k + 1/2) / 2^32, kept below 1 in float32), E is never 0 or infinite and the score
+        # never infinite or NaN (greedy multiplies log E by 0).
+        u = tl.minimum(u + 1.1641532182693481e-10, 0.99999994)
         # E = -log(1 - u), from its series where u is small (1 - u would round there).
         e = tl.where(u < 1e-3, u * (1.0 + u * (0.5 + u / 3.0)), -tl.log(1.0 - u))
         score = tl.where(valid, x - noisy * tl.log(e), float("-inf"))
@@ -111,6 +115,8 @@ def race_draw(logits: Tensor, inv_temperature: Tensor, seed: Tensor, noisy: Tens
     scalar; ``noisy``: float32 device scalar, 1 to sample, 0 for the argmax. Capturable in a
     CUDA graph (every input is read from device memory)."""
     rows, vocab = logits.shape
+    if logits.stride() != (vocab, 1):
+        raise ValueError(f"race_draw needs contiguous logits, got strides {logits.stride()}")
     blocks = triton.cdiv(vocab, BLOCK)
     shape = (rows, blocks)
     top, total, score, logit = (
