@@ -50,7 +50,7 @@ from torch import Tensor
 from backends.torch import race
 from backends.torch.kv_pool import KVPool, make_pool
 from backends.torch.model import Decoder, DecoderLayer, compiled_layer_parts, layer_finish, layer_project
-from backends.torch.sampling import check_arguments, completions, completions_of_rows, draw
+from backends.torch.sampling import check_arguments, completions_of_rows, draw
 from pipeline.messages import Completion
 
 _BUCKETS = (8, 16, 32, 64, 128, 256, 512, 1024, 2048)
@@ -290,11 +290,10 @@ class CudaSampler:
         shape = (self.rows, self.length, self.kv_heads, self.head_dim)
         per = math.prod(shape)
         kv = flat[offset:]
-        self._keys = [kv[(2 * i) * per : (2 * i + 1) * per].view(shape) for i in range(layers)]
-        self._values = [kv[(2 * i + 1) * per : (2 * i + 2) * per].view(shape) for i in range(layers)]
         # A layer's keys and values are adjacent: one index_copy_ writes both (`_decode`).
-        tokens = 2 * self.rows * self.length
-        self._kv = [kv[(2 * i) * per : (2 * i + 2) * per].view(tokens, *shape[2:]) for i in range(layers)]
+        self._kv = [kv[2 * i * per : (2 * i + 2) * per].view(-1, *shape[2:]) for i in range(layers)]
+        self._keys = [both[: self.rows * self.length].view(shape) for both in self._kv]
+        self._values = [both[self.rows * self.length :].view(shape) for both in self._kv]
 
     def _pack(self) -> None:
         """Copy the model's current weights into the packed ones: the trainer may have changed
@@ -397,14 +396,10 @@ class CudaSampler:
 
         if not stop.numel():
             generated.fill_(count)
-        if early is None:
-            return completions(
-                generated[:batch], tokens[:batch, :count], logprobs[:batch, :count], stop_token_ids
-            )
         # The early columns were copied while the last steps ran; they become lists while the
         # GPU decodes the tail (about a quarter second), then only the tail is converted.
-        head_tokens, head_logprobs = early.lists()
-        start = early.columns
+        head_tokens, head_logprobs = early.lists() if early else ([[]] * batch, [[]] * batch)
+        start = early.columns if early else 0
         tail_tokens = tokens[:batch, start:count].tolist()
         tail_logprobs = logprobs[:batch, start:count].tolist()
         return completions_of_rows(

@@ -41,13 +41,10 @@ def _chunk_stats_and_factor(
 ) -> tuple[Tensor, Tensor]:
     """`_chunk_stats`, and d(picked - lse)/dlogits = (onehot(target) - softmax) / temperature
     written to ``factor`` (the logits' dtype)."""
-    scaled = logits.float() / temperature
-    lse = torch.logsumexp(scaled, dim=-1)
+    lse, picked = _chunk_stats(logits, targets, temperature)
     onehot = torch.arange(logits.shape[-1], device=logits.device) == targets[:, None]
-    # In place on the fresh `scaled` where eager (CPU): one float32 chunk and a bool one-hot;
-    # compiled, the same ops fuse into one kernel.
-    picked = scaled.gather(-1, targets[:, None]).squeeze(-1)
-    probs = scaled.sub_(lse[:, None]).exp_()
+    # In place on a fresh float32 chunk where eager (CPU); compiled, the ops fuse into one kernel.
+    probs = (logits.float() / temperature).sub_(lse[:, None]).exp_()
     factor.copy_(probs.neg_().add_(onehot).div_(temperature))
     return lse, picked
 
@@ -92,8 +89,6 @@ class _PickedLogprobs(torch.autograd.Function):
     @staticmethod
     @once_differentiable  # the kept factor has no graph of its own: no double backward
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor | None, None, None, None]:
-        if not ctx.saved_tensors:
-            raise RuntimeError("picked_logprobs ran without gradients enabled: it kept nothing for backward")
         hidden, weight, factor = ctx.saved_tensors
         grad_hidden = grad_weight = None
         if ctx.needs_input_grad[0]:

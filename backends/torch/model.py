@@ -251,8 +251,6 @@ def layer_finish(layer: DecoderLayer, x: Tensor, out: Tensor) -> Tensor:
 
 
 _COMPILED_PARTS: list[Any] = []
-# Inductor options of the compiled parts.
-COMPILE_OPTIONS: dict[str, Any] = {}
 
 
 def compiled_layer_parts() -> tuple[Callable[..., Any], Callable[..., Any]]:
@@ -262,9 +260,7 @@ def compiled_layer_parts() -> tuple[Callable[..., Any], Callable[..., Any]]:
         # Dynamo reads the .grad of every tensor it traces, and the residual stream between
         # layers is not a leaf: torch warns of that access at each compile, needlessly.
         warnings.filterwarnings("ignore", "The .grad attribute of a Tensor that is not a leaf", UserWarning)
-        _COMPILED_PARTS.extend(
-            torch.compile(f, options=COMPILE_OPTIONS) for f in (layer_project, layer_finish)
-        )
+        _COMPILED_PARTS.extend(torch.compile(f) for f in (layer_project, layer_finish))
     return _COMPILED_PARTS[0], _COMPILED_PARTS[1]
 
 

@@ -47,9 +47,9 @@ if triton is not None:
         e = tl.where(u < 1e-3, u * (1.0 + u * (0.5 + u / 3.0)), -tl.log(1.0 - u))
         score = tl.where(valid, x - noisy * tl.log(e), float("-inf"))
         best = tl.max(score, axis=0)
-        index = tl.argmax(score, axis=0)
-        picked = tl.max(tl.where(tl.arange(0, x.shape[0]) == index, x, float("-inf")), axis=0)
-        return top, total, best, tl.sum(tl.where(tl.arange(0, x.shape[0]) == index, cols, 0), axis=0), picked
+        at = tl.arange(0, x.shape[0]) == tl.argmax(score, axis=0)
+        picked = tl.max(tl.where(at, x, float("-inf")), axis=0)
+        return top, total, best, tl.sum(tl.where(at, cols, 0), axis=0), picked
 
     @triton.jit
     def _merge(a, b):

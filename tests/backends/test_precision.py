@@ -41,22 +41,22 @@ def _trainer(model: Decoder, *, lr: float = 1e-6, **options: bool) -> TorchTrain
     )
 
 
+def _sample(group: int, index: int, prompt: tuple[int, ...], tokens: tuple[int, ...]) -> Sample:
+    return Sample(
+        prompt_id=f"p{group}",
+        group_id=f"g{group}",
+        sample_index=index,
+        target_step=0,
+        gen_version=(0, 0),
+        prompt_tokens=prompt,
+        tokens=tokens,
+        logprobs=(-2.0,) * len(tokens),
+        finish_reason="length",
+    )
+
+
 def _batch() -> tuple[list[Sample], list[float]]:
-    samples = [
-        Sample(
-            prompt_id=f"p{g}",
-            group_id=f"g{g}",
-            sample_index=i,
-            target_step=0,
-            gen_version=(0, 0),
-            prompt_tokens=(2, 3 + g, 4),
-            tokens=(5 + i, 6, 7 + g),
-            logprobs=(-2.0, -2.0, -2.0),
-            finish_reason="length",
-        )
-        for g in range(2)
-        for i in range(4)
-    ]
+    samples = [_sample(g, i, (2, 3 + g, 4), (5 + i, 6, 7 + g)) for g in range(2) for i in range(4)]
     return samples, [1.0, -1.0, 0.5, -0.5] * 2
 
 
@@ -204,17 +204,7 @@ def test_micro_batches_bucket_groups_by_response_length() -> None:
     trainer = _trainer(Decoder(ModelConfig(vocab_size=23, hidden_size=32, intermediate_size=64)))
     trainer.micro_batch_samples = 4
     samples = [
-        Sample(
-            prompt_id=f"p{g}",
-            group_id=f"g{g}",
-            sample_index=i,
-            target_step=0,
-            gen_version=(0, 0),
-            prompt_tokens=(2, 3),
-            tokens=(5,) * (length - i),
-            logprobs=(-2.0,) * (length - i),
-            finish_reason="length",
-        )
+        _sample(g, i, (2, 3), (5,) * (length - i))
         for g, length in enumerate([9, 2, 7, 3, 8, 1])
         for i in range(2 if length > 1 else 1)
     ]
@@ -232,19 +222,7 @@ def test_micro_batches_keep_to_a_token_budget() -> None:
     trainer = _trainer(Decoder(ModelConfig(vocab_size=23, hidden_size=32, intermediate_size=64)))
     trainer.micro_batch_tokens = 30
     samples = [
-        Sample(
-            prompt_id=f"p{g}",
-            group_id=f"g{g}",
-            sample_index=i,
-            target_step=0,
-            gen_version=(0, 0),
-            prompt_tokens=(2,) * 3,
-            tokens=(5,) * length,
-            logprobs=(-2.0,) * length,
-            finish_reason="length",
-        )
-        for g, length in enumerate([2, 4, 5, 20])
-        for i in range(2)
+        _sample(g, i, (2,) * 3, (5,) * length) for g, length in enumerate([2, 4, 5, 20]) for i in range(2)
     ]
     (minibatch,) = trainer._chunks(samples, [0.0] * len(samples))
     # lengths 2, 4: 2 x 3 + 4 x 4 = 22; adding 5s: 3 x 3 + 6 x 5 = 39 > 30; 5 then 20 alone.
