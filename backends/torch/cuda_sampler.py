@@ -290,7 +290,7 @@ class CudaSampler:
         shape = (self.rows, self.length, self.kv_heads, self.head_dim)
         per = math.prod(shape)
         kv = flat[offset:]
-        # A layer's keys and values are adjacent: one index_copy_ writes both (`_decode`).
+        # A layer's keys and values are adjacent: one index_copy_ writes both (`_before_attention`).
         self._kv = [kv[2 * i * per : (2 * i + 2) * per].view(-1, *shape[2:]) for i in range(layers)]
         self._keys = [both[: self.rows * self.length].view(shape) for both in self._kv]
         self._values = [both[self.rows * self.length :].view(shape) for both in self._kv]
@@ -504,17 +504,17 @@ class CudaSampler:
         ``step.token``/``step.logprob`` (a step that draws) or logits / T in ``step.logits``."""
         m = self.model
         x, cos, sin, write, used = self._prologue(m, step.token, step.position, step.kv_base)
-        rows, kvh, d = step.rows, self.kv_heads, self.head_dim
+        rows = step.rows
         for i, (layer, packed) in enumerate(zip(m.model.layers, self._packed, strict=True)):
-            q, kv = self._before_attention(layer, packed, x, cos, sin)
-            self._kv[i].index_copy_(0, write, kv.view(2 * rows, kvh, d))
+            q = self._before_attention(layer, packed, x, cos, sin, self._kv[i], write)
             out = self._attend(q, self._keys[i][:rows], self._values[i][:rows], used, step)
             x = self._after_attention(layer, packed, x, out)
-        if step.draws:
-            if step.race:
-                token, logprob = race.race_draw(self._head(m, x), step.inv_temperature, step.seed, step.noisy)
-            else:
-                token, logprob = self._draw(m, x, step.inv_temperature, step.noise)
+        if step.race:
+            race.race_draw(
+                self._head(m, x), step.inv_temperature, step.seed, step.noisy, out=(step.token, step.logprob)
+            )
+        elif step.draws:
+            token, logprob = self._draw(m, x, step.inv_temperature, step.noise)
             step.token.copy_(token)
             step.logprob.copy_(logprob)
         else:
@@ -593,15 +593,18 @@ def _prologue(
 
 
 def _before_attention(
-    layer: DecoderLayer, packed: _Packed, x: Tensor, cos: Tensor, sin: Tensor
-) -> tuple[Tensor, Tensor]:
-    """Input norm, projections, rotation: queries [rows, heads, D] (in the packed weights'
-    head order), and keys and values stacked [2, rows, kv_heads, D]."""
+    layer: DecoderLayer, packed: _Packed, x: Tensor, cos: Tensor, sin: Tensor, kv: Tensor, write: Tensor
+) -> Tensor:
+    """Input norm, projections, rotation: writes the rows' new keys, then values, into the
+    layer's cache ``kv`` [2 * rows * length, kv_heads, D] at ``write`` (`_prologue`; in the
+    compiled step, in the same kernel as their rotation), and returns the queries [rows,
+    heads, D] (in the packed weights' head order)."""
     attn = layer.self_attn
     qkv = F.linear(layer.input_layernorm(x), packed.qkv_weight, packed.qkv_bias)
     kv_size = attn.kv_heads * attn.head_dim
     q, k, v = attn.rotated(*qkv.split((attn.heads * attn.head_dim, kv_size, kv_size), dim=-1), cos, sin)
-    return q, torch.stack((k, v))
+    kv.index_copy_(0, write, torch.cat((k, v)))
+    return q
 
 
 def _after_attention(layer: DecoderLayer, packed: _Packed, x: Tensor, out: Tensor) -> Tensor:

@@ -3,6 +3,8 @@ follow softmax(logits / T)."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -30,7 +32,7 @@ def test_greedy_is_the_argmax_with_its_logprob() -> None:
 
 
 def test_draws_follow_the_softmax_and_seeds_repeat() -> None:
-    row = torch.tensor([0.0, 1.0, 2.0, -1.0, 0.5, 3.0, -4.0, 2.5], device="cuda")
+    row = torch.tensor([-0.3, 1.0, 2.0, -1.0, 0.5, 3.0, -4.0, 2.5], device="cuda")
     logits = row.repeat(100_000, 1)  # each row draws with its own counters
     inv_t, seed, noisy = _scalars(123, 1.0, 1.3)
     token, logprob = race_draw(logits, inv_t, seed, noisy)
@@ -43,3 +45,26 @@ def test_draws_follow_the_softmax_and_seeds_repeat() -> None:
     again, _ = race_draw(logits, inv_t, seed, noisy)
     other, _ = race_draw(logits, inv_t, torch.tensor(124, device="cuda"), noisy)
     assert torch.equal(token, again) and not torch.equal(token, other)
+
+
+def test_ties_go_to_the_lowest_column_across_lanes_and_chunks() -> None:
+    logits = torch.zeros(3, 40_000, device="cuda")  # three chunks of the kernel
+    logits[1, [7, 39_000]] = 1.0  # same lane set, different chunks
+    logits[2, [20_000, 19_999]] = 2.0  # neighbouring lanes of one chunk
+    inv_t, seed, noisy = _scalars(0, 0.0, 1.0)
+    token, _ = race_draw(logits, inv_t, seed, noisy)
+    assert token.tolist() == [0, 7, 19_999]
+
+
+def test_draws_over_a_long_vocabulary_are_uniform_across_columns() -> None:
+    # Flat logits: every column (in every chunk, lane and slice of the kernel) equally likely.
+    rows, vocab = 100_000, 20_000
+    logits = torch.zeros(rows, vocab, dtype=torch.bfloat16, device="cuda")
+    inv_t, seed, noisy = _scalars(7, 1.0, 1.0)
+    out = (torch.empty(rows, dtype=torch.long, device="cuda"), torch.empty(rows, device="cuda"))
+    token, logprob = race_draw(logits, inv_t, seed, noisy, out=out)
+    assert token is out[0] and logprob is out[1]
+    counts = torch.bincount(token // 500, minlength=40).float()  # 40 buckets of 500 columns
+    chi2 = float(((counts - rows / 40) ** 2 / (rows / 40)).sum())
+    assert chi2 < 80, (chi2, counts)  # 39 degrees of freedom: p < 1e-4 by chance
+    torch.testing.assert_close(logprob, torch.full_like(logprob, -math.log(vocab)))
