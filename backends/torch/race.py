@@ -12,7 +12,9 @@ best score, its column, its logit) with elementwise updates only; the lanes are 
 the chunk's end. `_combine`: one program a row merges its chunks and writes the token and its
 logprob. Ties go to the lowest column, as torch's argmax. E = -log(1 - u) is computed from u's
 series where u is small, since the race's winners have small E and 1 - u in float32 would round
-them to a 2^-24 grid. With ``noisy`` 0 the race is the greedy argmax.
+them to a 2^-24 grid. The noise's logs are the fast (approximate) ones, about 2^-22 off: the
+kernel is bound by arithmetic, not by reading the logits (105 us for 256 x 151936 bf16 on an
+H200, 38 us to read them). With ``noisy`` 0 the race is the greedy argmax.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from torch import Tensor
 try:
     import triton
     import triton.language as tl
+    from triton.language.extra import libdevice
 except ImportError:  # CPU-only installs: the sampler draws with torch ops there
     triton = None
 
@@ -44,9 +47,11 @@ if triton is not None:
         # ((k + 1/2) / 2^32, kept below 1 in float32), E is never 0 or infinite and the score
         # never infinite or NaN (greedy multiplies log E by 0).
         u = tl.minimum(u + 1.1641532182693481e-10, 0.99999994)
-        # E = -log(1 - u), from its series where u is small (1 - u would round there).
-        e = tl.where(u < 1e-3, u * (1.0 + u * (0.5 + u / 3.0)), -tl.log(1.0 - u))
-        return x - noisy * tl.log(e)
+        # E = -log(1 - u), from its series where u is small: 1 - u would round there, and the
+        # fast log's absolute error (about 2^-22) would be large against E.
+        series = u * (1.0 + u * (0.5 + u * (0.33333334 + u * 0.25)))
+        e = tl.where(u < 0.01, series, -libdevice.fast_logf(1.0 - u))
+        return x - noisy * libdevice.fast_logf(e)
 
     @triton.jit
     def _take(best, at, picked, score, cols, x):
