@@ -26,9 +26,9 @@ rows and o_proj's columns are in flash's query order ([g, kv_heads] rather than 
 queries go into attention, and its output into o_proj, without a transposing copy. The wider
 GEMMs may round differently from the trainer's separate projections, as any other engine kernel
 may. With ``compiled`` the code between attention calls runs as torch.compile'd kernels (norms,
-rotations, residual adds, SwiGLU and the draw fused), captured into the graphs like any other
-kernel, and so does the prefill's (`compiled_layer_parts`, which the trainer's `train.compile`
-shares).
+rotations with the cache write of the new keys and values, residual adds, SwiGLU fused),
+captured into the graphs like any other kernel, and so does the prefill's
+(`compiled_layer_parts`, which the trainer's `train.compile` shares).
 
 Colocation. Graphs read the model's parameter tensors in place: the trainer must update them
 in place (optimizers do), never rebind them. `release` hands the KV cache's memory back to the
