@@ -12,8 +12,8 @@ Parts (each can be picked with --parts):
   weights stepped directly by fused AdamW (no float32 masters), SDPA; `--train-modes`: eager
   layers, each layer torch.compile'd, the whole forward compiled, or `trainer`: the trainer's
   own prompt-sharing pass with `train.compile` (`response_logprobs(compiled=True)`), each
-  sequence a one-token prompt and a 1023-token response (its attention takes an explicit
-  causal mask). The trainer end to end is measured by the `recipes/bench-h200-*.yaml` runs.
+  sequence a one-token prompt and a 1023-token response (on CUDA the responses' attention is
+  one variable-length flash call). The trainer end to end is measured by the `recipes/bench-h200-*.yaml` runs.
   FLOPs per token = 6 * (non-embedding params + lm_head) + 12 * layers * hidden * seq.
 
     python -m bench.gpu [--parts generate,handoff,train] [--train-modes eager,model] [--out ...]

@@ -15,16 +15,20 @@ rounding (the trainer's `train/gen_kl_error` stays near 0 on-policy).
 Options: ``compiled`` runs each layer's position-wise parts (norms, projections, rotation,
 residuals, SwiGLU) as torch.compile'd kernels, one compiled version serving every layer (their
 parameters are its inputs) and any number of tokens (dynamo's automatic dynamic shapes);
-attention stays SDPA. ``checkpointed`` keeps only each layer's input for the backward pass and
-recomputes the layer there (activation checkpointing: about a third more compute for a few
-percent of the activation memory).
+attention stays outside them. On CUDA in half precision the responses' attention is one
+variable-length flash call (each row's keys: its prompt's real tokens, then its own; causal
+aligned bottom-right), elsewhere SDPA with an explicit mask. ``checkpointed`` keeps only each
+layer's input for the backward pass and recomputes the layer there (activation checkpointing:
+about a third more compute for a few percent of the activation memory).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
@@ -111,10 +115,13 @@ def _hidden(
     x = model.embed(ids, positions)  # [T, H], T = P*W + N*S
     cos, sin = model.rotary(positions)
     prefix_mask, prefix_causal = attention_mask(prefix_real, w, 0, ids.device)
-    suffix_keys = None
-    if prefix_real is not None:
-        suffix_keys = torch.cat([prefix_real[rows], prefix_real.new_ones(n, s)], dim=1)
-    suffix_mask, _ = attention_mask(suffix_keys, s, w, ids.device)
+    flash = _flash_layout(rows, prefix_real, w, s, split) if n * s and _flash_usable(x) else None
+    suffix_mask = None
+    if flash is None:
+        suffix_keys = None
+        if prefix_real is not None:
+            suffix_keys = torch.cat([prefix_real[rows], prefix_real.new_ones(n, s)], dim=1)
+        suffix_mask, _ = attention_mask(suffix_keys, s, w, ids.device)
 
     project, finish = compiled_layer_parts() if compiled else (layer_project, layer_finish)
 
@@ -126,7 +133,10 @@ def _hidden(
         qp, kp, vp = (heads(y[:split], p, w) for y in (q, k, v))
         qs, ks, vs = (heads(y[split:], n, s) for y in (q, k, v))
         out_p = attend(qp, kp, vp, prefix_mask, prefix_causal)
-        if n * s:
+        if flash is not None:
+            out_s = _flash_attend(q[split:], k, v, flash)
+            out = torch.cat([out_p.transpose(1, 2).reshape(split, -1), out_s.reshape(n * s, -1)])
+        elif n * s:
             keys, values = torch.cat([kp[rows], ks], dim=2), torch.cat([vp[rows], vs], dim=2)
             out_s = attend(qs, keys, values, suffix_mask, False)
             out = torch.cat(
@@ -144,3 +154,56 @@ def _hidden(
     x = model.model.norm(x)
     hidden = x.shape[-1]  # explicit: with one-token responses (s = 0) -1 would be ambiguous
     return x[:split].view(p, w, hidden), x[split:].view(n, s, hidden)
+
+
+class _FlashLayout(NamedTuple):
+    """The responses' attention as flash's variable-length problem: row i's queries are its S
+    response positions, its keys its prompt's real tokens (no padding) then those S."""
+
+    keys: Tensor  # [K]: where each key is in a layer's packed [T, kv_heads, D] keys and values
+    cu_q: Tensor
+    cu_k: Tensor
+    queries: int
+    max_keys: int
+
+
+def _flash_usable(x: Tensor) -> bool:
+    """Whether the responses' attention runs as one flash call (`_flash_attend`): CUDA, half
+    precision. Elsewhere it is SDPA with an explicit mask (prompt keys then causal), which
+    keeps SDPA off its flash kernel."""
+    return x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
+
+
+def _flash_layout(rows: Tensor, prefix_real: Tensor | None, w: int, s: int, split: int) -> _FlashLayout:
+    n, dev = rows.numel(), rows.device
+    prompt = (prefix_real.sum(1) if prefix_real is not None else torch.full_like(rows, w))[rows]
+    per_row = prompt + s
+    cu_k = F.pad(per_row.cumsum(0), (1, 0)).to(torch.int32)
+    row = torch.arange(n, device=dev).repeat_interleave(per_row)
+    offset = torch.arange(row.numel(), device=dev) - cu_k[:-1][row]
+    in_prompt = offset < prompt[row]
+    keys = torch.where(
+        in_prompt,
+        rows[row] * w + (w - prompt[row]) + offset,  # prompts are left-padded to w
+        split + row * s + offset - prompt[row],
+    )
+    cu_q = torch.arange(0, (n + 1) * s, s, dtype=torch.int32, device=dev)
+    return _FlashLayout(keys, cu_q, cu_k, s, int(per_row.max()))
+
+
+def _flash_attend(q: Tensor, k: Tensor, v: Tensor, layout: _FlashLayout) -> Tensor:
+    """Responses' attention output [N * S, heads, D] from their queries [N * S, heads, D] and the
+    layer's packed keys and values [T, kv_heads, D]. Flash aligns causality bottom-right when a
+    row has more keys than queries: each response position sees its prompt and itself back."""
+    return torch.ops.aten._flash_attention_forward(
+        q,
+        k.index_select(0, layout.keys),
+        v.index_select(0, layout.keys),
+        layout.cu_q,
+        layout.cu_k,
+        layout.queries,
+        layout.max_keys,
+        0.0,
+        True,
+        False,
+    )[0]

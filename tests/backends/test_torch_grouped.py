@@ -120,3 +120,53 @@ def test_recipe_residual_field_reaches_the_model() -> None:
     assert build_model(ModelSection(config=config), vocab_size=23, seed=0).residual_dtype is None
     section = ModelSection(config=config, residual="float32")
     assert build_model(section, vocab_size=23, seed=0).residual_dtype == torch.float32
+
+
+def _varlen_causal_attention(q, k, v, layout):
+    """Flash's variable-length attention written out: per row, keys cu_k[i]:cu_k[i+1], causal
+    aligned bottom-right, query heads grouped over the key/value heads."""
+    from backends.torch.grouped import _FlashLayout
+
+    assert isinstance(layout, _FlashLayout)
+    keys, values = k.index_select(0, layout.keys), v.index_select(0, layout.keys)
+    group = q.shape[1] // k.shape[1]
+    out = []
+    for i in range(layout.cu_q.numel() - 1):
+        qi = q[layout.cu_q[i] : layout.cu_q[i + 1]].transpose(0, 1)  # [heads, S, D]
+        ki = keys[layout.cu_k[i] : layout.cu_k[i + 1]].transpose(0, 1).repeat_interleave(group, 0)
+        vi = values[layout.cu_k[i] : layout.cu_k[i + 1]].transpose(0, 1).repeat_interleave(group, 0)
+        s, t = qi.shape[1], ki.shape[1]
+        allowed = torch.ones(s, t, dtype=torch.bool).tril(t - s)
+        out.append(
+            torch.nn.functional.scaled_dot_product_attention(qi, ki, vi, attn_mask=allowed).transpose(0, 1)
+        )
+    return torch.cat(out)
+
+
+def test_flash_layout_of_the_responses_attention_matches_the_masked_one(monkeypatch) -> None:
+    """The GPU's variable-length layout (each row: its prompt's real keys, then its own) gives
+    the masked SDPA path's logprobs and gradients; here flash's kernel is written out."""
+    from backends.torch import grouped
+
+    torch.manual_seed(0)
+    config = ModelConfig(
+        vocab_size=23, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2
+    )
+    model = Decoder(config)
+    prompts = [(2, 5, 7, 9), (2, 11), (3, 4, 5, 6, 7, 8)]  # left-padded to 6
+    owner = [0, 0, 1, 2, 2]
+    responses = [(4,), (5, 6, 1), (12, 13), (3, 3, 3, 4), (1,)]
+
+    def run() -> tuple[torch.Tensor, list[torch.Tensor]]:
+        model.zero_grad()
+        lp, mask = response_logprobs(model, prompts, owner, responses, 0.7)
+        (lp * mask).sum().backward()
+        return lp.detach(), [p.grad.clone() for p in model.parameters()]
+
+    masked, masked_grads = run()
+    monkeypatch.setattr(grouped, "_flash_usable", lambda x: True)
+    monkeypatch.setattr(grouped, "_flash_attend", _varlen_causal_attention)
+    flash, flash_grads = run()
+    torch.testing.assert_close(flash, masked, atol=1e-5, rtol=0)
+    for ours, reference in zip(flash_grads, masked_grads, strict=True):
+        torch.testing.assert_close(ours, reference, atol=1e-5, rtol=1e-4)

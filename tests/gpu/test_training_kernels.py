@@ -62,3 +62,34 @@ def test_compiled_trainer_pass_matches_plain_in_bf16() -> None:
         # bf16: fused kernels round at other places than eager ops.
         torch.testing.assert_close(ours, plain, atol=0.05, rtol=0)
         assert float((grad - plain_grad).norm() / plain_grad.norm()) < 0.02, options
+
+
+def test_responses_flash_attention_matches_the_masked_path_in_bf16(monkeypatch: pytest.MonkeyPatch) -> None:
+    from backends.torch import grouped
+
+    torch.manual_seed(0)
+    config = ModelConfig(
+        vocab_size=1000,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+    )
+    model = Decoder(config).to(device="cuda", dtype=torch.bfloat16)
+    g = torch.Generator().manual_seed(1)
+    prompts = [tuple(torch.randint(3, 1000, (n,), generator=g).tolist()) for n in (9, 30, 17)]  # padded
+    owner = [0, 0, 1, 1, 1, 2]
+    responses = [tuple(torch.randint(3, 1000, (n,), generator=g).tolist()) for n in (5, 60, 17, 1, 33, 8)]
+
+    def run() -> tuple[torch.Tensor, torch.Tensor]:
+        model.zero_grad()
+        lp, mask = response_logprobs(model, prompts, owner, responses, 1.0)
+        (lp * mask).sum().backward()
+        return lp.detach(), torch.cat([p.grad.float().flatten() for p in model.parameters()])
+
+    flash, flash_grad = run()
+    monkeypatch.setattr(grouped, "_flash_usable", lambda x: False)
+    masked, masked_grad = run()
+    torch.testing.assert_close(flash, masked, atol=0.05, rtol=0)
+    assert float((flash_grad - masked_grad).norm() / masked_grad.norm()) < 0.02
