@@ -131,20 +131,16 @@ def _hidden(
     def run_layer(layer: DecoderLayer, x: Tensor) -> Tensor:
         q, k, v = project(layer, x, cos, sin)
         qp, kp, vp = (heads(y[:split], p, w) for y in (q, k, v))
-        qs, ks, vs = (heads(y[split:], n, s) for y in (q, k, v))
-        out_p = attend(qp, kp, vp, prefix_mask, prefix_causal)
+        out = attend(qp, kp, vp, prefix_mask, prefix_causal).transpose(1, 2).reshape(split, -1)
         if flash is not None:
             out_s = _flash_attend(q[split:], k, v, flash)
-            out = torch.cat([out_p.transpose(1, 2).reshape(split, -1), out_s.reshape(n * s, -1)])
         elif n * s:
+            qs, ks, vs = (heads(y[split:], n, s) for y in (q, k, v))
             keys, values = torch.cat([kp[rows], ks], dim=2), torch.cat([vp[rows], vs], dim=2)
-            out_s = attend(qs, keys, values, suffix_mask, False)
-            out = torch.cat(
-                [out_p.transpose(1, 2).reshape(split, -1), out_s.transpose(1, 2).reshape(n * s, -1)]
-            )
+            out_s = attend(qs, keys, values, suffix_mask, False).transpose(1, 2)
         else:
-            out = out_p.transpose(1, 2).reshape(split, -1)
-        return finish(layer, x, out)
+            return finish(layer, x, out)
+        return finish(layer, x, torch.cat([out, out_s.reshape(n * s, -1)]))
 
     for layer in model.model.layers:
         if checkpointed and torch.is_grad_enabled():

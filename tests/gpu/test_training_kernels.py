@@ -3,6 +3,8 @@ layer parts of `train.compile`, against plain computation."""
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import pytest
 import torch
 
@@ -32,7 +34,24 @@ def test_head_values_and_gradients_on_cuda(temperature: float) -> None:
     torch.testing.assert_close(grads[1], weight.grad, atol=2e-4, rtol=1e-3)
 
 
-def test_compiled_trainer_pass_matches_plain_in_bf16() -> None:
+class _Batch(NamedTuple):
+    """A bf16 model with grouped-query attention and groups whose prompts are padded (12 and 30
+    tokens) and whose responses differ in length."""
+
+    model: Decoder
+    prompts: list[tuple[int, ...]]
+    owner: list[int]
+    responses: list[tuple[int, ...]]
+
+    def run(self, **options: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """The trainer pass's logprobs and the flattened gradient of their sum."""
+        self.model.zero_grad()
+        lp, mask = response_logprobs(self.model, self.prompts, self.owner, self.responses, 1.0, **options)
+        (lp * mask).sum().backward()
+        return lp.detach(), torch.cat([p.grad.float().flatten() for p in self.model.parameters()])
+
+
+def _batch() -> _Batch:
     torch.manual_seed(0)
     config = ModelConfig(
         vocab_size=1000,
@@ -43,53 +62,38 @@ def test_compiled_trainer_pass_matches_plain_in_bf16() -> None:
         num_key_value_heads=2,
         attention_bias=True,
     )
-    model = Decoder(config).to(device="cuda", dtype=torch.bfloat16)
     g = torch.Generator().manual_seed(0)
-    prompts = [tuple(torch.randint(3, 1000, (n,), generator=g).tolist()) for n in (12, 30)]
-    owner = [0, 0, 0, 1, 1, 1]
-    responses = [tuple(torch.randint(3, 1000, (n,), generator=g).tolist()) for n in (5, 40, 17, 1, 33, 8)]
 
-    def run(**kw: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        model.zero_grad()
-        lp, mask = response_logprobs(model, prompts, owner, responses, 1.0, **kw)
-        (lp * mask).sum().backward()
-        grad = torch.cat([p.grad.float().flatten() for p in model.parameters()])
-        return lp.detach(), grad
+    def tokens(n: int) -> tuple[int, ...]:
+        return tuple(torch.randint(3, 1000, (n,), generator=g).tolist())
 
-    plain, plain_grad = run()
+    return _Batch(
+        Decoder(config).to(device="cuda", dtype=torch.bfloat16),
+        [tokens(n) for n in (12, 30)],
+        [0, 0, 0, 1, 1, 1],
+        [tokens(n) for n in (5, 40, 17, 1, 33, 8)],
+    )
+
+
+def _assert_bf16_close(
+    ours: tuple[torch.Tensor, torch.Tensor], reference: tuple[torch.Tensor, torch.Tensor]
+) -> None:
+    # bf16: different kernels round at different places.
+    torch.testing.assert_close(ours[0], reference[0], atol=0.05, rtol=0)
+    assert float((ours[1] - reference[1]).norm() / reference[1].norm()) < 0.02
+
+
+def test_compiled_trainer_pass_matches_plain_in_bf16() -> None:
+    batch = _batch()
+    plain = batch.run()
     for options in ({"compiled": True}, {"compiled": True, "checkpointed": True}):
-        ours, grad = run(**options)
-        # bf16: fused kernels round at other places than eager ops.
-        torch.testing.assert_close(ours, plain, atol=0.05, rtol=0)
-        assert float((grad - plain_grad).norm() / plain_grad.norm()) < 0.02, options
+        _assert_bf16_close(batch.run(**options), plain)
 
 
 def test_responses_flash_attention_matches_the_masked_path_in_bf16(monkeypatch: pytest.MonkeyPatch) -> None:
     from backends.torch import grouped
 
-    torch.manual_seed(0)
-    config = ModelConfig(
-        vocab_size=1000,
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=2,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-    )
-    model = Decoder(config).to(device="cuda", dtype=torch.bfloat16)
-    g = torch.Generator().manual_seed(1)
-    prompts = [tuple(torch.randint(3, 1000, (n,), generator=g).tolist()) for n in (9, 30, 17)]  # padded
-    owner = [0, 0, 1, 1, 1, 2]
-    responses = [tuple(torch.randint(3, 1000, (n,), generator=g).tolist()) for n in (5, 60, 17, 1, 33, 8)]
-
-    def run() -> tuple[torch.Tensor, torch.Tensor]:
-        model.zero_grad()
-        lp, mask = response_logprobs(model, prompts, owner, responses, 1.0)
-        (lp * mask).sum().backward()
-        return lp.detach(), torch.cat([p.grad.float().flatten() for p in model.parameters()])
-
-    flash, flash_grad = run()
+    batch = _batch()
+    flash = batch.run()
     monkeypatch.setattr(grouped, "_flash_usable", lambda x: False)
-    masked, masked_grad = run()
-    torch.testing.assert_close(flash, masked, atol=0.05, rtol=0)
-    assert float((flash_grad - masked_grad).norm() / masked_grad.norm()) < 0.02
+    _assert_bf16_close(flash, batch.run())
