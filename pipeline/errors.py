@@ -40,6 +40,11 @@ class DropBudgetExceeded(PipelineError):
     """More work was dropped than the recipe allows."""
 
 
+class HandoffMismatch(PipelineError):
+    """After a stand-down, wake or refit the engine is not in the state the handoff promises:
+    it serves weights other than the trainer's, or keeps memory it should have released."""
+
+
 class StageFailed(PipelineError):
     """A stage raised; the original error is the `__cause__`."""
 

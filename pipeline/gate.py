@@ -12,6 +12,11 @@ never from a backend's name:
 - otherwise: train while the engine keeps serving -> refit the engine -> [save]. The refit
   waits for the engine's in-flight call inside the backend, not here.
 
+Handoff checks (``checks``, `async_rl.handoff_checks`): after a stand-down the engine must
+hold no memory it reports (`memory_in_use()` is 0 or None), and after each wake or refit the
+engine's weight fingerprint must equal the trainer's (`fingerprint()`, taken by each side at
+the handoff itself); otherwise the step fails with `HandoffMismatch` naming the tensors.
+
 Generation calls enter through `serving()`, which waits while the gate is not serving and
 counts in-flight calls. Each transition's duration is returned by `step` and kept in
 `statistics()`; the optional `on_transition(name, start, end)` hook feeds the trace.
@@ -28,7 +33,8 @@ import anyio
 import msgspec
 
 from pipeline.clock import DeadlineClock
-from pipeline.protocols import Engine
+from pipeline.errors import HandoffMismatch
+from pipeline.protocols import Engine, Trainer
 
 T = TypeVar("T")
 
@@ -61,8 +67,10 @@ class EngineGate:
         *,
         version: int = 0,
         on_transition: TransitionHook | None = None,
+        checks: Trainer | None = None,
     ) -> None:
         self.engine = engine
+        self.checks = checks
         self.clock = clock
         self.engine_version = version
         self._state = GateState.SERVING
@@ -116,6 +124,7 @@ class EngineGate:
         else:
             result = await self._timed("train", train)
             await self._timed("refit", self.engine.refit)
+            self._check_weights("refit", self.engine_version + 1)
             # Only now does the engine serve the new weights; calls starting during the refit
             # are tagged with the old version (conservative for the lag bound).
             self.engine_version += 1
@@ -131,7 +140,9 @@ class EngineGate:
         while self._in_flight:
             await self._wait_changed()
         await self.engine.stand_down()
-        self._memory_after_stand_down = self.engine.memory_in_use()
+        memory = self._memory_after_stand_down = self.engine.memory_in_use()
+        if self.checks is not None and memory:
+            raise HandoffMismatch(f"the engine still holds {memory} bytes after standing down (expected 0)")
         self._record("stand_down", start)
         self._set_state(GateState.DOWN)
 
@@ -141,9 +152,25 @@ class EngineGate:
             if not self.engine.wake_carries_weights:
                 await self._timed("refit", self.engine.refit)
             await self._timed("wake", self.engine.wake)
+            self._check_weights("wake", self.engine_version)
         finally:
             self.clock.resume()
             self._set_state(GateState.SERVING)
+
+    def _check_weights(self, after: str, version: int) -> None:
+        if self.checks is None:
+            return
+        expected, served = self.checks.fingerprint(), self.engine.fingerprint()
+        if expected is None or served is None:
+            return
+        differ = [name for name, value in expected.items() if served.get(name) != value]
+        differ += [name for name in served if name not in expected]
+        if differ:
+            more = f" (and {len(differ) - 1} more)" if len(differ) > 1 else ""
+            raise HandoffMismatch(
+                f"after the {after} to version {version} the engine serves weights other "
+                f"than the trainer's: {differ[0]}{more} differs; its copy is stale or corrupted"
+            )
 
     async def _timed(self, name: str, fn: Callable[[], Awaitable[T]]) -> T:
         start = self.clock.source.now()

@@ -34,6 +34,11 @@ class Engine(Protocol):
 
     def memory_in_use(self) -> int | None: ...
 
+    def fingerprint(self) -> Mapping[str, int] | None:
+        """A checksum per weight tensor of what it serves, as of its last wake or refit (None:
+        none taken). Compared with `Trainer.fingerprint` by the gate's handoff checks."""
+        ...
+
 
 class Trainer(Protocol):
     """Turns a batch of scored samples into one optimizer step (policy version + 1)."""
@@ -41,3 +46,8 @@ class Trainer(Protocol):
     async def train_step(
         self, samples: Sequence[Sample], advantages: Sequence[float]
     ) -> Mapping[str, float]: ...
+
+    def fingerprint(self) -> Mapping[str, int] | None:
+        """A checksum per weight tensor of the weights it published with its last step (or
+        loaded), in the engine's names; None: none taken."""
+        ...

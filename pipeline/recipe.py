@@ -48,6 +48,9 @@ class RunSection(Section):
 
 class AsyncRLSection(Section):
     max_lookahead_versions: NonNegativeInt = 1
+    # After each stand-down, the engine holds no memory it reports; after each wake or refit it
+    # serves exactly the trainer's weights (fingerprints compared by the gate).
+    handoff_checks: bool = True
 
 
 class CheckpointSection(Section):

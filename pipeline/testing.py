@@ -88,7 +88,8 @@ class FakeEngine:
     with logprob -1.0. `latency` (seconds, or a function of the call number) is slept on the
     given time source; `nonfinite_calls` returns NaN logprobs on those call numbers;
     `crash_calls` raises `EngineCrash` on those call numbers; `reject_calls` raises
-    `RequestRejected` on those call numbers.
+    `RequestRejected` on those call numbers. `fingerprint()` returns `served` (None: no
+    handoff check); `memory_in_use()` returns `held_when_down` while stood down.
     """
 
     def __init__(
@@ -116,6 +117,8 @@ class FakeEngine:
         self.calls = 0
         self.down = False
         self.version = 0
+        self.served: dict[str, int] | None = None
+        self.held_when_down = 0
 
     async def generate(
         self, prompt_tokens: Sequence[int], n: int, *, greedy: bool = False
@@ -155,7 +158,10 @@ class FakeEngine:
         self.version += 1
 
     def memory_in_use(self) -> int | None:
-        return 0 if self.down else None
+        return self.held_when_down if self.down else None
+
+    def fingerprint(self) -> Mapping[str, int] | None:
+        return self.served
 
 
 class FakeTrainer:
@@ -174,6 +180,7 @@ class FakeTrainer:
         self.events = events if events is not None else []
         self.on_step = on_step
         self.steps: list[list[Sample]] = []
+        self.published: dict[str, int] | None = None  # what `fingerprint()` returns
 
     async def train_step(self, samples: Sequence[Sample], advantages: Sequence[float]) -> Mapping[str, float]:
         self.events.append("train")
@@ -189,6 +196,9 @@ class FakeTrainer:
 
     def load_state(self, state: Mapping[str, Any]) -> None:
         self.steps = [[] for _ in range(int(state["steps"]))]
+
+    def fingerprint(self) -> Mapping[str, int] | None:
+        return self.published
 
 
 class InjectedFault(RuntimeError):

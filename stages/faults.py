@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Annotated
 
 import msgspec
@@ -72,3 +72,6 @@ class FaultyEngine:
 
     def memory_in_use(self) -> int | None:
         return self.engine.memory_in_use()
+
+    def fingerprint(self) -> Mapping[str, int] | None:
+        return self.engine.fingerprint()

@@ -133,6 +133,7 @@ async def run_program(
         version=version,
         # On the train track, so the transitions nest inside their step's span.
         on_transition=lambda name, start, end: trace.span(name, start, end, track="train"),
+        checks=trainer if recipe.async_rl.handoff_checks else None,
     )
     lookahead = recipe.async_rl.max_lookahead_versions
     tickets = TicketBox(lookahead, first_batch=first_batch)

@@ -74,6 +74,7 @@ def build_backend(
         stop_token_ids=tuple(stop_ids),
         seed=seed + 1,
         compute=engine_thread,
+        fingerprints=recipe.async_rl.handoff_checks,
     )
     reference = None
     if train.kl_coef > 0:
@@ -107,5 +108,6 @@ def build_backend(
         compiled=train.compile,
         checkpointed=train.activation_checkpointing,
         compute=trainer_thread,
+        fingerprints=recipe.async_rl.handoff_checks,
     )
     return engine, trainer

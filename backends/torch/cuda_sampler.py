@@ -21,7 +21,9 @@ stops at the logits and the caller draws from them eagerly.
 
 Kernels. Each layer's q/k/v and gate/up projections run as one GEMM each over packed copies of
 their weights, which live in the KV cache's pool (released and restored with it) and are
-copied from the model at the start of every call. For flash, the packed copies of q_proj's
+copied from the model at every `wake` and `refresh` (and when the pool is laid out anew): whoever
+changes the model's weights calls one of them before the next call (the engine does, at each
+handoff). For flash, the packed copies of q_proj's
 rows and o_proj's columns are in flash's query order ([g, kv_heads] rather than heads), so
 queries go into attention, and its output into o_proj, without a transposing copy. The wider
 GEMMs may round differently from the trainer's separate projections, as any other engine kernel
@@ -48,6 +50,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from backends.torch import race
+from backends.torch.fingerprint import Probe, parameter_probe, sample_rows
 from backends.torch.kv_pool import KVPool, make_pool
 from backends.torch.model import Decoder, DecoderLayer, compiled_layer_parts, layer_finish, layer_project
 from backends.torch.sampling import check_arguments, completions_of_rows, draw
@@ -200,6 +203,8 @@ class CudaSampler:
         self._steps: dict[tuple[int, bool], _Step] = {}
         self._graph_pool = torch.cuda.graph_pool_handle() if self.graphs else None
         self._down = False
+        self._fresh = False  # the packed copies hold the model's current weights
+        self.layout = 0  # counts the pool's layouts (`probes` changes with it)
         self.captures = 0
 
     # ---- memory and handoff -------------------------------------------------------------
@@ -215,6 +220,7 @@ class CudaSampler:
             self.pool.release()
             self._down = True
 
+    @torch.no_grad()
     def wake(self) -> None:
         """Map the KV cache again (same addresses where the pool allows; otherwise the graphs
         are dropped and captured again on the next call)."""
@@ -224,8 +230,16 @@ class CudaSampler:
         self._down = False
         if not self.pool.stable:
             self._view(buffer)
-            self._steps.clear()
+            self._drop_graphs()
         self._clear_for_masks()
+        self._pack()
+
+    @torch.no_grad()
+    def refresh(self) -> None:
+        """Copy the model's weights into the packed copies now (after they changed without a
+        stand-down: a refit, a loaded checkpoint)."""
+        if self.rows and not self._down:
+            self._pack()
 
     def _ensure(self, rows: int, length: int) -> None:
         if self._down:
@@ -233,7 +247,7 @@ class CudaSampler:
         if rows <= self.rows and length <= self.length:
             return
         rows, length = max(rows, self.rows), max(length, self.length)
-        self._steps.clear()
+        self._drop_graphs()
         self._keys, self._values, self._kv, self._packed = [], [], [], []
         per = rows * length * self.kv_heads * self.head_dim
         layers = self.model.config.num_hidden_layers
@@ -242,6 +256,16 @@ class CudaSampler:
         self.rows, self.length = rows, length
         self._view(buffer)
         self._clear_for_masks()
+        self._fresh = False
+
+    def _drop_graphs(self) -> None:
+        """Forget every step and its graph. The next captures take a new private memory pool:
+        the caching allocator lets a capture share a pool only while a graph that uses it is
+        alive (it asserts `use_count > 0` in `beginAllocateToPool` otherwise), and the pool of
+        graphs just destroyed lingers while its cached blocks are not yet freed."""
+        self._steps.clear()
+        if self.graphs:
+            self._graph_pool = torch.cuda.graph_pool_handle()
 
     def _clear_for_masks(self) -> None:
         """Zero fresh keys and values where attention masks them rather than not reading them
@@ -294,11 +318,11 @@ class CudaSampler:
         self._kv = [kv[2 * i * per : (2 * i + 2) * per].view(-1, *shape[2:]) for i in range(layers)]
         self._keys = [both[: self.rows * self.length].view(shape) for both in self._kv]
         self._values = [both[self.rows * self.length :].view(shape) for both in self._kv]
+        self.layout += 1
 
     def _pack(self) -> None:
-        """Copy the model's current weights into the packed ones: the trainer may have changed
-        them since the last call, and a woken pool's contents are undefined (1.9 GB for a 1.5B
-        model: about a millisecond at an H200's memory bandwidth, against seconds of decode)."""
+        """Copy the model's current weights into the packed ones: the trainer changes them
+        while the engine is down, and a woken pool's contents are undefined."""
         order = self._head_order()
         d = self.head_dim
         for layer, packed in zip(self.model.model.layers, self._packed, strict=True):
@@ -311,10 +335,53 @@ class CudaSampler:
             o = attn.o_proj.weight
             packed.o_weight.copy_(o.view(o.shape[0], -1, d)[:, order].flatten(1))
             torch.cat((mlp.gate_proj.weight, mlp.up_proj.weight), out=packed.gate_up_weight)
+        self._fresh = True
+
+    def probes(self) -> list[Probe]:
+        """Where the weights this sampler serves live (`fingerprint`): each layer's packed
+        copies for its projections (in `_pack`'s layout), the model's own tensors for the rest."""
+        if not self._packed:
+            return [parameter_probe(name, p) for name, p in self.model.named_parameters()]
+        c = self.model.config
+        d, hidden = self.head_dim, c.hidden_size
+        q_size, kv_size = c.num_attention_heads * d, self.kv_heads * d
+        place = torch.argsort(self._head_order())  # packed position of each query head
+
+        def q_index(index: Tensor) -> Tensor:  # a q_proj row (o_proj column) in the packed order
+            return place[index // d] * d + index % d
+
+        probes = []
+        for name, param in self.model.named_parameters():
+            parts = name.split(".")
+            if parts[:2] != ["model", "layers"] or ".".join(parts[4:]) not in _PACKED_PARTS:
+                probes.append(parameter_probe(name, param))
+                continue
+            packed, part = self._packed[int(parts[2])], ".".join(parts[4:])
+            rows, cols = sample_rows(param.shape, self.device)
+            if part == "o_proj.weight":
+                base, index = packed.o_weight, rows * q_size + q_index(cols)
+            elif part.endswith(".bias"):
+                first = {"q_proj.bias": 0, "k_proj.bias": q_size, "v_proj.bias": q_size + kv_size}[part]
+                assert packed.qkv_bias is not None
+                base, index = packed.qkv_bias, first + (q_index(rows) if first == 0 else rows)
+            else:
+                first, base = {
+                    "q_proj.weight": (0, packed.qkv_weight),
+                    "k_proj.weight": (q_size, packed.qkv_weight),
+                    "v_proj.weight": (q_size + kv_size, packed.qkv_weight),
+                    "gate_proj.weight": (0, packed.gate_up_weight),
+                    "up_proj.weight": (c.intermediate_size, packed.gate_up_weight),
+                }[part]
+                row = first + (q_index(rows) if part == "q_proj.weight" else rows)
+                index = row * hidden + cols
+            probes.append(Probe(name, base.view(-1), index))
+        return probes
 
     # ---- generation ---------------------------------------------------------------------
 
-    @torch.inference_mode()
+    # Not inference mode: the views, step buffers and graphs made here outlive the call, and
+    # `wake` and the next calls update them in place outside it.
+    @torch.no_grad()
     def generate(
         self,
         prompts: list[list[int]],
@@ -335,7 +402,8 @@ class CudaSampler:
         batch = len(prompts)
         rows = _bucket(batch)
         self._ensure(rows, max(lengths) + max_new_tokens)
-        self._pack()
+        if not self._fresh:
+            self._pack()
         dev = self.device
         greedy = temperature == 0
         step = self._step(rows, draws=greedy or top_p == 1)
@@ -548,6 +616,10 @@ class CudaSampler:
             attn_mask=mask[:, None, None, :],
         )
 
+
+# A layer's parameters (after its ``model.layers.N.<module>.``) that `_pack` copies.
+_PACKED_PARTS = {"q_proj.weight", "k_proj.weight", "v_proj.weight", "q_proj.bias", "k_proj.bias"}
+_PACKED_PARTS |= {"v_proj.bias", "o_proj.weight", "gate_proj.weight", "up_proj.weight"}
 
 # Decode steps left when the tokens so far start their copy to the host (`_HostColumns`).
 _HOST_TAIL = 64

@@ -27,6 +27,7 @@ import anyio
 import torch
 
 from backends.torch.compute import ComputeThread
+from backends.torch.fingerprint import Fingerprinter, Probe
 from backends.torch.model import Decoder
 from backends.torch.sampling import check_arguments, check_prompts
 from pipeline.errors import RequestRejected
@@ -56,6 +57,12 @@ class BatchSampler(Protocol):
 
     def cache_bytes(self) -> int: ...
 
+    def refresh(self) -> None: ...
+
+    layout: int
+
+    def probes(self) -> list[Probe]: ...
+
 
 class _Request:
     __slots__ = ("done", "greedy", "n", "prompt", "result")
@@ -81,8 +88,13 @@ class TorchEngine:
         stop_token_ids: Sequence[int],
         seed: int,
         compute: ComputeThread | None = None,
+        fingerprints: bool = False,
     ) -> None:
         self.sampler = sampler
+        self.fingerprints = fingerprints
+        self._fingerprinter: Fingerprinter | None = None
+        self._layout = -1
+        self._served: dict[str, int] | None = None
         self.compute = compute or ComputeThread("engine")
         self.blocks_training = shared
         self.wake_carries_weights = shared
@@ -185,18 +197,35 @@ class TorchEngine:
     async def wake(self) -> None:
         """No weights to load: colocated, the engine reads the trainer's tensors. A sampler
         that released device memory at stand-down takes it back here."""
-        await self.compute.run(self.sampler.wake)
+        await self.compute.run(self._wake)
+
+    def _wake(self) -> None:
+        self.sampler.wake()
+        self._take_fingerprint()
 
     async def refit(self) -> None:
-        if self.sampler.model is self.source:
-            return
         async with self._weights:
             await self.compute.run(self._copy_weights)
 
     @torch.no_grad()
     def _copy_weights(self) -> None:
-        for target, value in zip(self.sampler.model.parameters(), self.source.parameters(), strict=True):
-            target.copy_(value)
+        if self.sampler.model is not self.source:
+            for target, value in zip(self.sampler.model.parameters(), self.source.parameters(), strict=True):
+                target.copy_(value)
+        self.sampler.refresh()
+        self._take_fingerprint()
+
+    def _take_fingerprint(self) -> None:
+        """What the sampler serves now (`fingerprint`), when asked for at construction."""
+        if not self.fingerprints:
+            return
+        if self._fingerprinter is None or self._layout != self.sampler.layout:
+            self._fingerprinter = Fingerprinter(self.sampler.probes())
+            self._layout = self.sampler.layout
+        self._served = self._fingerprinter()
+
+    def fingerprint(self) -> dict[str, int] | None:
+        return self._served
 
     def state(self) -> dict[str, Any]:
         return {"generator": self.generator.get_state()}
@@ -204,8 +233,7 @@ class TorchEngine:
     def load_state(self, state: dict[str, Any]) -> None:
         """Restore the sampling RNG; weights come from the trainer (shared, or a refit)."""
         self.generator.set_state(state["generator"])
-        if self.sampler.model is not self.source:
-            self._copy_weights()
+        self._copy_weights()
 
     def close(self) -> None:
         """Stop the compute thread (after its current call)."""

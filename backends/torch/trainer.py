@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from backends.torch.compute import ComputeThread
+from backends.torch.fingerprint import Fingerprinter, parameter_probes
 from backends.torch.grouped import response_logprobs
 from backends.torch.grpo_loss import LossConfig, grpo_token_loss, mismatch_metrics
 from backends.torch.model import Decoder
@@ -65,8 +66,13 @@ class TorchTrainer:
         compiled: bool = False,
         checkpointed: bool = False,
         compute: ComputeThread | None = None,
+        fingerprints: bool = False,
     ) -> None:
         self.model = model
+        # What `fingerprint` returns: the weights published by the last step (or load).
+        probes = parameter_probes(model.named_parameters()) if fingerprints else None
+        self._fingerprinter = Fingerprinter(probes) if probes is not None else None
+        self._published: dict[str, int] | None = None
         self.compiled = compiled
         self.checkpointed = checkpointed
         self.compute = compute or ComputeThread("trainer")
@@ -240,7 +246,15 @@ class TorchTrainer:
             metrics["timing/optimizer_offload_s"] = moved["offload"]
             metrics["train/offloaded_gb"] = self.parking.bytes / 1e9
         self.completed_steps += 1
+        self._take_fingerprint()
         return metrics
+
+    def _take_fingerprint(self) -> None:
+        if self._fingerprinter is not None:
+            self._published = self._fingerprinter()
+
+    def fingerprint(self) -> dict[str, int] | None:
+        return self._published
 
     def _update(self, *, finite_loss: bool, grad_norms: list[float]) -> bool:
         """Clip and apply the accumulated gradients; True when the update was skipped."""
@@ -332,3 +346,4 @@ class TorchTrainer:
         if self.parking is not None:  # the loaded state leaves the device until the next step
             self.parking.park_all()
             self.parking.take_seconds()
+        self._take_fingerprint()

@@ -235,18 +235,27 @@ def test_compiled_cuda_sampler_serves_every_batch_bucket_and_new_weights() -> No
         assert mine.logprobs == pytest.approx(theirs.logprobs, abs=1e-5)
 
 
-def test_cuda_sampler_ignores_what_fresh_cache_memory_holds() -> None:
+@pytest.mark.parametrize("stable", [False, True], ids=["new-addresses", "same-addresses"])
+def test_cuda_sampler_ignores_what_fresh_cache_memory_holds(stable: bool) -> None:
     """Uninitialised pool memory may hold NaN bit patterns; keys and values the SDPA path masks
-    (positions not yet written) must not turn them into NaN logprobs."""
+    (positions not yet written) must not turn them into NaN logprobs. With a pool that keeps its
+    addresses across a stand-down (as the GPU's virtual-memory pool does) the wake clears the
+    same views the first call made: they must be ordinary tensors, not inference tensors."""
     from backends.torch.cuda_sampler import CudaSampler
     from backends.torch.kv_pool import PlainPool
 
     class NaNPool(PlainPool):
+        def release(self) -> None:
+            if not stable:
+                super().release()
+
         def restore(self) -> torch.Tensor:
             return super().restore().fill_(0xFF)  # every float is NaN
 
+    pool = NaNPool(torch.device("cpu"))
+    pool.stable = stable
     plain = _sampler()
-    cuda = CudaSampler(plain.model, pool=NaNPool(torch.device("cpu")))
+    cuda = CudaSampler(plain.model, pool=pool)
     want = _generate(plain, PROMPTS, temperature=0.0)
     for _ in range(2):  # fresh memory, then memory restored after a stand-down
         got = _generate(cuda, PROMPTS, temperature=0.0)

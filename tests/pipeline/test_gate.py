@@ -249,3 +249,50 @@ async def test_version_is_published_only_after_refit() -> None:
     await gate.step(recorder(events, "train"))
     assert seen == [0]
     assert gate.engine_version == 1
+
+
+@pytest.mark.parametrize("blocks_training", [True, False], ids=["wake", "refit"])
+async def test_handoff_check_stops_a_step_whose_engine_serves_other_weights(blocks_training: bool) -> None:
+    """After the wake (colocated) or the refit (separate) the engine's fingerprint must equal
+    the trainer's; a tensor that differs (or that one side lacks) fails the step, named, and the
+    gate still reopens. Matching fingerprints pass; without `checks` nothing is compared."""
+    from pipeline.errors import HandoffMismatch
+    from pipeline.testing import FakeTrainer
+
+    fake = FakeTime()
+    engine = FakeEngine(time=fake, blocks_training=blocks_training, wake_carries_weights=blocks_training)
+    trainer = FakeTrainer()
+    gate = EngineGate(engine, DeadlineClock(source=fake), checks=trainer)
+    trainer.published = {"embed": 1, "layers.0.q": 2, "layers.1.q": 3}
+    engine.served = dict(trainer.published)
+    await gate.step(recorder([], "train"))
+    engine.served["layers.0.q"] = 7
+    after = "wake" if blocks_training else "refit"
+    message = (
+        f"after the {after} to version 2 the engine serves weights other than the trainer's: "
+        "layers.0.q differs; its copy is stale or corrupted"
+    )
+    with pytest.raises(HandoffMismatch) as raised:
+        await gate.step(recorder([], "train"))
+    assert str(raised.value) == message
+    assert gate.state is GateState.SERVING
+    del engine.served["layers.1.q"]
+    with pytest.raises(HandoffMismatch, match=r"layers.0.q \(and 1 more\) differs"):
+        await gate.step(recorder([], "train"))
+    unchecked = EngineGate(engine, DeadlineClock(source=fake))
+    await unchecked.step(recorder([], "train"))
+
+
+async def test_handoff_check_stops_an_engine_that_keeps_memory_after_standing_down() -> None:
+    from pipeline.errors import HandoffMismatch
+    from pipeline.testing import FakeTrainer
+
+    fake = FakeTime()
+    engine = FakeEngine(time=fake)
+    gate = EngineGate(engine, DeadlineClock(source=fake), checks=FakeTrainer())
+    await gate.step(recorder([], "train"))
+    engine.held_when_down = 4096
+    with pytest.raises(HandoffMismatch) as raised:
+        await gate.step(recorder([], "train"))
+    assert str(raised.value) == "the engine still holds 4096 bytes after standing down (expected 0)"
+    assert gate.state is GateState.SERVING and not engine.down

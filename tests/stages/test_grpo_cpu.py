@@ -84,3 +84,36 @@ def test_reverse_digits_recipe_passes_the_bar(tmp_path: Path) -> None:
     assert evals[0]["eval/reward"] < 0.3
     assert evals[-1]["eval/reward"] > 0.8
     assert "eval/exact_match" in evals[-1]
+
+
+def test_handoff_check_stops_a_run_whose_refit_leaves_a_tensor_stale(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The real engine and trainer take fingerprints at each refit and step, and the gate
+    compares them: a refit that skips one tensor stops the run, naming it."""
+    import torch
+
+    from backends.torch.serving import TorchEngine
+    from pipeline.errors import HandoffMismatch
+
+    def copy_all_but_the_last(self: TorchEngine) -> None:
+        with torch.no_grad():
+            pairs = list(zip(self.sampler.model.parameters(), self.source.parameters(), strict=True))
+            for target, value in pairs[:-1]:
+                target.copy_(value)
+        self.sampler.refresh()
+        self._take_fingerprint()
+
+    monkeypatch.setattr(TorchEngine, "_copy_weights", copy_all_but_the_last)
+    last = [name for name, _ in torch.nn.Module.named_parameters(_quickstart_model())][-1]
+    args = ["run.steps=2", "eval.every_steps=0", "colocated=false"]
+    with pytest.raises(HandoffMismatch, match=f"after the refit to version 1 .*: {last} differs"):
+        _run(tmp_path, *args)
+    _run(tmp_path, *args, "async_rl.handoff_checks=false", f"run.dir={tmp_path / 'unchecked'}")
+
+
+def _quickstart_model():
+    from backends.torch.build import build_model
+
+    recipe = pipeline.load_recipe("recipes/quickstart.yaml")
+    return build_model(recipe.model, vocab_size=16, seed=0)

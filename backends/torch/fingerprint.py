@@ -1,0 +1,142 @@
+"""Fingerprints of weights, so the gate can check after each wake or refit that the engine
+serves exactly the weights the trainer published (`async_rl.handoff_checks`).
+
+A tensor's fingerprint is a checksum over a fixed sample of its elements: viewed as [rows,
+columns] (a 1-D tensor as one column), one element of every row, in column
+``(row * 40503 + 17) % columns``. Every row is read, so a row that was not copied or was
+corrupted changes its tensor's fingerprint, at about 1/columns of the cost of reading it all.
+The checksum is ``sum_j bits(x_j) * (2j + 1)`` over the samples j in int64 (wrapping), with
+``bits`` the element's bit pattern: integers, so any order of summation gives the same value
+(the GPU kernel and the torch path agree bit for bit), and weighted by position, so swapped
+rows show too.
+
+A `Probe` names a tensor as the trainer knows it and says where its sampled elements live in
+the memory the engine reads: for the trainer and a plain engine, the parameter itself; for
+`CudaSampler`, its packed copies (`CudaSampler.probes`). On CUDA one Triton launch per dtype
+reads every probe's samples through a table of their addresses; elsewhere each probe is a
+gather.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+_BITS = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
+
+
+class Probe(NamedTuple):
+    """The samples of tensor ``name``: elements ``index`` of the flat ``base``."""
+
+    name: str
+    base: Tensor
+    index: Tensor
+
+
+def sample_rows(shape: Sequence[int], device: torch.device) -> tuple[Tensor, Tensor]:
+    """The sampled (row, column) of a tensor of ``shape``: one per row of its [rows, columns]
+    view."""
+    columns = shape[-1] if len(shape) > 1 else 1
+    rows = torch.arange(int(torch.Size(shape).numel()) // columns, device=device)
+    return rows, (rows * 40503 + 17) % columns
+
+
+def parameter_probe(name: str, tensor: Tensor) -> Probe:
+    """The probe of a contiguous tensor read where it is."""
+    rows, columns = sample_rows(tensor.shape, tensor.device)
+    width = tensor.shape[-1] if tensor.dim() > 1 else 1
+    return Probe(name, tensor.detach().view(-1), rows * width + columns)
+
+
+def parameter_probes(named: Iterable[tuple[str, Tensor]]) -> list[Probe]:
+    return [parameter_probe(name, tensor) for name, tensor in named]
+
+
+class Fingerprinter:
+    """Computes ``{name: checksum}`` for a fixed list of probes (built once: the address table
+    is rebuilt only when a base tensor moves)."""
+
+    def __init__(self, probes: Sequence[Probe]) -> None:
+        self.probes = list(probes)
+        self._tables: dict[torch.dtype, tuple[tuple[int, ...], list[str], Tensor, Tensor]] = {}
+
+    def __call__(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        by_dtype: dict[torch.dtype, list[Probe]] = {}
+        for probe in self.probes:
+            by_dtype.setdefault(probe.base.dtype, []).append(probe)
+        for dtype, probes in by_dtype.items():
+            device = probes[0].base.device
+            if device.type == "cuda" and _kernel() is not None:
+                names, sums = self._on_gpu(dtype, probes)
+                out.update(zip(names, sums.tolist(), strict=True))
+            else:
+                out.update((p.name, checksum(p.base[p.index])) for p in probes)
+        return out
+
+    def _on_gpu(self, dtype: torch.dtype, probes: list[Probe]) -> tuple[list[str], Tensor]:
+        key = tuple(p.base.data_ptr() for p in probes)
+        table = self._tables.get(dtype)
+        if table is None or table[0] != key:
+            size = probes[0].base.element_size()
+            addresses = torch.cat([p.base.data_ptr() + p.index * size for p in probes])
+            counts = torch.tensor([0] + [p.index.numel() for p in probes], device=addresses.device)
+            starts = counts.cumsum(0)
+            table = (key, [p.name for p in probes], addresses, starts)
+            self._tables[dtype] = table
+        _, names, addresses, starts = table
+        sums = torch.empty(len(names), dtype=torch.int64, device=addresses.device)
+        kernel = _kernel()
+        assert kernel is not None
+        value, bits = _TRITON_DTYPES[dtype]
+        kernel[(len(names),)](addresses, starts, sums, DTYPE=value, BITS=bits, BLOCK=1024)
+        return names, sums
+
+
+def checksum(values: Tensor) -> int:
+    """The module docstring's checksum of a 1-D tensor of sampled values (the torch path)."""
+    bits = values.contiguous().view(_BITS[values.dtype]).to(torch.int64)
+    weights = torch.arange(1, 2 * bits.numel() + 1, 2, device=bits.device)
+    return int((bits * weights).sum())
+
+
+_TRITON_DTYPES: dict[torch.dtype, tuple[object, object]] = {}
+_KERNEL: list[object] = []
+
+
+def _kernel() -> object | None:
+    """The Triton kernel (built on first use), or None without Triton."""
+    if not _KERNEL:
+        try:
+            import triton
+            import triton.language as tl
+        except ImportError:
+            _KERNEL.append(None)
+            return None
+        _TRITON_DTYPES.update(
+            {torch.bfloat16: (tl.bfloat16, tl.int16), torch.float16: (tl.float16, tl.int16)}
+        )
+        _TRITON_DTYPES[torch.float32] = (tl.float32, tl.int32)
+
+        @triton.jit
+        def sampled_checksums(
+            addresses, starts, out, DTYPE: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr
+        ):
+            g = tl.program_id(0)
+            lo = tl.load(starts + g)
+            hi = tl.load(starts + g + 1)
+            acc = tl.zeros([BLOCK], dtype=tl.int64)
+            for first in range(lo, hi, BLOCK):
+                j = first + tl.arange(0, BLOCK)
+                inside = j < hi
+                pointer = tl.load(addresses + j, mask=inside, other=0).to(tl.pointer_type(DTYPE))
+                x = tl.load(pointer, mask=inside, other=0.0)
+                bits = x.to(BITS, bitcast=True).to(tl.int64)
+                acc += tl.where(inside, bits * (2 * (j - lo) + 1), 0)
+            tl.store(out + g, tl.sum(acc, axis=0))
+
+        _KERNEL.append(sampled_checksums)
+    return _KERNEL[0]
