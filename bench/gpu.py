@@ -5,8 +5,10 @@ Parts (each can be picked with --parts):
   (CUDA graphs of compiled decode steps; first call compiles and captures, then timed calls;
   `--uncompiled`/`--eager` also time graphs of uncompiled steps / no graphs), the prefill's
   share, and the engine/recompute mismatch metrics of the generated tokens (`token_logprobs`).
-- `handoff`: `release` (stand-down) and `wake` times of the sampler's KV cache, and a check
-  that the captured graphs still give the same greedy tokens afterwards.
+- `handoff`: `release` (stand-down) and `wake` times of the sampler's KV cache (the wake
+  includes copying the weights into the packed copies), a check that the captured graphs still
+  give the same greedy tokens afterwards, and the handoff check's cost: the trainer's and the
+  engine's weight fingerprints (`backends/torch/fingerprint.py`), each timed alone.
 - `train`: the model's training tokens/s and MFU at sequence length 1024: full sequences
   through the trainer's logprob head (`picked_logprobs`, not its prompt-sharing pass), bf16
   weights stepped directly by fused AdamW (no float32 masters), SDPA; `--train-modes`: eager
@@ -31,6 +33,7 @@ import torch
 
 from backends.torch.config import ModelConfig
 from backends.torch.cuda_sampler import CudaSampler
+from backends.torch.fingerprint import Fingerprinter, parameter_probes
 from backends.torch.grouped import response_logprobs
 from backends.torch.grpo_loss import mismatch_metrics
 from backends.torch.logprobs import picked_logprobs
@@ -156,6 +159,16 @@ def bench_handoff(model: Decoder, args: argparse.Namespace) -> dict[str, Any]:
         sampler.wake()
         wake.append(_sync_time() - start)
     after = sampler.generate(prompts, **kw)
+    published = Fingerprinter(parameter_probes(model.named_parameters()))
+    served = Fingerprinter(sampler.probes())
+    trainer_ms, engine_ms = [], []
+    for _ in range(args.repeats + 2):
+        start = _sync_time()
+        expected = published()
+        trainer_ms.append(1000 * (_sync_time() - start))
+        start = _sync_time()
+        got = served()
+        engine_ms.append(1000 * (_sync_time() - start))
     result = {
         "pool_bytes": sampler.cache_bytes(),  # KV cache and packed weights
         "stable_addresses": sampler.pool.stable,
@@ -165,6 +178,11 @@ def bench_handoff(model: Decoder, args: argparse.Namespace) -> dict[str, Any]:
         * sorted(a + b for a, b in zip(stand_down, wake, strict=True))[len(wake) // 2],
         "graphs_captured": sampler.captures,
         "greedy_tokens_equal_after_wake": [o.tokens for o in after] == [o.tokens for o in before],
+        "fingerprint_tensors": len(expected),
+        "fingerprint_samples": sum(p.index.numel() for p in served.probes),
+        "fingerprint_trainer_ms": trainer_ms,
+        "fingerprint_engine_ms": engine_ms,
+        "fingerprints_equal": expected == got,
     }
     print("handoff", json.dumps(result), flush=True)
     sampler.pool.free()

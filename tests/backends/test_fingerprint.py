@@ -15,8 +15,13 @@ from backends.torch.model import Decoder
 def _model() -> Decoder:
     torch.manual_seed(0)
     config = ModelConfig(
-        vocab_size=37, hidden_size=48, intermediate_size=80, num_attention_heads=6, num_key_value_heads=2,
-        head_dim=8, attention_bias=True,
+        vocab_size=37,
+        hidden_size=48,
+        intermediate_size=80,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        head_dim=8,
+        attention_bias=True,
     )
     return Decoder(config)
 

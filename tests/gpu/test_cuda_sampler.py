@@ -147,3 +147,24 @@ def test_graphs_stay_valid_across_stand_down_and_wake() -> None:
     assert sampler.captures == 1
     assert [o.tokens for o in changed] == [o.tokens for o in CudaSampler(model).generate(prompts, **kw)]
     assert [o.tokens for o in changed] != [o.tokens for o in flipped]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_growing_the_cache_after_captures_and_waking_in_either_dtype(dtype: torch.dtype) -> None:
+    """More rows, then a longer length, than the graphs were captured for: the cache grows and
+    the graphs are captured again (in a new graph pool: reusing the pool of destroyed graphs
+    hit the caching allocator's `use_count > 0` assert); stand-down and wake between calls in
+    float32 too (the SDPA path clears the woken cache in place). Greedy tokens equal a fresh
+    sampler's for every call."""
+    model = _model(dtype)
+    sampler = CudaSampler(model)
+    calls = [(_prompts(9, seed=3), 20), (_prompts(40, seed=4), 20), (_prompts(12, seed=5), 60)]
+    for prompts, new in calls:
+        kw = dict(max_new_tokens=new, temperature=0.0, generator=torch.Generator("cuda"))
+        got = sampler.generate(prompts, **kw)
+        sampler.release()
+        sampler.wake()
+        again = sampler.generate(prompts, **kw)
+        want = CudaSampler(model).generate(prompts, **kw)
+        assert [o.tokens for o in got] == [o.tokens for o in again] == [o.tokens for o in want]
+    assert sampler.captures == 3
