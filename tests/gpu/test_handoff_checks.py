@@ -45,7 +45,8 @@ def test_kernel_equals_the_torch_path_and_packed_copies_equal_the_model(dtype: t
 
 
 def _engine(model: Decoder, shared: bool) -> TorchEngine:
-    engine_model = model if shared else Decoder(model.config).to(device="cuda", dtype=model.dtype)
+    dtype = next(model.parameters()).dtype
+    engine_model = model if shared else Decoder(model.config).to(device="cuda", dtype=dtype)
     return TorchEngine(
         CudaSampler(engine_model),
         shared=shared,
