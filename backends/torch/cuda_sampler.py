@@ -252,9 +252,12 @@ class CudaSampler:
         per = rows * length * self.kv_heads * self.head_dim
         layers = self.model.config.num_hidden_layers
         elements = self._packed_elements() + 2 * layers * per
-        buffer = self.pool.allocate(elements * torch.finfo(self.dtype).bits // 8)
-        self.rows, self.length = rows, length
-        self._view(buffer)
+        # Ordinary tensors, though `generate` runs in inference mode: the pool's views outlive
+        # the call, and `wake` and `refresh` update them in place outside it.
+        with torch.inference_mode(False):
+            buffer = self.pool.allocate(elements * torch.finfo(self.dtype).bits // 8)
+            self.rows, self.length = rows, length
+            self._view(buffer)
         self._clear_for_masks()
         self._fresh = False
 
@@ -379,9 +382,7 @@ class CudaSampler:
 
     # ---- generation ---------------------------------------------------------------------
 
-    # Not inference mode: the views, step buffers and graphs made here outlive the call, and
-    # `wake` and the next calls update them in place outside it.
-    @torch.no_grad()
+    @torch.inference_mode()
     def generate(
         self,
         prompts: list[list[int]],
@@ -534,7 +535,8 @@ class CudaSampler:
     def _step(self, rows: int, *, draws: bool) -> _Step:
         step = self._steps.get((rows, draws))
         if step is None:
-            step = _Step(rows, draws, self.vocab, self.length, self.group, self.rows, self.device)
+            with torch.inference_mode(False):  # kept between calls, as the pool's views are
+                step = _Step(rows, draws, self.vocab, self.length, self.group, self.rows, self.device)
             self._steps[rows, draws] = step
         return step
 

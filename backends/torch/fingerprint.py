@@ -13,8 +13,8 @@ rows show too.
 A `Probe` names a tensor as the trainer knows it and says where its sampled elements live in
 the memory the engine reads: for the trainer and a plain engine, the parameter itself; for
 `CudaSampler`, its packed copies (`CudaSampler.probes`). On CUDA one Triton launch per dtype
-reads every probe's samples through a table of their addresses; elsewhere each probe is a
-gather.
+reads every probe's samples through a table of their addresses, in chunks of `_CHUNK` samples,
+and one `index_add_` sums the chunks per probe; elsewhere each probe is a gather.
 """
 
 from __future__ import annotations
@@ -81,19 +81,35 @@ class Fingerprinter:
         key = tuple(p.base.data_ptr() for p in probes)
         table = self._tables.get(dtype)
         if table is None or table[0] != key:
-            size = probes[0].base.element_size()
-            addresses = torch.cat([p.base.data_ptr() + p.index * size for p in probes])
-            counts = torch.tensor([0] + [p.index.numel() for p in probes], device=addresses.device)
-            starts = counts.cumsum(0)
-            table = (key, [p.name for p in probes], addresses, starts)
+            table = (key, *_address_table(probes))
             self._tables[dtype] = table
-        _, names, addresses, starts = table
-        sums = torch.empty(len(names), dtype=torch.int64, device=addresses.device)
+        _, names, addresses, chunks = table
+        partial = torch.empty(chunks.shape[0], dtype=torch.int64, device=addresses.device)
         kernel = _kernel()
         assert kernel is not None
         value, bits = _TRITON_DTYPES[dtype]
-        kernel[(len(names),)](addresses, starts, sums, DTYPE=value, BITS=bits, BLOCK=1024)
-        return names, sums
+        kernel[(chunks.shape[0],)](addresses, chunks, partial, DTYPE=value, BITS=bits, CHUNK=_CHUNK)
+        sums = torch.zeros(len(names), dtype=torch.int64, device=addresses.device)
+        return names, sums.index_add_(0, chunks[:, 2], partial)
+
+
+# Samples a GPU program sums: every tensor's samples are cut into chunks of this many, so the
+# embedding's 150k rows are spread over programs like everything else.
+_CHUNK = 2048
+
+
+def _address_table(probes: list[Probe]) -> tuple[list[str], Tensor, Tensor]:
+    """Every sample's address, and per chunk [first sample, end, probe, the probe's first
+    sample] (int64 on the probes' device)."""
+    size = probes[0].base.element_size()
+    addresses = torch.cat([p.base.data_ptr() + p.index * size for p in probes])
+    rows, start = [], 0
+    for number, probe in enumerate(probes):
+        end = start + probe.index.numel()
+        rows += [(first, min(first + _CHUNK, end), number, start) for first in range(start, end, _CHUNK)]
+        start = end
+    chunks = torch.tensor(rows, dtype=torch.int64, device=addresses.device)
+    return [p.name for p in probes], addresses, chunks
 
 
 def checksum(values: Tensor) -> int:
@@ -123,20 +139,19 @@ def _kernel() -> object | None:
 
         @triton.jit
         def sampled_checksums(
-            addresses, starts, out, DTYPE: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr
+            addresses, chunks, out, DTYPE: tl.constexpr, BITS: tl.constexpr, CHUNK: tl.constexpr
         ):
-            g = tl.program_id(0)
-            lo = tl.load(starts + g)
-            hi = tl.load(starts + g + 1)
-            acc = tl.zeros([BLOCK], dtype=tl.int64)
-            for first in range(lo, hi, BLOCK):
-                j = first + tl.arange(0, BLOCK)
-                inside = j < hi
-                pointer = tl.load(addresses + j, mask=inside, other=0).to(tl.pointer_type(DTYPE))
-                x = tl.load(pointer, mask=inside, other=0.0)
-                bits = x.to(BITS, bitcast=True).to(tl.int64)
-                acc += tl.where(inside, bits * (2 * (j - lo) + 1), 0)
-            tl.store(out + g, tl.sum(acc, axis=0))
+            # One chunk of one probe's samples: its share of the probe's checksum.
+            c = tl.program_id(0)
+            lo = tl.load(chunks + 4 * c)
+            hi = tl.load(chunks + 4 * c + 1)
+            origin = tl.load(chunks + 4 * c + 3)
+            j = lo + tl.arange(0, CHUNK)
+            inside = j < hi
+            pointer = tl.load(addresses + j, mask=inside, other=0).to(tl.pointer_type(DTYPE))
+            x = tl.load(pointer, mask=inside, other=0.0)
+            bits = x.to(BITS, bitcast=True).to(tl.int64)
+            tl.store(out + c, tl.sum(tl.where(inside, bits * (2 * (j - origin) + 1), 0), axis=0))
 
         _KERNEL.append(sampled_checksums)
     return _KERNEL[0]
