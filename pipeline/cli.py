@@ -1,9 +1,11 @@
 """The command line: `python -m pipeline run|validate RECIPE [key.path=value ...]`, and
 `inspect CHECKPOINT`, `export CHECKPOINT OUT_DIR`, `generate MODEL --prompt TEXT`,
-`plot RUN_DIR [RUN_DIR ...]`, `timeline RUN_DIR`.
+`plot RUN_DIR [RUN_DIR ...]`, `timeline RUN_DIR`, `check RUN_DIR [--recipe RECIPE]`.
 
 Exit codes: 0 success or clean stop, 1 a run error the user can act on, 2 a bad recipe or
-command line, 128+N a second signal N (exits at once).
+command line, 3 the run finished (or stopped cleanly) but a metric gate of its recipe failed
+(`gates.fail: false` keeps 0; `check` exits 3 the same way), 128+N a second signal N (exits at
+once).
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ from pipeline import logs
 from pipeline.console import Console, ConsoleHandler
 from pipeline.errors import PipelineError, RecipeError, StageFailed
 from pipeline.runner import first_error
+
+GATES_FAILED = 3  # the exit code of a run (or `check`) whose metric gates failed
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -63,6 +67,9 @@ def _parser() -> argparse.ArgumentParser:
     timeline.add_argument("run_dir", metavar="RUN_DIR")
     timeline.add_argument("--steps", help="FIRST:LAST train steps to show (default: the last three)")
     timeline.add_argument("--out", help="the PNG to write (default RUN_DIR/timeline.png)")
+    check = commands.add_parser("check", help="evaluate a recipe's metric gates on a run directory")
+    check.add_argument("run_dir", metavar="RUN_DIR")
+    check.add_argument("--recipe", help="the recipe whose gates to evaluate (default RUN_DIR/recipe.yaml)")
     for sub in commands.choices.values():
         sub.add_argument(
             "--log-level",
@@ -102,6 +109,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _export(args.checkpoint, args.out_dir)
         if args.command == "generate":
             return _generate(args)
+        if args.command == "check":
+            return _check(args.run_dir, args.recipe)
         recipe = pipeline.load_recipe(args.recipe, args.overrides)
         if args.command == "validate":
             print(f"{args.recipe}: ok")
@@ -126,7 +135,32 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{state} after {summary.steps_done} steps (policy version {summary.policy_version}); "
         f"run dir {summary.run_dir}"
     )
-    return 0
+    if summary.verdict.results:
+        print(f"{_gates_line(summary.verdict)} (see {summary.run_dir}/gates.json)")
+    return GATES_FAILED if not summary.passed and recipe.gates.fail else 0
+
+
+def _check(run_dir: str, recipe_path: str | None) -> int:
+    from stages.gates import describe, evaluate_gates
+
+    directory = Path(run_dir)
+    if not (directory / "metrics.jsonl").is_file():
+        raise RecipeError(f"{directory}: no metrics.jsonl here: not a run directory")
+    source = recipe_path or directory / "recipe.yaml"
+    recipe = pipeline.load_recipe(source)
+    if not recipe.gates.checks:
+        raise RecipeError(f"{source}: gates.checks: the recipe has no gates (give one with --recipe)")
+    verdict = evaluate_gates(directory, recipe.gates)
+    for result in verdict.results:
+        print(describe(result))
+    print(_gates_line(verdict))
+    return 0 if verdict.passed else GATES_FAILED
+
+
+def _gates_line(verdict: Any) -> str:
+    failed = sum(not result.passed for result in verdict.results)
+    total = len(verdict.results)
+    return f"gates: {failed} of {total} failed" if failed else f"gates: all {total} passed"
 
 
 def _inspect(checkpoint: str, recipe_path: str | None) -> int:

@@ -132,7 +132,7 @@ def _validation_message(
     elif missing:
         field = f"{field}.{missing.group(1)}" if field else missing.group(1)
         problem = "required field is missing"
-    elif isinstance(value, str) and _FLOATISH.match(value.strip()) and "`float`" in problem:
+    elif isinstance(value, str) and _FLOATISH.match(value.strip()) and "`float" in problem:
         mantissa, exponent = value.strip().lower().split("e")
         if "." not in mantissa:
             mantissa += ".0"
@@ -158,6 +158,10 @@ def _type_at(root: type, data: Any, field: str) -> Any:
     info = _unwrap(msgspec.inspect.type_info(root), data)
     node = data
     for part in re.findall(r"[^.\[\]]+", field):
+        if isinstance(info, msgspec.inspect.CollectionType) and part.isdigit():  # a list's item
+            node = node[int(part)] if isinstance(node, list) and int(part) < len(node) else None
+            info = _unwrap(info.item_type, node)
+            continue
         if not isinstance(info, msgspec.inspect.StructType):
             return None
         found = next((f for f in info.fields if f.encode_name == part), None)

@@ -42,6 +42,7 @@ from stages.checkpoint import (
 )
 from stages.evaluation import Evaluation
 from stages.faults import FaultyEngine
+from stages.gates import Verdict, give_verdict
 from stages.progress import Progress
 from stages.prompts import build_prompts
 from stages.recipe import Recipe
@@ -60,6 +61,8 @@ class RunSummary(msgspec.Struct, frozen=True, kw_only=True):
     stopped: bool
     dropped_groups: int
     last_metrics: dict[str, Any]
+    passed: bool  # every gate of recipe.gates passed (true without gates)
+    verdict: Verdict  # each gate's value and result, as in run_dir/gates.json
 
 
 async def run_program(
@@ -316,6 +319,7 @@ async def run_program(
             await anyio.to_thread.run_sync(write_report, [run_dir], run_dir / "report.png")
         except PipelineError as error:  # the run is done and saved: a missing plot is not a failure
             log.warning("run.plot: no report.png: %s", error)
+    verdict = await anyio.to_thread.run_sync(give_verdict, run_dir, recipe.gates)
     return RunSummary(
         run_dir=str(run_dir),
         steps_done=progress.steps_done,
@@ -323,6 +327,8 @@ async def run_program(
         stopped=outcome.stopped,
         dropped_groups=rollout.counts["dropped_groups"],
         last_metrics=metrics.last,
+        passed=verdict.passed,
+        verdict=verdict,
     )
 
 

@@ -17,6 +17,8 @@ from pipeline.recipe import (
 )
 from stages.evaluation import EvalSection
 from stages.faults import FaultsSection
+from stages.gates import GatesSection, check_names
+from stages.metric_names import MetricNames
 from stages.prompts import PromptsSection
 from stages.reward import RewardSection
 from stages.rollout import RolloutSection
@@ -42,6 +44,7 @@ class Recipe(Section):
     train: TrainSection = msgspec.field(default_factory=TrainSection)
     eval: EvalSection = msgspec.field(default_factory=EvalSection)
     faults: FaultsSection = msgspec.field(default_factory=FaultsSection)
+    gates: GatesSection = msgspec.field(default_factory=GatesSection)
 
     def __post_init__(self) -> None:
         if self.eval.every_steps and not self.prompts.source.num_heldout:
@@ -49,3 +52,4 @@ class Recipe(Section):
                 "eval.every_steps needs held-out prompts: set prompts.source.num_heldout > 0 "
                 "or eval.every_steps: 0"
             )
+        check_names(self.gates, MetricNames.for_recipe(self))

@@ -1,0 +1,104 @@
+"""The metric names a run logs, so a recipe's gates are checked before anything runs.
+
+`MetricNames.for_recipe(recipe)` gives the names of `metrics.jsonl` (one record per train step)
+and of `eval.jsonl` (one per held-out evaluation). Fixed names are those some configuration of
+this pipeline writes (a gate on one this recipe never writes, such as `timing/refit_s` when
+colocated, fails at the end with "no values"). Two families depend on the recipe:
+
+- `rollout/lag_hist/<k>` for k = 0 .. async_rl.max_lookahead_versions;
+- a reward's info keys, logged as `reward/<key>` on steps and `eval/<key>` on evaluations: for a
+  built-in reward its own keys; for a `module:function` reward, whose keys are known only once it
+  has run, any `reward/<key>` and `eval/<key>` (one path segment) is accepted.
+
+`tests/stages/test_metric_names.py` runs the pipeline and fails if it logs a name not known here.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import msgspec
+
+from pipeline.metrics import REQUIRED_KEYS
+
+if TYPE_CHECKING:
+    from stages.recipe import Recipe
+
+# What stages/train.py writes on each step besides the required keys.
+_TRAIN_STAGE = (
+    "batch",
+    "reward/std",
+    "rollout/dropped_groups",
+    "rollout/unscored_samples",
+    "rollout/mean_lag",
+    "rollout/samples",
+    "rollout/response_len",
+    "timing/wait_s",
+    "train/empty_batches",
+)
+# Seconds per batch from stages/timings.py (admission, rollout, reward) and from the engine
+# gate's transitions (pipeline/gate.py), each logged as timing/<name>_s.
+_TIMINGS = ("prompts", "generate", "reward", "stand_down", "train", "save", "wake", "refit")
+_QUEUES = ("batches", "generated", "scored")  # the channels stages/program.py builds
+# The run's running counts (stages/program.py's counters) and the metrics log's own marks.
+_COUNTERS = (
+    "rollout/retries",
+    "rollout/engine_errors",
+    "rollout/dropped_groups_total",
+    "rollout/poisoned_samples_total",
+    "reward/failures",
+    "metrics/nonfinite_dropped",
+    "metrics/recovered",
+)
+# backends/torch/trainer.py's train_step (the mismatch figures are required keys); kl_ref with
+# train.kl_coef > 0, the offload figures with train.offload_optimizer.
+_TRAINER = (
+    "train/clip_fraction",
+    "train/lr",
+    "train/skipped_steps",
+    "train/tokens",
+    "train/kl_ref",
+    "train/offloaded_gb",
+    "timing/optimizer_reload_s",
+    "timing/optimizer_offload_s",
+)
+_EVAL = ("step", "policy_version", "eval/reward", "timing/eval_s")  # stages/train.py's evaluations
+# The info keys of the built-in rewards (stages/reward.py, stages/math_reward.py).
+_BUILTIN_INFO: dict[str, tuple[str, ...]] = {"positional": ("exact_match",), "math": ("has_answer",)}
+
+
+class MetricNames(msgspec.Struct, frozen=True, kw_only=True):
+    steps: frozenset[str]  # metrics.jsonl
+    evals: frozenset[str]  # eval.jsonl
+    open_info: bool  # any reward/<key> and eval/<key> may appear (a module:function reward)
+
+    @classmethod
+    def for_recipe(cls, recipe: Recipe) -> MetricNames:
+        lookahead = recipe.async_rl.max_lookahead_versions
+        info = _BUILTIN_INFO.get(recipe.reward.function, ())
+        steps = {
+            *REQUIRED_KEYS,
+            *_TRAIN_STAGE,
+            *(f"timing/{name}_s" for name in _TIMINGS),
+            *(f"queue/{name}" for name in _QUEUES),
+            *_COUNTERS,
+            *_TRAINER,
+            *(f"rollout/lag_hist/{k}" for k in range(lookahead + 1)),
+            *(f"reward/{key}" for key in info),
+        }
+        evals = {*_EVAL, *(f"eval/{key}" for key in info)}
+        return cls(steps=frozenset(steps), evals=frozenset(evals), open_info=":" in recipe.reward.function)
+
+    def file_of(self, name: str) -> str | None:
+        """`"steps"` or `"evals"`: where `name` is logged; None for a name no run logs."""
+        if name in self.steps:
+            return "steps"
+        if name in self.evals:
+            return "evals"
+        prefix, _, key = name.partition("/")
+        if self.open_info and key and "/" not in key:
+            return {"reward": "steps", "eval": "evals"}.get(prefix)
+        return None
+
+    def all(self) -> list[str]:
+        return sorted(self.steps | self.evals)
