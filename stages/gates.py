@@ -75,8 +75,10 @@ class Gate(Section):
                 f"{self.metric}: give exactly one bound (lt, le, gt or ge), got "
                 + (", ".join(given) if given else "none")
             )
-        if (self.stat == "at") != (self.step is not None):
-            raise ValueError(f"{self.metric}: step is the step of stat: at (and only of it)")
+        if self.stat == "at" and self.step is None:
+            raise ValueError(f"{self.metric}: stat: at needs the step to read (step: N)")
+        if self.stat != "at" and self.step is not None:
+            raise ValueError(f"{self.metric}: step is for stat: at; a range is first_step/last_step")
         if self.stat == "at" and (self.first_step is not None or self.last_step is not None):
             raise ValueError(f"{self.metric}: stat: at takes one step, not first_step/last_step")
         if self.first_step is not None and self.last_step is not None and self.first_step > self.last_step:

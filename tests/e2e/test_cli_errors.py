@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -19,7 +20,18 @@ ROOT = Path(__file__).parents[2]
 QUICKSTART = ROOT / "recipes" / "quickstart.yaml"
 
 METRIC_KEYS = REQUIRED_KEYS  # DESIGN.md, "What a run leaves behind"
-SMALL = ["prompts.prompts_per_step=8", "rollout.samples_per_prompt=4", "eval.every_steps=0"]
+# Small and fast; without the quickstart's gates, which a run this short fails.
+SMALL = [
+    "prompts.prompts_per_step=8",
+    "rollout.samples_per_prompt=4",
+    "eval.every_steps=0",
+    "gates.checks=[]",
+]
+PASSING = "gates.checks=[{metric: rollout/max_lag, stat: max, le: 1}]"  # L = 1: always true
+FAILING = (  # the second cannot pass: rewards are at most 1
+    "gates.checks=[{metric: rollout/max_lag, stat: max, le: 1}, "
+    "{metric: reward/mean, stat: at, step: 1, gt: 2}]"
+)
 
 
 def cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
@@ -94,11 +106,17 @@ def test_validate_good_recipe_exits_0() -> None:
 
 def test_small_real_run(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    result = cli("run", str(QUICKSTART), "run.steps=3", f"run.dir={run_dir}", *SMALL, "--quiet", timeout=240)
+    result = cli(
+        "run", str(QUICKSTART), "run.steps=3", f"run.dir={run_dir}", *SMALL, PASSING, "--quiet", timeout=240
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "Traceback" not in result.stderr
-    assert result.stdout.splitlines()[-1] == f"finished after 3 steps (policy version 3); run dir {run_dir}"
-    assert {"recipe.yaml", "metrics.jsonl", "trace.json"} <= {p.name for p in run_dir.iterdir()}
+    assert result.stdout.splitlines()[-2:] == [
+        f"finished after 3 steps (policy version 3); run dir {run_dir}",
+        f"gates: all 1 passed (see {run_dir}/gates.json)",
+    ]
+    assert "gate passed: max(rollout/max_lag) = 1 (needs <= 1)\n" in result.stderr
+    assert {"recipe.yaml", "metrics.jsonl", "trace.json", "gates.json"} <= {p.name for p in run_dir.iterdir()}
 
     def refuse(constant: str) -> None:
         raise AssertionError(f"{constant} in metrics.jsonl")
@@ -112,6 +130,79 @@ def test_small_real_run(tmp_path: Path) -> None:
         assert METRIC_KEYS <= set(line), METRIC_KEYS - set(line)
         assert all(math.isfinite(v) for v in line.values() if isinstance(v, float))
     assert json.loads((run_dir / "trace.json").read_text())["traceEvents"]
+
+
+def test_failed_gates_exit_3_and_check_reads_the_resumed_run(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    base = [
+        "run",
+        str(QUICKSTART),
+        f"run.dir={run_dir}",
+        *SMALL,
+        FAILING,
+        "checkpoint.every_steps=1",
+    ]
+    first = cli(*base, "run.steps=2", "--quiet", timeout=240)
+    assert first.returncode == 3, first.stdout + first.stderr
+    assert first.stdout.splitlines()[-2:] == [
+        f"finished after 2 steps (policy version 2); run dir {run_dir}",
+        f"gates: 1 of 2 failed (see {run_dir}/gates.json)",
+    ]
+    assert re.search(
+        r"WARNING stages.gates: gate FAILED: at\(reward/mean, step 1\) = [0-9.e-]+ \(needs > 2\)\n",
+        first.stderr,
+    )
+    verdict = json.loads((run_dir / "gates.json").read_text())
+    assert [(r["gate"], r["passed"]) for r in verdict["results"]] == [
+        ("max(rollout/max_lag)", True),
+        ("at(reward/mean, step 1)", False),
+    ]
+    assert not verdict["passed"]
+
+    # Resumed from step 2 to 3; gates.fail: false reports the failure but exits 0.
+    second = cli(*base, "run.steps=3", "gates.fail=false", "--quiet", timeout=240)
+    assert second.returncode == 0, second.stdout + second.stderr
+    assert "resumed from" in second.stderr
+    assert second.stdout.splitlines()[-1] == f"gates: 1 of 2 failed (see {run_dir}/gates.json)"
+
+    # check: the run's own recipe (its gates fail), then another recipe's (they pass), running nothing.
+    own = cli("check", str(run_dir))
+    assert own.returncode == 3, own.stdout + own.stderr
+    lines = own.stdout.splitlines()
+    assert lines[0] == "gate passed: max(rollout/max_lag) = 1 (needs <= 1)"
+    assert lines[1].startswith("gate FAILED: at(reward/mean, step 1) = ") and lines[1].endswith(
+        " (needs > 2)"
+    )
+    assert lines[2:] == ["gates: 1 of 2 failed"]
+    other = tmp_path / "other.yaml"
+    other.write_text(
+        "gates:\n  checks:\n    - {metric: step, stat: last, ge: 3}\n"
+        "    - {metric: rollout/max_lag, stat: max, le: 1}\n"
+    )
+    passing = cli("check", str(run_dir), "--recipe", str(other))
+    assert (passing.returncode, passing.stdout.splitlines()[-1]) == (0, "gates: all 2 passed"), passing.stderr
+    assert (run_dir / "metrics.jsonl").read_text().count("\n") == 3
+
+
+def test_check_bad_input_exits_2(tmp_path: Path) -> None:
+    nowhere = cli("check", str(tmp_path))
+    assert (nowhere.returncode, nowhere.stderr) == (
+        2,
+        f"error: {tmp_path}: no metrics.jsonl here: not a run directory\n",
+    )
+    (tmp_path / "metrics.jsonl").write_text("")
+    (tmp_path / "recipe.yaml").write_text("run:\n  steps: 3\n")
+    no_gates = cli("check", str(tmp_path))
+    assert (no_gates.returncode, no_gates.stderr) == (
+        2,
+        f"error: {tmp_path / 'recipe.yaml'}: gates.checks: the recipe has no gates "
+        "(give one with --recipe)\n",
+    )
+    missing = cli("check", str(tmp_path), "--recipe", str(tmp_path / "nope.yaml"))
+    assert (missing.returncode, missing.stderr) == (
+        2,
+        f"error: {tmp_path / 'nope.yaml'}: recipe file not found\n",
+    )
 
 
 def test_sigterm_stops_cleanly(tmp_path: Path) -> None:

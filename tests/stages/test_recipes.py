@@ -37,7 +37,7 @@ VALID_RUN_FIELDS = "dir, steps, seed, stop_grace_s, progress, log_every_steps, p
         pytest.param(
             "colour: blue\n",
             "colour: unknown field; valid fields: run, async_rl, colocated, checkpoint, watchdog, wandb, "
-            "tensorboard, model, prompts, rollout, reward, train, eval, faults",
+            "tensorboard, model, prompts, rollout, reward, train, eval, faults, gates",
             id="unknown-section",
         ),
         pytest.param(
@@ -87,6 +87,95 @@ VALID_RUN_FIELDS = "dir, steps, seed, stop_grace_s, progress, log_every_steps, p
             "prompts:\n  system_prompt: Be brief.\n",
             "prompts: system_prompt needs chat_template: true",
             id="system-prompt-without-chat-template",
+        ),
+        pytest.param(
+            "gates:\n  checks:\n    - {metric: train/token_mult_prob_eror, stat: median, lt: 1.1}\n",
+            "gates.checks[0]: unknown metric `train/token_mult_prob_eror` (did you mean "
+            "`train/token_mult_prob_error`?); the names a run logs are listed in README.md, 'Watching a run'",
+            id="gate-unknown-metric",
+        ),
+        pytest.param(
+            "gates:\n  checks:\n    - {metric: reward/mean, stat: last, gt: 0}\n"
+            "    - {metric: loss, stat: last, lt: 1}\n",
+            "gates.checks[1]: unknown metric `loss`; the names a run logs are listed in README.md, "
+            "'Watching a run'",
+            id="gate-unknown-metric-second",
+        ),
+        pytest.param(
+            "async_rl:\n  max_lookahead_versions: 0\n"
+            "gates:\n  checks:\n    - {metric: rollout/lag_hist/1, stat: max, le: 0}\n",
+            "gates.checks[0]: unknown metric `rollout/lag_hist/1` (did you mean `rollout/lag_hist/0`?); "
+            "the names a run logs are listed in README.md, 'Watching a run'",
+            id="gate-lag-hist-beyond-lookahead",
+        ),
+        pytest.param(
+            "gates:\n  checks:\n    - {metric: eval/has_answer, stat: last, gt: 0.5}\n",
+            "gates.checks[0]: unknown metric `eval/has_answer`; the names a run logs are listed in "
+            "README.md, 'Watching a run'",
+            id="gate-info-key-the-builtin-reward-has-not",
+        ),
+        pytest.param(
+            "gates:\n  checks:\n    - {metric: reward/mean, stat: last}\n",
+            "gates.checks[0]: reward/mean: give exactly one bound (lt, le, gt or ge), got none",
+            id="gate-no-bound",
+        ),
+        pytest.param(
+            "gates:\n  checks:\n    - {metric: reward/mean, stat: last, gt: 0.1, lt: 0.9}\n",
+            "gates.checks[0]: reward/mean: give exactly one bound (lt, le, gt or ge), got lt, gt",
+            id="gate-two-bounds",
+        ),
+        pytest.param(
+            "gates:\n  checks:\n    - {metric: reward/mean, stat: at, gt: 0.2}\n",
+            "gates.checks[0]: reward/mean: stat: at needs the step to read (step: N)",
+            id="gate-at-without-step",
+        ),
+        pytest.param(
+            "gates:\n  checks:\n    - {metric: reward/mean, stat: max, step: 5, gt: 0.2}\n",
+            "gates.checks[0]: reward/mean: step is for stat: at; a range is first_step/last_step",
+            id="gate-step-without-at",
+        ),
+        pytest.param(
+            "gates:\n  checks:\n    - {metric: reward/mean, stat: at, step: 5, first_step: 2, gt: 0.2}\n",
+            "gates.checks[0]: reward/mean: stat: at takes one step, not first_step/last_step",
+            id="gate-at-with-range",
+        ),
+        pytest.param(
+            "gates:\n  checks:\n    - {metric: reward/mean, stat: max, first_step: 9, last_step: 3, gt: 0}\n",
+            "gates.checks[0]: reward/mean: first_step (9) must be <= last_step (3)",
+            id="gate-empty-range",
+        ),
+        pytest.param(
+            "gates:\n  checks:\n    - {metric: eval/reward, stat: last, healthy_only: true, gt: 0}\n",
+            "gates.checks[0]: eval/reward: healthy_only selects train steps, not evaluations",
+            id="gate-healthy-evaluations",
+        ),
+        pytest.param(
+            "gates:\n  checks:\n    - {metric: reward/mean, stat: p95, gt: 0}\n",
+            "gates.checks[0].stat: Invalid enum value 'p95'; expected one of: "
+            "at, last, max, mean, median, min",
+            id="gate-unknown-statistic",
+        ),
+        pytest.param(
+            "gates:\n  checks:\n    - {metric: train/gen_kl_error, stat: max, lt: 1e-3}\n",
+            "gates.checks[0].lt: Expected `float | null`, got `str` ('1e-3'): YAML reads 1e-3 as a string, "
+            "write 1.0e-3",
+            id="gate-bound-read-as-string",
+        ),
+        pytest.param(
+            "gates:\n  checks:\n    - {metric: reward/mean, stats: max, gt: 0}\n",
+            "gates.checks[0].stats: unknown field (did you mean `stat`?); valid fields: metric, stat, step, "
+            "first_step, last_step, healthy_only, lt, le, gt, ge",
+            id="gate-unknown-field",
+        ),
+        pytest.param(
+            "gates:\n  checks:\n    - {stat: max, gt: 0}\n",
+            "gates.checks[0].metric: required field is missing",
+            id="gate-without-metric",
+        ),
+        pytest.param(
+            "gates:\n  fail: maybe\n",
+            "gates.fail: Expected `bool`, got `str` ('maybe')",
+            id="gates-fail-not-a-bool",
         ),
     ],
 )
@@ -145,7 +234,8 @@ def test_missing_file(tmp_path: Path) -> None:
         pytest.param(
             "nosuch.x=1",
             "{path}: override 'nosuch.x=1': nosuch: unknown field; valid fields: run, async_rl, colocated, "
-            "checkpoint, watchdog, wandb, tensorboard, model, prompts, rollout, reward, train, eval, faults",
+            "checkpoint, watchdog, wandb, tensorboard, model, prompts, rollout, reward, train, eval, faults, "
+            "gates",
             id="unknown-section",
         ),
         pytest.param(
@@ -186,4 +276,25 @@ def test_evaluation_without_held_out_prompts_is_refused(tmp_path: Path) -> None:
     assert str(error.value) == (
         f"{path}: eval.every_steps needs held-out prompts: set prompts.source.num_heldout > 0 "
         "or eval.every_steps: 0"
+    )
+
+
+def test_gates_accept_the_names_the_recipe_makes(tmp_path: Path) -> None:
+    # The lag histogram up to L; a module:function reward's info keys are known only once it runs.
+    path = tmp_path / "recipe.yaml"
+    path.write_text(
+        "async_rl:\n  max_lookahead_versions: 2\nreward:\n  function: mypkg.rewards:score\n"
+        "gates:\n  checks:\n"
+        "    - {metric: rollout/lag_hist/2, stat: max, le: 1}\n"
+        "    - {metric: reward/format_ok, stat: last, gt: 0.5}\n"
+        "    - {metric: eval/format_ok, stat: last, gt: 0.5}\n"
+        "    - {metric: train/kl_ref, stat: max, lt: 0.1}\n"
+        "    - {metric: timing/eval_s, stat: max, lt: 60}\n"
+    )
+    assert len(pipeline.load_recipe(path).gates.checks) == 5
+    with pytest.raises(RecipeError) as raised:
+        pipeline.load_recipe(path, ["gates.checks=[{metric: reward/a/b, stat: last, gt: 0}]"])
+    assert str(raised.value) == (
+        f"{path}: gates.checks[0]: unknown metric `reward/a/b` (did you mean `reward/mean`?); the names "
+        "a run logs are listed in README.md, 'Watching a run'"
     )
