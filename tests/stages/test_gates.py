@@ -7,10 +7,15 @@ import logging
 from pathlib import Path
 from typing import Any
 
+import anyio
 import msgspec
 import pytest
 
+import pipeline
+from pipeline.runner import StopRequest
+from pipeline.testing import FakeEngine, FakeTrainer
 from stages.gates import Gate, GatesSection, describe, evaluate_gates, give_verdict
+from stages.program import run_program
 
 # Five train steps; step 3 had poisoned samples, step 4 left its metric out (non-finite).
 STEPS = [
@@ -203,3 +208,36 @@ def test_describe_a_failed_value() -> None:
         describe(msgspec.structs.replace(result, value=1.5, reason=None))
         == "gate FAILED: max(x) = 1.5 (needs < 1000)"
     )
+
+
+def test_a_run_gives_its_verdict_on_a_clean_stop_and_at_its_end(tmp_path: Path) -> None:
+    # The real wiring: run_program evaluates the recipe's gates and returns the verdict.
+    recipe = pipeline.load_recipe(
+        "recipes/quickstart.yaml",
+        [
+            f"run.dir={tmp_path / 'run'}",
+            "run.progress=false",
+            "run.plot=false",
+            "run.steps=4",
+            "eval.every_steps=0",
+            "gates.checks=[{metric: step, stat: last, ge: 4}]",
+        ],
+    )
+    stop = StopRequest()
+
+    def echo(record: dict[str, Any]) -> None:
+        if record.get("step") == 1:
+            stop.request("test stop")
+
+    stopped = anyio.run(
+        lambda: run_program(recipe, engine=FakeEngine(), trainer=FakeTrainer(), stop=stop, echo=echo)
+    )
+    assert stopped.stopped and stopped.steps_done < 4
+    assert not stopped.passed
+    assert [(r.value, r.passed) for r in stopped.verdict.results] == [(stopped.steps_done, False)]
+    assert json.loads((tmp_path / "run" / "gates.json").read_text())["passed"] is False
+
+    finished = anyio.run(lambda: run_program(recipe, engine=FakeEngine(), trainer=FakeTrainer()))
+    assert (finished.stopped, finished.steps_done, finished.passed) == (False, 4, True)
+    assert finished.verdict == evaluate_gates(tmp_path / "run", recipe.gates)
+    assert json.loads((tmp_path / "run" / "gates.json").read_text())["passed"] is True

@@ -23,6 +23,17 @@ def test_every_recipe_loads(path: Path) -> None:
     assert isinstance(recipe, Recipe)
 
 
+def test_the_recipes_with_figures_in_the_readme_carry_gates() -> None:
+    gated = {path.name for path in RECIPES if pipeline.load_recipe(path).gates.checks}
+    assert gated == {
+        "quickstart.yaml",
+        "reverse-digits.yaml",
+        "bench-h200-colocated.yaml",
+        "bench-h200-separate.yaml",
+        "bench-h200-8b-offload.yaml",
+    }
+
+
 VALID_RUN_FIELDS = "dir, steps, seed, stop_grace_s, progress, log_every_steps, plot"
 
 
