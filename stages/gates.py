@@ -30,7 +30,7 @@ import msgspec
 
 from pipeline.metrics import EVAL_FILE, STEPS_FILE, read
 from pipeline.recipe import NonNegativeInt, Section
-from stages.metric_names import MetricNames
+from stages.metric_names import MetricNames, per_evaluation
 
 log = logging.getLogger("stages.gates")
 
@@ -53,7 +53,6 @@ _BOUNDS: dict[str, tuple[str, Callable[[float, float], bool]]] = {
     "gt": (">", operator.gt),
     "ge": (">=", operator.ge),
 }
-_EVAL_ONLY = ("eval/", "timing/eval_s")
 
 
 class Gate(Section):
@@ -85,7 +84,7 @@ class Gate(Section):
             raise ValueError(
                 f"{self.metric}: first_step ({self.first_step}) must be <= last_step ({self.last_step})"
             )
-        if self.healthy_only and self.metric.startswith(_EVAL_ONLY):
+        if self.healthy_only and per_evaluation(self.metric):
             raise ValueError(f"{self.metric}: healthy_only selects train steps, not evaluations")
 
     @property
@@ -116,7 +115,7 @@ class GatesSection(Section):
 def check_names(gates: GatesSection, names: MetricNames) -> None:
     """Raise ValueError naming the first gate whose metric no run of this recipe logs."""
     for i, gate in enumerate(gates.checks):
-        if names.file_of(gate.metric) is None:
+        if not names.known(gate.metric):
             close = difflib.get_close_matches(gate.metric, names.all(), n=1, cutoff=0.75)
             hint = f" (did you mean `{close[0]}`?)" if close else ""
             raise ValueError(
@@ -154,7 +153,7 @@ def evaluate_gates(run_dir: Path, gates: GatesSection) -> Verdict:
     healthy = {step for step, r in records[STEPS_FILE].items() if r.get(HEALTHY_KEY) == 0}
     results = []
     for gate in gates.checks:
-        source = EVAL_FILE if gate.metric.startswith(_EVAL_ONLY) else STEPS_FILE
+        source = EVAL_FILE if per_evaluation(gate.metric) else STEPS_FILE
         results.append(_evaluate(gate, records[source], healthy))
     return Verdict(passed=all(r.passed for r in results), results=tuple(results))
 

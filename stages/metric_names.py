@@ -10,7 +10,8 @@ colocated, fails at the end with "no values"). Two families depend on the recipe
   built-in reward its own keys; for a `module:function` reward, whose keys are known only once it
   has run, any `reward/<key>` and `eval/<key>` (one path segment) is accepted.
 
-`tests/stages/test_metric_names.py` runs the pipeline and fails if it logs a name not known here.
+`tests/stages/test_metric_names.py` runs the pipeline and fails if it logs a name not known here
+(or if a name known here is never logged).
 """
 
 from __future__ import annotations
@@ -89,16 +90,16 @@ class MetricNames(msgspec.Struct, frozen=True, kw_only=True):
         evals = {*_EVAL, *(f"eval/{key}" for key in info)}
         return cls(steps=frozenset(steps), evals=frozenset(evals), open_info=":" in recipe.reward.function)
 
-    def file_of(self, name: str) -> str | None:
-        """`"steps"` or `"evals"`: where `name` is logged; None for a name no run logs."""
-        if name in self.steps:
-            return "steps"
-        if name in self.evals:
-            return "evals"
+    def known(self, name: str) -> bool:
+        if name in self.steps or name in self.evals:
+            return True
         prefix, _, key = name.partition("/")
-        if self.open_info and key and "/" not in key:
-            return {"reward": "steps", "eval": "evals"}.get(prefix)
-        return None
+        return self.open_info and prefix in ("reward", "eval") and bool(key) and "/" not in key
 
     def all(self) -> list[str]:
         return sorted(self.steps | self.evals)
+
+
+def per_evaluation(name: str) -> bool:
+    """Whether `name` is read from eval.jsonl (one value per evaluation), not metrics.jsonl."""
+    return name.startswith("eval/") or name == "timing/eval_s"

@@ -10,7 +10,7 @@ import pipeline
 from pipeline.metrics import read
 from pipeline.recipe import convert
 from pipeline.testing import FakeEngine, FakeTime, FakeTrainer
-from stages.metric_names import MetricNames
+from stages.metric_names import MetricNames, per_evaluation
 from stages.program import run_program
 from stages.recipe import Recipe
 
@@ -96,7 +96,12 @@ def test_every_name_a_run_logs_is_known_and_every_known_name_is_logged(tmp_path:
 def test_a_module_function_reward_makes_its_info_keys_known() -> None:
     recipe = convert({"reward": {"function": "mypkg.rewards:score"}}, Recipe, source="test")
     names = MetricNames.for_recipe(recipe)
-    assert (names.file_of("reward/format_ok"), names.file_of("eval/format_ok")) == ("steps", "evals")
-    assert names.file_of("reward/format/ok") is None
+    assert names.known("reward/format_ok") and names.known("eval/format_ok")
+    assert not names.known("reward/format/ok") and not names.known("train/format_ok")
     builtin = MetricNames.for_recipe(convert({}, Recipe, source="test"))
-    assert (builtin.file_of("reward/exact_match"), builtin.file_of("reward/format_ok")) == ("steps", None)
+    assert builtin.known("reward/exact_match") and not builtin.known("reward/format_ok")
+
+
+def test_the_metrics_of_evaluations_are_those_eval_jsonl_holds() -> None:
+    names = MetricNames.for_recipe(convert({}, Recipe, source="test"))
+    assert {n for n in names.all() if per_evaluation(n)} == names.evals - {"step", "policy_version"}
