@@ -136,16 +136,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"run dir {summary.run_dir}"
     )
     if summary.verdict.results:
-        print(f"{_gates_line(summary.verdict)} (see {summary.run_dir}/gates.json)")
+        print(f"{summary.verdict.summary()} (see {summary.run_dir}/gates.json)")
     return GATES_FAILED if not summary.passed and recipe.gates.fail else 0
 
 
 def _check(run_dir: str, recipe_path: str | None) -> int:
+    from pipeline.metrics import STEPS_FILE
     from stages.gates import describe, evaluate_gates
 
     directory = Path(run_dir)
-    if not (directory / "metrics.jsonl").is_file():
-        raise RecipeError(f"{directory}: no metrics.jsonl here: not a run directory")
+    if not (directory / STEPS_FILE).is_file():
+        raise RecipeError(f"{directory}: no {STEPS_FILE} here: not a run directory")
     source = recipe_path or directory / "recipe.yaml"
     recipe = pipeline.load_recipe(source)
     if not recipe.gates.checks:
@@ -153,14 +154,8 @@ def _check(run_dir: str, recipe_path: str | None) -> int:
     verdict = evaluate_gates(directory, recipe.gates)
     for result in verdict.results:
         print(describe(result))
-    print(_gates_line(verdict))
+    print(verdict.summary())
     return 0 if verdict.passed else GATES_FAILED
-
-
-def _gates_line(verdict: Any) -> str:
-    failed = sum(not result.passed for result in verdict.results)
-    total = len(verdict.results)
-    return f"gates: {failed} of {total} failed" if failed else f"gates: all {total} passed"
 
 
 def _inspect(checkpoint: str, recipe_path: str | None) -> int:

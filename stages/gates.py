@@ -139,6 +139,12 @@ class Verdict(msgspec.Struct, frozen=True, kw_only=True):
     passed: bool
     results: tuple[GateResult, ...] = ()
 
+    def summary(self) -> str:
+        """`gates: all 5 passed` or `gates: 1 of 5 failed`."""
+        failed = sum(not result.passed for result in self.results)
+        total = len(self.results)
+        return f"gates: {failed} of {total} failed" if failed else f"gates: all {total} passed"
+
 
 def by_step(records: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
     """Records by step, in step order; of repeated steps the last record counts."""
