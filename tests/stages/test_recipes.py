@@ -31,6 +31,7 @@ def test_the_recipes_with_figures_in_the_readme_carry_gates() -> None:
         "bench-h200-colocated.yaml",
         "bench-h200-separate.yaml",
         "bench-h200-8b-offload.yaml",
+        "gpu-reverse-16.yaml",
     }
 
 
