@@ -151,7 +151,7 @@ def _check(run_dir: str, recipe_path: str | None) -> int:
     recipe = pipeline.load_recipe(source)
     if not recipe.gates.checks:
         raise RecipeError(f"{source}: gates.checks: the recipe has no gates (give one with --recipe)")
-    verdict = evaluate_gates(directory, recipe.gates)
+    verdict = evaluate_gates(directory, recipe.gates, steps=recipe.run.steps)
     for result in verdict.results:
         print(describe(result))
     print(verdict.summary())

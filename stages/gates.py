@@ -10,7 +10,9 @@ before training), any other over train steps (`metrics.jsonl`).
 `evaluate_gates(run_dir, gates)` reads a run directory, finished, stopped or resumed, and returns
 its `Verdict`; it runs nothing. Where a step has several records (a resumed run may repeat the
 steps logged after its checkpoint) the last one counts. A gate whose metric has no value in the
-selected steps fails with that reason. `give_verdict` is what a run calls at its end (and on a
+selected steps fails with that reason; one whose steps all lie past the run's planned last step
+(`run.steps`, when given: a run shortened by an override) is skipped and says so, and counts as
+neither passed nor failed. `give_verdict` is what a run calls at its end (and on a
 clean stop): it evaluates, writes `run_dir/gates.json` and logs a line per gate.
 """
 
@@ -132,7 +134,8 @@ class GateResult(msgspec.Struct, frozen=True, kw_only=True):
     value: float | None
     passed: bool
     num_values: int  # the steps the statistic was taken over
-    reason: str | None = None  # why a gate without a value failed
+    reason: str | None = None  # why a gate without a value failed, or was skipped
+    skipped: bool = False  # its steps lie past the run's planned last step
 
 
 class Verdict(msgspec.Struct, frozen=True, kw_only=True):
@@ -140,10 +143,12 @@ class Verdict(msgspec.Struct, frozen=True, kw_only=True):
     results: tuple[GateResult, ...] = ()
 
     def summary(self) -> str:
-        """`gates: all 5 passed` or `gates: 1 of 5 failed`."""
+        """`gates: all 5 passed`, `gates: 1 of 5 failed`, `gates: all 4 passed, 1 skipped`."""
         failed = sum(not result.passed for result in self.results)
-        total = len(self.results)
-        return f"gates: {failed} of {total} failed" if failed else f"gates: all {total} passed"
+        skipped = sum(result.skipped for result in self.results)
+        total = len(self.results) - skipped
+        text = f"gates: {failed} of {total} failed" if failed else f"gates: all {total} passed"
+        return text + (f", {skipped} skipped" if skipped else "")
 
 
 def by_step(records: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
@@ -152,19 +157,22 @@ def by_step(records: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
     return dict(sorted(last.items()))
 
 
-def evaluate_gates(run_dir: Path, gates: GatesSection) -> Verdict:
-    """The verdict of `gates` on the records in `run_dir` (nothing is run)."""
+def evaluate_gates(run_dir: Path, gates: GatesSection, *, steps: int | None = None) -> Verdict:
+    """The verdict of `gates` on the records in `run_dir` (nothing is run); ``steps``: the run's
+    planned last step (`run.steps`)."""
     files = {name: run_dir / name for name in (STEPS_FILE, EVAL_FILE)}
     records = {name: by_step(read(path)) if path.exists() else {} for name, path in files.items()}
     healthy = {step for step, r in records[STEPS_FILE].items() if r.get(HEALTHY_KEY) == 0}
     results = []
     for gate in gates.checks:
         source = EVAL_FILE if per_evaluation(gate.metric) else STEPS_FILE
-        results.append(_evaluate(gate, records[source], healthy))
+        results.append(_evaluate(gate, records[source], healthy, steps))
     return Verdict(passed=all(r.passed for r in results), results=tuple(results))
 
 
-def _evaluate(gate: Gate, records: dict[int, dict[str, Any]], healthy: set[int]) -> GateResult:
+def _evaluate(
+    gate: Gate, records: dict[int, dict[str, Any]], healthy: set[int], steps: int | None
+) -> GateResult:
     first = gate.step if gate.stat == "at" else gate.first_step
     last = gate.step if gate.stat == "at" else gate.last_step
     values = [
@@ -178,6 +186,9 @@ def _evaluate(gate: Gate, records: dict[int, dict[str, Any]], healthy: set[int])
     op, bound = gate.bound
     symbol, compare = _BOUNDS[op]
     common = {"gate": gate.name, "metric": gate.metric, "stat": gate.stat, "bound": f"{symbol} {bound:g}"}
+    if steps is not None and first is not None and first > steps:
+        reason = f"skipped: step {first} is past the run's last step {steps} (run.steps)"
+        return GateResult(**common, value=None, passed=True, num_values=0, reason=reason, skipped=True)
     if not values:
         return GateResult(**common, value=None, passed=False, num_values=0, reason=_no_values(gate))
     value = _STATISTICS[gate.stat](values)
@@ -201,17 +212,17 @@ def _no_values(gate: Gate) -> str:
 def describe(result: GateResult) -> str:
     """One line: `gate passed: median(x) = 1.0093 (needs < 1.02)`, or for a gate without a value
     `gate FAILED: at(x, step 50): no value of x at step 50 (needs < 1.02)`."""
-    state = "passed" if result.passed else "FAILED"
+    state = "skipped" if result.skipped else "passed" if result.passed else "FAILED"
     shown = f": {result.reason}" if result.value is None else f" = {result.value:.6g}"
     return f"gate {state}: {result.gate}{shown} (needs {result.bound})"
 
 
-def give_verdict(run_dir: Path, gates: GatesSection) -> Verdict:
+def give_verdict(run_dir: Path, gates: GatesSection, steps: int | None = None) -> Verdict:
     """Evaluate `gates` on the run, write `run_dir/gates.json` and log a line per gate.
 
     A recipe without gates gets a passing verdict and no file.
     """
-    verdict = evaluate_gates(run_dir, gates)
+    verdict = evaluate_gates(run_dir, gates, steps=steps)
     if gates.checks:
         (run_dir / VERDICT_FILE).write_text(json.dumps(msgspec.to_builtins(verdict), indent=2) + "\n")
         for result in verdict.results:

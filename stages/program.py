@@ -319,7 +319,7 @@ async def run_program(
             await anyio.to_thread.run_sync(write_report, [run_dir], run_dir / "report.png")
         except PipelineError as error:  # the run is done and saved: a missing plot is not a failure
             log.warning("run.plot: no report.png: %s", error)
-    verdict = await anyio.to_thread.run_sync(give_verdict, run_dir, recipe.gates)
+    verdict = await anyio.to_thread.run_sync(give_verdict, run_dir, recipe.gates, recipe.run.steps)
     return RunSummary(
         run_dir=str(run_dir),
         steps_done=progress.steps_done,

@@ -167,6 +167,7 @@ def test_give_verdict_writes_gates_json_and_logs_a_line_per_gate(
                 "passed": True,
                 "num_values": 3,
                 "reason": None,
+                "skipped": False,
             },
             {
                 "gate": "at(x, step 4)",
@@ -177,6 +178,7 @@ def test_give_verdict_writes_gates_json_and_logs_a_line_per_gate(
                 "passed": False,
                 "num_values": 0,
                 "reason": "no value of x at step 4",
+                "skipped": False,
             },
         ],
     }
@@ -241,3 +243,23 @@ def test_a_run_gives_its_verdict_on_a_clean_stop_and_at_its_end(tmp_path: Path) 
     assert (finished.stopped, finished.steps_done, finished.passed) == (False, 4, True)
     assert finished.verdict == evaluate_gates(tmp_path / "run", recipe.gates)
     assert json.loads((tmp_path / "run" / "gates.json").read_text())["passed"] is True
+
+
+def test_a_gate_past_the_runs_planned_last_step_is_skipped_not_failed(tmp_path: Path) -> None:
+    """A run shortened by an override (`run.steps=5` on a recipe gated at step 80) is not
+    failed by gates it never planned to reach; a gate on steps it did plan still fails."""
+    run_dir = write_run(tmp_path, STEPS)
+    late = gate(stat="at", step=80, metric="eval/reward", ge=0.9)
+    from_late = gate(first_step=6)
+    failing = gate(lt=1.0)
+    verdict = evaluate_gates(run_dir, GatesSection(checks=(late, from_late, failing)), steps=5)
+    assert [(r.passed, r.skipped) for r in verdict.results] == [(True, True), (True, True), (False, False)]
+    assert describe(verdict.results[0]) == (
+        "gate skipped: at(eval/reward, step 80): skipped: step 80 is past the run's last step 5 "
+        "(run.steps) (needs >= 0.9)"
+    )
+    assert verdict.summary() == "gates: 1 of 1 failed, 2 skipped"
+    assert not verdict.passed
+    alone = evaluate_gates(run_dir, GatesSection(checks=(late,)), steps=5)
+    assert alone.passed and alone.summary() == "gates: all 0 passed, 1 skipped"
+    assert not evaluate_gates(run_dir, GatesSection(checks=(late,))).passed  # no planned length given
