@@ -45,6 +45,10 @@ class HandoffMismatch(PipelineError):
     it serves weights other than the trainer's, or keeps memory it should have released."""
 
 
+class NothingTrained(PipelineError):
+    """The run cannot train: batches with nothing to train on, or steps that apply no update."""
+
+
 class StageFailed(PipelineError):
     """A stage raised; the original error is the `__cause__`."""
 

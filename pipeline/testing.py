@@ -165,7 +165,8 @@ class FakeEngine:
 
 
 class FakeTrainer:
-    """Records every train step; `latency` slows it down on the given time source."""
+    """Records every train step; `latency` slows it down on the given time source;
+    `skipped_steps` (step indices, from 0) report a non-finite loss and no applied update."""
 
     def __init__(
         self,
@@ -174,9 +175,11 @@ class FakeTrainer:
         latency: float = 0.0,
         events: list[str] | None = None,
         on_step: Callable[[int, Sequence[Sample]], None] | None = None,
+        skipped_steps: Sequence[int] = (),
     ) -> None:
         self.time = time
         self.latency = latency
+        self.skipped_steps = set(skipped_steps)
         self.events = events if events is not None else []
         self.on_step = on_step
         self.steps: list[list[Sample]] = []
@@ -188,8 +191,11 @@ class FakeTrainer:
             await (self.time.sleep(self.latency) if self.time is not None else anyio.sleep(self.latency))
         if self.on_step is not None:
             self.on_step(len(self.steps), samples)
+        skipped = len(self.steps) in self.skipped_steps
         self.steps.append(list(samples))
-        return {"train/loss": 0.0, "train/grad_norm": 0.0}
+        if skipped:
+            return {"train/loss": math.nan, "train/applied_updates": 0.0}
+        return {"train/loss": 0.0, "train/grad_norm": 0.0, "train/applied_updates": 1.0}
 
     def state(self) -> Mapping[str, Any]:
         return {"steps": len(self.steps)}

@@ -246,6 +246,8 @@ async def run_program(
         evaluation=evaluation,
         echo=_both(echo, console.record if console else None),
         on_eval=_both(on_eval, console.evaluation if console else None),
+        max_empty_in_row=recipe.train.max_consecutive_empty_batches,
+        max_skipped_in_row=recipe.train.max_consecutive_skipped_steps,
     )
     stages = [
         PromptStage(

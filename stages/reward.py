@@ -11,8 +11,9 @@ else is given as `module:function`, importable from the working directory or the
 Up to `concurrency` groups are scored at once, each under `reward_s` of wall time (the gate
 does not block reward work); the cheap built-ins (`positional`, `exact_match`: microseconds a
 sample) are scored on the event loop as each group arrives, with no thread or deadline. A
-function that raises, or a group that times out, is a counted data failure: those samples get
-no reward and are not trained on. More than `max_failures` failures stop the run.
+function that raises or returns a non-finite value, or a group that times out, is a counted data
+failure: those samples get no reward and are not trained on. More than `max_failures` failures
+stop the run.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import logging
+import math
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from functools import partial
@@ -121,12 +123,21 @@ def resolve(name: str, *, source_reward: RewardFn | None = None) -> RewardFn:
     return fn
 
 
+class NonFiniteReward(ValueError):
+    """A reward function returned NaN or an infinity: a reward failure, never a trained value."""
+
+
 def _normalise(result: Any) -> dict[str, float]:
     if isinstance(result, dict):
         if "reward" not in result:
             raise ValueError(f"reward function returned a dict without a 'reward' key: {sorted(result)}")
-        return {key: float(value) for key, value in result.items()}
-    return {"reward": float(result)}
+        values = {key: float(value) for key, value in result.items()}
+    else:
+        values = {"reward": float(result)}
+    bad = {key: value for key, value in values.items() if not math.isfinite(value)}
+    if bad:
+        raise NonFiniteReward(f"reward function returned non-finite values: {bad}")
+    return values
 
 
 Scored = dict[str, float] | Exception | None

@@ -18,7 +18,7 @@ import pytest
 
 import stages.program
 from pipeline.channel import Channel
-from pipeline.errors import DropBudgetExceeded, StageFailed
+from pipeline.errors import DropBudgetExceeded, NothingTrained, StageFailed
 from pipeline.messages import Batch, Dropped, Sample
 from pipeline.metrics import REQUIRED_KEYS
 from pipeline.recipe import convert
@@ -386,3 +386,85 @@ async def test_metrics_have_the_documented_keys_and_no_nan(tmp_path: Path, fake:
     trace = json.loads((run_dir / "trace.json").read_text())
     names = [e["name"] for e in trace["traceEvents"]]
     assert names.count("stand_down") == names.count("wake") == 3
+
+
+# -- runs that train nothing -------------------------------------------------------------------
+
+
+def nan_for_odd_prompts(prompt: Any, completion: str) -> float:
+    """A reward function (`test_flow:nan_for_odd_prompts`): NaN for every odd-numbered prompt."""
+    return math.nan if int(prompt.prompt_id.split("-")[1]) % 2 else 1.0
+
+
+async def test_a_non_finite_reward_is_a_counted_failure_and_never_trained(
+    tmp_path: Path, fake: FakeTime
+) -> None:
+    recipe = make_recipe(tmp_path, steps=3, reward={"function": "test_flow:nan_for_odd_prompts"})
+    trainer = FakeTrainer(time=fake, latency=5.0)
+    summary = await drive(recipe, FakeEngine(time=fake, latency=1.0), trainer, fake)
+    assert summary.steps_done == 3
+    trained = {s.prompt_id for step in trainer.steps for s in step}
+    assert trained == {"train-0", "train-2", "train-4"}
+    assert all(s.reward == 1.0 for step in trainer.steps for s in step)
+    lines = metrics(recipe)
+    assert [m["reward/mean"] for m in lines] == [1.0, 1.0, 1.0]
+    assert lines[-1]["reward/failures"] == 3 * 2  # one prompt a step, two samples each
+
+
+async def test_non_finite_rewards_over_the_budget_stop_the_run(tmp_path: Path, fake: FakeTime) -> None:
+    recipe = make_recipe(
+        tmp_path,
+        steps=3,
+        reward={"function": "test_flow:nan_for_odd_prompts", "reward_s": 1.0e9, "max_failures": 1},
+    )
+    with pytest.raises(DropBudgetExceeded) as raised:
+        await drive(recipe, FakeEngine(time=fake, latency=1.0), FakeTrainer(time=fake), fake)
+    assert str(raised.value) == (
+        "2 reward failures, over reward.max_failures=1; last: NonFiniteReward: "
+        "reward function returned non-finite values: {'reward': nan}"
+    )
+
+
+async def test_batches_with_nothing_to_train_on_stop_the_run(tmp_path: Path, fake: FakeTime) -> None:
+    recipe = make_recipe(tmp_path, steps=3, train={"max_consecutive_empty_batches": 2})
+    engine = FakeEngine(time=fake, latency=1.0, nonfinite_calls=range(1000))  # every sample poisoned
+    trainer = FakeTrainer(time=fake)
+    with pytest.raises(NothingTrained) as raised:
+        await drive(recipe, engine, trainer, fake)
+    assert str(raised.value) == (
+        "3 batches in a row had nothing to train on (the last: 0 groups dropped, 4 samples poisoned, "
+        "0 unscored), over train.max_consecutive_empty_batches=2"
+    )
+    assert trainer.steps == []
+
+
+async def test_a_trained_batch_resets_the_count_of_empty_ones(tmp_path: Path, fake: FakeTime) -> None:
+    recipe = make_recipe(tmp_path, steps=3, lookahead=0, train={"max_consecutive_empty_batches": 2})
+    # Batches 0-1 and 3-4 are empty (two calls a batch), batches 2, 5 and 6 train.
+    engine = FakeEngine(time=fake, latency=1.0, nonfinite_calls=[0, 1, 2, 3, 6, 7, 8, 9])
+    summary = await drive(recipe, engine, FakeTrainer(time=fake), fake)
+    assert summary.steps_done == 3
+    assert metrics(recipe)[-1]["train/empty_batches"] == 4
+
+
+async def test_steps_that_apply_no_update_stop_the_run(tmp_path: Path, fake: FakeTime) -> None:
+    recipe = make_recipe(tmp_path, steps=10, train={"max_consecutive_skipped_steps": 2})
+    trainer = FakeTrainer(time=fake, skipped_steps=[0, 2, 3, 4, 5])
+    with pytest.raises(NothingTrained) as raised:
+        await drive(recipe, FakeEngine(time=fake, latency=1.0), trainer, fake)
+    assert str(raised.value) == (
+        "3 train steps in a row (up to step 5) skipped their optimizer update "
+        "(non-finite loss or gradient norm), over train.max_consecutive_skipped_steps=2"
+    )
+    assert [m["step"] for m in metrics(recipe)] == [1, 2, 3, 4, 5]
+
+
+async def test_a_run_whose_every_step_skipped_its_update_fails(tmp_path: Path, fake: FakeTime) -> None:
+    recipe = make_recipe(tmp_path, steps=2)
+    trainer = FakeTrainer(time=fake, skipped_steps=[0, 1])
+    with pytest.raises(NothingTrained) as raised:
+        await drive(recipe, FakeEngine(time=fake, latency=1.0), trainer, fake)
+    assert str(raised.value) == (
+        "all 2 train steps of this run skipped their optimizer update "
+        "(non-finite loss or gradient norm): nothing was trained"
+    )
