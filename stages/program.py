@@ -216,12 +216,19 @@ async def run_program(
             "rollout/dropped_groups_total": rollout.counts["dropped_groups"],
             "rollout/poisoned_samples_total": rollout.counts["poisoned_samples"],
             "reward/failures": reward.counts["failures"],
+            **({"eval/skipped": evaluation.counts["skipped"]} if evaluation is not None else {}),
         }
 
     evaluation = None
     if recipe.eval.every_steps:
         evaluation = Evaluation(
-            recipe.eval, prompts=prompts.heldout, fn=reward_fn, decode=prompts.tokenizer.decode
+            recipe.eval,
+            prompts=prompts.heldout,
+            fn=reward_fn,
+            decode=prompts.tokenizer.decode,
+            rollout=recipe.rollout,
+            reward_s=recipe.reward.reward_s,
+            clock=clock,
         )
     train = TrainStage(
         trainer=trainer,

@@ -34,7 +34,7 @@ from pipeline.tickets import Ticket, TicketBox
 from pipeline.trace import Trace
 from pipeline.watchdog import Watchdog
 from stages.advantages import leave_one_out, population_std
-from stages.evaluation import Evaluation
+from stages.evaluation import Evaluation, EvaluationSkipped
 from stages.progress import Progress
 from stages.timings import BatchTimings
 
@@ -141,7 +141,7 @@ class TrainStage:
     async def run(self) -> None:
         try:
             if self.evaluation is not None and self.progress.steps_done == 0:
-                self._emit_eval(0, await self._evaluate())
+                await self._evaluate(0)
             waiting_since = self.clock.source.now()
             with self.watchdog.waiting(self.name, f"groups of batch {self.next_batch}"):
                 async for item in self.inp:
@@ -273,7 +273,7 @@ class TrainStage:
             self.echo(clean)
         self._count_update(step, record)
         if self.evaluation is not None and self.evaluation.due(step, self.progress.steps):
-            self._emit_eval(step, await self._evaluate())
+            await self._evaluate(step)
 
     def _count_update(self, step: int, record: dict[str, Any]) -> None:
         self.steps_trained += 1
@@ -289,17 +289,26 @@ class TrainStage:
                 f"train.max_consecutive_skipped_steps={self.max_skipped_in_row}"
             )
 
-    async def _evaluate(self) -> dict[str, float]:
+    async def _evaluate(self, step: int) -> None:
+        """Evaluate and write the record; an evaluation that cannot finish is skipped, said once."""
         assert self.evaluation is not None
         start = self.clock.source.now()
-        result = await self.evaluation.run(self.gate)
-        end = self.clock.source.now()
-        self.trace.span("eval", start, end, track="train")
-        self._last_step_end = end  # evaluation time is not charged to the next step
-        return {**result, "timing/eval_s": end - start}
-
-    def _emit_eval(self, step: int, result: dict[str, float]) -> None:
-        clean = self.metrics.write_eval({"step": step, "policy_version": self.gate.engine_version, **result})
+        try:
+            result = await self.evaluation.run(self.gate)
+        except EvaluationSkipped as skipped:
+            log.warning("evaluation at step %d skipped: %s", step, skipped)
+            return
+        finally:
+            end = self.clock.source.now()
+            self.trace.span("eval", start, end, track="train")
+            self._last_step_end = end  # evaluation time is not charged to the next step
+        record = {
+            "step": step,
+            "policy_version": self.gate.engine_version,
+            **result,
+            "timing/eval_s": end - start,
+        }
+        clean = self.metrics.write_eval(record)
         if self.on_eval is not None:
             self.on_eval(clean)
 

@@ -22,7 +22,7 @@ from pipeline.errors import DropBudgetExceeded, NothingTrained, StageFailed
 from pipeline.messages import Batch, Dropped, Sample
 from pipeline.metrics import REQUIRED_KEYS
 from pipeline.recipe import convert
-from pipeline.testing import FakeEngine, FakeTime, FakeTrainer, FaultInjector, InjectedFault
+from pipeline.testing import EngineCrash, FakeEngine, FakeTime, FakeTrainer, FaultInjector, InjectedFault
 from pipeline.tickets import TicketBox
 from stages.program import RunSummary, run_program
 from stages.recipe import Recipe
@@ -468,3 +468,76 @@ async def test_a_run_whose_every_step_skipped_its_update_fails(tmp_path: Path, f
         "all 2 train steps of this run skipped their optimizer update "
         "(non-finite loss or gradient norm): nothing was trained"
     )
+
+
+# -- engine errors: infrastructure failures are retried, bugs fail the run ---------------------
+
+
+async def test_an_engine_bug_fails_the_run_at_once(tmp_path: Path, fake: FakeTime) -> None:
+    recipe = make_recipe(tmp_path, steps=4, lookahead=0, rollout={"samples_per_prompt": 2, "max_retries": 3})
+    engine = FakeEngine(time=fake, latency=1.0, errors={2: RuntimeError("index out of range in the sampler")})
+    trainer = FakeTrainer(time=fake, latency=5.0)
+    with pytest.raises(StageFailed) as raised:
+        await drive(recipe, engine, trainer, fake)
+    assert str(raised.value) == "stage 'rollout' failed: RuntimeError: index out of range in the sampler"
+    assert engine.calls == 4  # batch 0, then batch 1's two requests: the failed one is not retried
+    assert len(trainer.steps) == 1
+
+
+async def test_injected_engine_crashes_are_retried(tmp_path: Path, fake: FakeTime) -> None:
+    recipe = make_recipe(
+        tmp_path,
+        steps=4,
+        rollout={"samples_per_prompt": 2, "max_retries": 4, "backoff_s": 0.1},
+        faults={"engine_crash_rate": 0.4},
+    )
+    summary = await drive(recipe, FakeEngine(time=fake, latency=1.0), FakeTrainer(time=fake), fake)
+    last = metrics(recipe)[-1]
+    assert summary.steps_done == 4
+    assert last["rollout/engine_errors"] > 0
+    assert last["rollout/retries"] >= last["rollout/engine_errors"] - last["rollout/dropped_groups_total"]
+
+
+def eval_recipe(tmp_path: Path, **sections: Any) -> Recipe:
+    return make_recipe(
+        tmp_path,
+        steps=2,
+        eval={"every_steps": 2, "num_prompts": 1},
+        rollout={"samples_per_prompt": 2, "max_retries": 1, "backoff_s": 0.1},
+        **sections,
+    )
+
+
+def evals(recipe: Recipe) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (Path(recipe.run.dir) / "eval.jsonl").read_text().splitlines()]
+
+
+async def test_an_engine_crash_in_an_evaluation_is_retried(tmp_path: Path, fake: FakeTime) -> None:
+    recipe = eval_recipe(tmp_path)
+    engine = FakeEngine(time=fake, latency=1.0, greedy_errors=[EngineCrash("worker lost")])
+    summary = await drive(recipe, engine, FakeTrainer(time=fake), fake)
+    assert summary.steps_done == 2
+    assert [e["step"] for e in evals(recipe)] == [0, 2]
+
+
+async def test_an_evaluation_whose_retries_run_out_is_skipped_and_said(
+    tmp_path: Path, fake: FakeTime, caplog: pytest.LogCaptureFixture
+) -> None:
+    recipe = eval_recipe(tmp_path)
+    engine = FakeEngine(time=fake, latency=1.0, greedy_errors=[EngineCrash("worker lost")] * 2)
+    summary = await drive(recipe, engine, FakeTrainer(time=fake), fake)
+    assert summary.steps_done == 2
+    assert [e["step"] for e in evals(recipe)] == [2]
+    skipped = [r.getMessage() for r in caplog.records if "skipped" in r.getMessage()]
+    assert skipped == [
+        "evaluation at step 0 skipped: generation for heldout-0: engine_error: EngineCrash: worker lost"
+    ]
+    assert metrics(recipe)[-1]["eval/skipped"] == 1
+
+
+async def test_an_engine_bug_in_an_evaluation_fails_the_run(tmp_path: Path, fake: FakeTime) -> None:
+    recipe = eval_recipe(tmp_path)
+    engine = FakeEngine(time=fake, latency=1.0, greedy_errors=[TypeError("greedy got a tensor")])
+    with pytest.raises(StageFailed) as raised:
+        await drive(recipe, engine, FakeTrainer(time=fake), fake)
+    assert str(raised.value) == "stage 'train' failed: TypeError: greedy got a tensor"
