@@ -176,7 +176,8 @@ class FakeEngine:
 
 class FakeTrainer:
     """Records every train step; `latency` slows it down on the given time source;
-    `skipped_steps` (step indices, from 0) report a non-finite loss and no applied update."""
+    `skipped_steps` (step indices, from 0) report a non-finite loss and no applied update;
+    from `nonfinite_state_from` steps on, `state()` holds a NaN (weights gone bad)."""
 
     def __init__(
         self,
@@ -186,10 +187,12 @@ class FakeTrainer:
         events: list[str] | None = None,
         on_step: Callable[[int, Sequence[Sample]], None] | None = None,
         skipped_steps: Sequence[int] = (),
+        nonfinite_state_from: int | None = None,
     ) -> None:
         self.time = time
         self.latency = latency
         self.skipped_steps = set(skipped_steps)
+        self.nonfinite_state_from = nonfinite_state_from
         self.events = events if events is not None else []
         self.on_step = on_step
         self.steps: list[list[Sample]] = []
@@ -208,7 +211,8 @@ class FakeTrainer:
         return {"train/loss": 0.0, "train/grad_norm": 0.0, "train/applied_updates": 1.0}
 
     def state(self) -> Mapping[str, Any]:
-        return {"steps": len(self.steps)}
+        bad = self.nonfinite_state_from is not None and len(self.steps) >= self.nonfinite_state_from
+        return {"steps": len(self.steps), "scale": math.nan if bad else 1.0}
 
     def load_state(self, state: Mapping[str, Any]) -> None:
         self.steps = [[] for _ in range(int(state["steps"]))]
