@@ -541,3 +541,27 @@ async def test_an_engine_bug_in_an_evaluation_fails_the_run(tmp_path: Path, fake
     with pytest.raises(StageFailed) as raised:
         await drive(recipe, engine, FakeTrainer(time=fake), fake)
     assert str(raised.value) == "stage 'train' failed: TypeError: greedy got a tensor"
+
+
+def slow_on_heldout(prompt: Any, completion: str) -> float:
+    """`test_flow:slow_on_heldout`: hangs (for a minute of real time) on held-out prompts."""
+    import time
+
+    if prompt.prompt_id.startswith("heldout"):
+        time.sleep(60)
+    return 1.0
+
+
+async def test_an_evaluation_whose_scoring_hangs_is_skipped_at_its_deadline(
+    tmp_path: Path, fake: FakeTime, caplog: pytest.LogCaptureFixture
+) -> None:
+    recipe = eval_recipe(tmp_path, reward={"function": "test_flow:slow_on_heldout", "reward_s": 30.0})
+    summary = await drive(recipe, FakeEngine(time=fake, latency=1.0), FakeTrainer(time=fake), fake)
+    assert summary.steps_done == 2
+    assert not (Path(recipe.run.dir) / "eval.jsonl").read_text()
+    skipped = [r.getMessage() for r in caplog.records if "skipped" in r.getMessage()]
+    assert skipped == [
+        f"evaluation at step {step} skipped: evaluation scoring exceeded its deadline of 30 s "
+        "(reward.reward_s)"
+        for step in (0, 2)
+    ]
