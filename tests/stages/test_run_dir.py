@@ -139,7 +139,9 @@ async def test_an_override_a_resume_would_ignore_is_an_error_naming_the_field(
     )
 
 
-async def test_nothing_is_written_to_run_dir_before_the_run_has_loaded(tmp_path: Path, fake: FakeTime) -> None:
+async def test_nothing_is_written_to_run_dir_before_the_run_has_loaded(
+    tmp_path: Path, fake: FakeTime
+) -> None:
     recipe = make_recipe(tmp_path, reward={"function": "no_such_module_xyz:score"})
     with pytest.raises(RecipeError):
         await run(recipe, fake)
@@ -162,7 +164,11 @@ def _nan_optimizer(path: Path) -> None:
     [
         ("trainer.pt", _truncate, "trainer.pt does not load: "),
         ("trainer.pt", _nan_optimizer, "trainer.pt holds non-finite values at moment"),
-        ("state.msgpack", lambda p: p.write_bytes(b"\x93garbled"), "ValidationError: Expected `object`, got `array`"),
+        (
+            "state.msgpack",
+            lambda p: p.write_bytes(b"\x93garbled"),
+            "ValidationError: Expected `object`, got `array`",
+        ),
         ("recipe.yaml", Path.unlink, "recipe.yaml is missing"),
     ],
     ids=["truncated-trainer", "nan-optimizer", "garbled-state", "missing-recipe"],
@@ -199,7 +205,9 @@ async def test_when_every_checkpoint_is_damaged_the_run_says_so(tmp_path: Path, 
     )
 
 
-async def test_a_non_finite_state_is_never_saved_over_the_last_good_one(tmp_path: Path, fake: FakeTime) -> None:
+async def test_a_non_finite_state_is_never_saved_over_the_last_good_one(
+    tmp_path: Path, fake: FakeTime
+) -> None:
     recipe = make_recipe(tmp_path, steps=4, checkpoint={"every_steps": 1, "keep_last": 2})
     trainer = FakeTrainer(time=fake, nonfinite_state_from=3)
     with pytest.raises(CheckpointError) as raised:
