@@ -86,9 +86,7 @@ async def run_program(
     reset_warnings()
     run_dir = Path(recipe.run.dir)
     # Nothing is written to run.dir until the checkpoint, the data and the model have loaded.
-    start = time.perf_counter()
     resumed = await anyio.to_thread.run_sync(open_resume, run_dir, recipe.checkpoint.resume)
-    load_s = time.perf_counter() - start
     if resumed is not None:
         check_compatible(resumed.recipe, msgspec.to_builtins(recipe), resumed.path)
         check_steps_left(recipe.run.steps, resumed.state, resumed.path)
@@ -126,7 +124,6 @@ async def run_program(
             recipe,
             run_dir=run_dir,
             resumed=resumed,
-            load_s=load_s,
             prompts=prompts,
             reward_fn=reward_fn,
             engine=engine,
@@ -148,7 +145,6 @@ async def _run_locked(
     *,
     run_dir: Path,
     resumed: Resumed | None,
-    load_s: float,
     prompts: PromptSet,
     reward_fn: RewardFn,
     engine: Engine,
@@ -172,7 +168,9 @@ async def _run_locked(
     checkpoints.check_writable()
     if resumed is not None:
         set_aside(resumed.damaged)
+        start = time.perf_counter()
         await anyio.to_thread.run_sync(_load_backend_state, resumed, trainer, engine)
+        load_s = resumed.load_s + time.perf_counter() - start
         prompts.train.skip(resumed.state.next_batch * recipe.prompts.prompts_per_step)
         set_python_rng_state(resumed.state.python_rng)
         _restore_metrics(run_dir / STEPS_FILE, resumed.state)

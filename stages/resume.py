@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,7 @@ class Resumed(msgspec.Struct, kw_only=True, frozen=True):
     recipe: dict[str, Any]
     trainer: Any  # the trainer's and the engine's states, as torch.load returned them
     engine: Any = None
+    load_s: float = 0.0  # reading and verifying it (torch's import not included)
     damaged: tuple[Path, ...] = ()  # newer committed checkpoints that did not load
 
 
@@ -86,6 +88,7 @@ def set_aside(damaged: tuple[Path, ...]) -> None:
 def _load(path: Path) -> Resumed:
     import torch
 
+    start = time.perf_counter()
     try:
         listed = (path / MARKER).read_text().split()[1:]
         for name in listed or REQUIRED:
@@ -109,7 +112,12 @@ def _load(path: Path) -> Resumed:
         if where is not None:
             raise DamagedCheckpoint(f"{name} holds non-finite values at {where}")
     return Resumed(
-        path=path, state=state, recipe=recipe, trainer=loaded["trainer.pt"], engine=loaded.get("engine.pt")
+        path=path,
+        state=state,
+        recipe=recipe,
+        trainer=loaded["trainer.pt"],
+        engine=loaded.get("engine.pt"),
+        load_s=time.perf_counter() - start,
     )
 
 
