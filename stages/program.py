@@ -375,7 +375,7 @@ async def _run_locked(
     except anyio.get_cancelled_exc_class():
         failing = True
         with anyio.CancelScope(shield=True):
-            await final_save()
+            await _never_masking(final_save, "the save on cancellation")
         raise
     except Exception as error:
         failing = True

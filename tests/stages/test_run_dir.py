@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 import torch
 from test_flow import drive, make_recipe, metrics
@@ -19,6 +20,7 @@ from pipeline.errors import PipelineError, RecipeError, StageFailed
 from pipeline.testing import FakeEngine, FakeTime, FakeTrainer, FaultInjector
 from pipeline.trace import Trace
 from stages.checkpoint import CheckpointError, committed
+from stages.program import run_program
 from stages.recipe import Recipe
 from stages.run_dir import RunDirLock
 
@@ -266,3 +268,33 @@ async def test_a_fatal_error_saves_the_last_consistent_step(tmp_path: Path, fake
     with pytest.raises(StageFailed):
         await run(make_recipe(tmp_path, steps=5), fake, trainer)
     assert [p.name for p in committed(tmp_path / "run/checkpoints")] == ["step-000002"]
+
+
+async def test_a_save_that_fails_on_cancellation_does_not_replace_the_cancellation(
+    tmp_path: Path, fake: FakeTime, caplog: pytest.LogCaptureFixture
+) -> None:
+    two_steps = anyio.Event()
+
+    def on_step(step: int, samples: Any) -> None:
+        if step == 2:
+            two_steps.set()
+
+    trainer = FakeTrainer(time=fake, latency=10.0, on_step=on_step, nonfinite_state_from=1)
+    engine = FakeEngine(time=fake, latency=1.0)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(fake.autojump)
+        async with anyio.create_task_group() as run_group:
+            recipe = make_recipe(tmp_path, steps=1000)
+            run_group.start_soon(
+                lambda: run_program(recipe, engine=engine, trainer=trainer, time_source=fake)
+            )
+            await two_steps.wait()
+            run_group.cancel_scope.cancel()
+        tg.cancel_scope.cancel()
+    (error,) = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert error.startswith(
+        "the save on cancellation failed too, after the run's error: CheckpointError: checkpoint: saving "
+    )
+    assert error.endswith(
+        "failed: trainer.pt would hold non-finite values at scale; the last good checkpoint is none"
+    )
