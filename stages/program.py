@@ -86,6 +86,8 @@ async def run_program(
     reset_warnings()
     run_dir = Path(recipe.run.dir)
     # Nothing is written to run.dir until the checkpoint, the data and the model have loaded.
+    lock = RunDirLock(run_dir)
+    lock.check_free()
     resumed = await anyio.to_thread.run_sync(open_resume, run_dir, recipe.checkpoint.resume)
     if resumed is not None:
         check_compatible(resumed.recipe, msgspec.to_builtins(recipe), resumed.path)
@@ -106,7 +108,6 @@ async def run_program(
         except ModelLoadError as error:  # a missing file or an unsupported model: the user's to fix
             raise RecipeError(f"model.path: {error}") from None
     assert engine is not None and trainer is not None
-    lock = RunDirLock(run_dir)
     try:
         lock.acquire()
         if recipe.checkpoint.resume == "auto" and _newest(run_dir) != _newest_at_start(resumed):

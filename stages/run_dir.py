@@ -2,8 +2,9 @@
 
 - `RunDirLock` holds an exclusive `fcntl.flock` on `run.dir/.lock` for the whole run; the
   file names the holder (pid, host, start time). A second run on the directory is refused
-  (`RecipeError`, exit 2) naming the holder. The kernel drops the lock when its process dies,
-  so a lock left by a killed run never blocks the next one.
+  (`RecipeError`, exit 2) naming the holder: before it loads anything (`check_free`), and
+  again when it takes the lock (`acquire`), once it has loaded. The kernel drops the lock
+  when its process dies, so a lock left by a killed run never blocks the next one.
 - `keep_earlier_runs` is called once the lock is held, before the run writes anything: the
   previous start's `trace.json` and `recipe.yaml` become `trace.N.json` and `recipe.N.yaml`
   (N = 1, 2, ... in the order the starts were made). A fresh start (no checkpoint to resume)
@@ -43,9 +44,30 @@ class RunDirLock:
         self.path = run_dir / LOCK_FILE
         self._file: TextIO | None = None
 
+    def check_free(self) -> None:
+        """Refuse now, before loading anything, if another run holds the lock (writes nothing)."""
+        if not self.path.is_file():
+            return
+        with self.path.open() as handle:
+            self._lock(handle)  # closing the file drops the probe's lock
+
     def acquire(self) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        handle = self.path.open("a+")
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            handle = self.path.open("a+")
+        except OSError as error:
+            raise RecipeError(
+                f"run.dir: cannot create {self.path}: {error.strerror or error}; choose a writable run.dir"
+            ) from None
+        self._lock(handle)
+        handle.seek(0)
+        handle.truncate()
+        started = time.strftime("%Y-%m-%d %H:%M:%S")
+        handle.write(f"pid {os.getpid()} on {socket.gethostname()} (started {started})\n")
+        handle.flush()
+        self._file = handle
+
+    def _lock(self, handle: TextIO) -> None:
         try:
             fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -56,12 +78,6 @@ class RunDirLock:
                 f"run.dir: {self.path.parent} is in use by {holder}; wait for that run to end "
                 "or choose another run.dir"
             ) from None
-        handle.seek(0)
-        handle.truncate()
-        started = time.strftime("%Y-%m-%d %H:%M:%S")
-        handle.write(f"pid {os.getpid()} on {socket.gethostname()} (started {started})\n")
-        handle.flush()
-        self._file = handle
 
     def release(self) -> None:
         """Closing the file drops the lock. The file stays: removing it would let two runs
