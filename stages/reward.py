@@ -178,10 +178,10 @@ class RewardExited(Exception):
     """The reward function raised `SystemExit` (called sys.exit)."""
 
 
-def _as_exception(error: BaseException) -> Exception:
-    if isinstance(error, Exception):
-        return error
-    return RewardExited(f"the reward function called sys.exit({error.code!r})")
+def _as_exception(error: Exception | SystemExit) -> Exception:
+    if isinstance(error, SystemExit):
+        return RewardExited(f"the reward function called sys.exit({error.code!r})")
+    return error
 
 
 async def score_all(fn: RewardFn, items: list[tuple[Prompt, str | None]]) -> list[Scored]:
