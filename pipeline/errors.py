@@ -32,6 +32,13 @@ class RequestRejected(PipelineError):
     unlike a crash or a timeout, retrying it cannot help."""
 
 
+class RetryableEngineError(Exception):
+    """An engine's infrastructure failed (a worker crashed, a connection dropped, a fault was
+    injected): the same request may succeed if retried. Engines raise it, or a subclass, for
+    such failures; rollout and evaluation retry it within `rollout.max_retries`. Any other
+    exception from an engine is a bug and fails the run with its traceback."""
+
+
 class StallError(PipelineError):
     """The watchdog saw a stage make no progress for longer than `watchdog.stall_s`."""
 
@@ -43,6 +50,10 @@ class DropBudgetExceeded(PipelineError):
 class HandoffMismatch(PipelineError):
     """After a stand-down, wake or refit the engine is not in the state the handoff promises:
     it serves weights other than the trainer's, or keeps memory it should have released."""
+
+
+class NothingTrained(PipelineError):
+    """The run cannot train: batches with nothing to train on, or steps that apply no update."""
 
 
 class StageFailed(PipelineError):

@@ -21,7 +21,7 @@ from typing import Any
 
 import anyio
 
-from pipeline.errors import RequestRejected
+from pipeline.errors import RequestRejected, RetryableEngineError
 from pipeline.messages import Completion, Sample
 
 
@@ -77,7 +77,7 @@ class FakeTime:
             self.advance(max(0.0, wakeup - self._now))
 
 
-class EngineCrash(RuntimeError):
+class EngineCrash(RetryableEngineError):
     """What `FakeEngine` raises when told to crash."""
 
 
@@ -87,9 +87,11 @@ class FakeEngine:
     Each completion has `response_len` tokens, each token `prompt_tokens[0] + sample index`,
     with logprob -1.0. `latency` (seconds, or a function of the call number) is slept on the
     given time source; `nonfinite_calls` returns NaN logprobs on those call numbers;
-    `crash_calls` raises `EngineCrash` on those call numbers; `reject_calls` raises
-    `RequestRejected` on those call numbers. `fingerprint()` returns `served` (None: no
-    handoff check); `memory_in_use()` returns `held_when_down` while stood down.
+    `crash_calls` raises `EngineCrash` (an infrastructure failure, retried) on those call numbers;
+    `reject_calls` raises `RequestRejected` on those call numbers; `errors` maps a call number to
+    the exception it raises (a `RuntimeError`, say: a bug in the engine); the first greedy calls
+    (the evaluation's) raise `greedy_errors`, one each, in order. `fingerprint()` returns
+    `served` (None: no handoff check); `memory_in_use()` returns `held_when_down` while stood down.
     """
 
     def __init__(
@@ -103,6 +105,8 @@ class FakeEngine:
         nonfinite_calls: Sequence[int] = (),
         crash_calls: Sequence[int] = (),
         reject_calls: Sequence[int] = (),
+        errors: Mapping[int, Exception] | None = None,
+        greedy_errors: Sequence[Exception] = (),
         events: list[str] | None = None,
     ) -> None:
         self.time = time
@@ -113,6 +117,8 @@ class FakeEngine:
         self.nonfinite_calls = set(nonfinite_calls)
         self.crash_calls = set(crash_calls)
         self.reject_calls = set(reject_calls)
+        self.errors = dict(errors or {})
+        self.greedy_errors = list(greedy_errors)
         self.events = events if events is not None else []
         self.calls = 0
         self.down = False
@@ -134,6 +140,10 @@ class FakeEngine:
             raise EngineCrash(f"fake engine crashed on call {call}")
         if call in self.reject_calls:
             raise RequestRejected(f"fake engine rejected call {call}")
+        if call in self.errors:
+            raise self.errors[call]
+        if greedy and self.greedy_errors:
+            raise self.greedy_errors.pop(0)
         logprob = math.nan if call in self.nonfinite_calls else -1.0
         first = prompt_tokens[0] if prompt_tokens else 0
         return [
@@ -165,7 +175,9 @@ class FakeEngine:
 
 
 class FakeTrainer:
-    """Records every train step; `latency` slows it down on the given time source."""
+    """Records every train step; `latency` slows it down on the given time source;
+    `skipped_steps` (step indices, from 0) report a non-finite loss and no applied update;
+    from `nonfinite_state_from` steps on, `state()` holds a NaN (weights gone bad)."""
 
     def __init__(
         self,
@@ -174,9 +186,13 @@ class FakeTrainer:
         latency: float = 0.0,
         events: list[str] | None = None,
         on_step: Callable[[int, Sequence[Sample]], None] | None = None,
+        skipped_steps: Sequence[int] = (),
+        nonfinite_state_from: int | None = None,
     ) -> None:
         self.time = time
         self.latency = latency
+        self.skipped_steps = set(skipped_steps)
+        self.nonfinite_state_from = nonfinite_state_from
         self.events = events if events is not None else []
         self.on_step = on_step
         self.steps: list[list[Sample]] = []
@@ -188,11 +204,15 @@ class FakeTrainer:
             await (self.time.sleep(self.latency) if self.time is not None else anyio.sleep(self.latency))
         if self.on_step is not None:
             self.on_step(len(self.steps), samples)
+        skipped = len(self.steps) in self.skipped_steps
         self.steps.append(list(samples))
-        return {"train/loss": 0.0, "train/grad_norm": 0.0}
+        if skipped:
+            return {"train/loss": math.nan, "train/applied_updates": 0.0}
+        return {"train/loss": 0.0, "train/grad_norm": 0.0, "train/applied_updates": 1.0}
 
     def state(self) -> Mapping[str, Any]:
-        return {"steps": len(self.steps)}
+        bad = self.nonfinite_state_from is not None and len(self.steps) >= self.nonfinite_state_from
+        return {"steps": len(self.steps), "scale": math.nan if bad else 1.0}
 
     def load_state(self, state: Mapping[str, Any]) -> None:
         self.steps = [[] for _ in range(int(state["steps"]))]

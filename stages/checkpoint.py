@@ -7,12 +7,16 @@ Layout under `run.dir/checkpoints/`:
         engine.pt           the engine's sampling RNG (when the engine has one)
         state.msgpack       policy version, step, batch and prompt cursors, counters, Python RNG
         recipe.yaml         the resolved recipe it was written with
-        COMMITTED           written last: a directory without it is not a checkpoint
+        COMMITTED           written last, listing the step and the files: a directory without
+                            it is not a checkpoint
     .tmp-step-000012-*      a save in progress (or an orphan of a killed one, removed at start)
 
 Save: write each file into a temporary directory and fsync it, write the marker and fsync it,
 fsync the directory, rename it into place, fsync `checkpoints/`. A kill at any point leaves
-either the previous committed checkpoints untouched or the new one complete. After a save only
+either the previous committed checkpoints untouched or the new one complete. A state holding
+NaN or infinity is never written (`NonFiniteState`), so retention never drops a good
+checkpoint for a bad one; a failed save raises `CheckpointError` naming its cause. Resume
+verifies what it reads (`stages.resume`). After a save only
 the newest `keep_last` committed checkpoints are kept; a failed purge is logged, never fatal.
 
 Resume reads committed checkpoints only. Work admitted after the checkpoint's step (batches
@@ -33,7 +37,7 @@ from typing import Any
 
 import msgspec
 
-from pipeline.errors import RecipeError
+from pipeline.errors import PipelineError, RecipeError
 from pipeline.recipe import dump, lookup
 
 log = logging.getLogger("stages.checkpoint")
@@ -94,6 +98,14 @@ def clean_orphans(root: Path) -> None:
 Writer = Callable[[Path], None]
 
 
+class NonFiniteState(Exception):
+    """What a writer raises for a state holding NaN or infinity: such a state is never saved."""
+
+
+class CheckpointError(PipelineError):
+    """A checkpoint could not be written (the run stops; the committed ones are intact)."""
+
+
 class Checkpointer:
     """Writes committed checkpoints; `hook(stage_name)` lets tests kill the process mid-save."""
 
@@ -103,23 +115,33 @@ class Checkpointer:
         self.hook = hook or (lambda point: None)
         self.last_step = 0  # the step of the newest checkpoint this run wrote or resumed from
 
+    def check_writable(self) -> None:
+        """Fail at the start, not at the first save, when checkpoints cannot be written."""
+        probe = self.root / f"{TMP_PREFIX}probe-{os.getpid()}"
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            probe.write_text("")
+            probe.unlink()
+        except OSError as error:
+            raise CheckpointError(
+                f"checkpoint: cannot write to {self.root}: {error.strerror or error}; "
+                "make it writable or choose another run.dir"
+            ) from None
+
     def save(self, step: int, files: dict[str, Writer], recipe: msgspec.Struct) -> Path:
-        self.root.mkdir(parents=True, exist_ok=True)
+        """Write and commit step `step`'s checkpoint; a failure (a full disk, a state that is not
+        finite) raises `CheckpointError`, leaving the committed checkpoints as they were."""
         final = self.root / f"{PREFIX}{step:06d}"
         tmp = self.root / f"{TMP_PREFIX}{PREFIX}{step:06d}-{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
-        self.hook("before_files")
-        for name, write in files.items():
-            write(tmp / name)
-            _fsync_file(tmp / name)
-            self.hook(f"after:{name}")
-        (tmp / "recipe.yaml").write_text(dump(recipe))
-        _fsync_file(tmp / "recipe.yaml")
-        self.hook("before_marker")
-        (tmp / MARKER).write_text(f"{step}\n")
-        _fsync_file(tmp / MARKER)
-        _fsync_dir(tmp)
+        try:
+            self._write(tmp, files, recipe, step)
+        except (OSError, NonFiniteState) as error:
+            shutil.rmtree(tmp, ignore_errors=True)
+            kept = committed(self.root)
+            raise CheckpointError(
+                f"checkpoint: saving step {step} to {final} failed: {error}; the last good checkpoint "
+                f"is {kept[-1] if kept else 'none'}"
+            ) from None
         self.hook("before_rename")
         if final.exists():  # a re-save of the same step (a stop right after a scheduled save)
             shutil.rmtree(final)
@@ -130,6 +152,23 @@ class Checkpointer:
         self.last_step = step
         return final
 
+    def _write(self, tmp: Path, files: dict[str, Writer], recipe: msgspec.Struct, step: int) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        self.hook("before_files")
+        for name, write in files.items():
+            write(tmp / name)
+            _fsync_file(tmp / name)
+            self.hook(f"after:{name}")
+        (tmp / "recipe.yaml").write_text(dump(recipe))
+        _fsync_file(tmp / "recipe.yaml")
+        self.hook("before_marker")
+        # The marker lists the files, so a resume can tell a complete checkpoint from a damaged one.
+        (tmp / MARKER).write_text("".join(f"{line}\n" for line in (step, *files, "recipe.yaml")))
+        _fsync_file(tmp / MARKER)
+        _fsync_dir(tmp)
+
     def _purge(self) -> None:
         for old in committed(self.root)[: -self.keep_last]:
             try:
@@ -138,27 +177,20 @@ class Checkpointer:
                 log.warning("could not remove old checkpoint %s: %s", old, error)
 
 
-def find_resume(run_dir: Path, resume: str) -> Path | None:
-    """The checkpoint to resume from, per `checkpoint.resume`; None to start fresh."""
-    root = run_dir / "checkpoints"
-    if resume == "never":
-        if run_dir.exists() and any(run_dir.iterdir()):
-            raise RecipeError(
-                f"checkpoint.resume: run.dir {run_dir} is not empty and resume is 'never'; "
-                "choose another run.dir or set checkpoint.resume: auto"
-            )
-        return None
-    if resume == "auto":
-        found = committed(root)
-        return found[-1] if found else None
-    path = Path(resume)
-    if not (path / MARKER).is_file():
-        raise RecipeError(f"checkpoint.resume: {path} is not a committed checkpoint (no {MARKER} file)")
-    return path
-
-
-# Recipe fields a checkpoint cannot survive changing.
-BINDING_FIELDS = ("model", "prompts.prompts_per_step", "prompts.source", "rollout.samples_per_prompt")
+# Recipe fields a checkpoint cannot survive changing, or that a resume would silently ignore:
+# the seed drew the prompt order, and the optimizer's saved state restores its lr, weight
+# decay and betas.
+BINDING_FIELDS = (
+    "model",
+    "prompts.prompts_per_step",
+    "prompts.source",
+    "rollout.samples_per_prompt",
+    "run.seed",
+    "train.lr",
+    "train.weight_decay",
+    "train.beta1",
+    "train.beta2",
+)
 
 
 def check_compatible(saved: dict[str, Any], current: dict[str, Any], checkpoint: Path) -> None:
@@ -172,6 +204,16 @@ def check_compatible(saved: dict[str, Any], current: dict[str, Any], checkpoint:
                 f"{field}: differs from checkpoint {checkpoint} (was {old!r}, now {new!r}); "
                 "resume with the recipe the checkpoint was written with, or start a new run.dir"
             )
+
+
+def check_steps_left(steps: int, state: PipelineState, checkpoint: Path) -> None:
+    """A resume must have steps to train: rerunning a finished run silently did nothing."""
+    if steps <= state.step:
+        raise RecipeError(
+            f"run.steps: {steps}, but the run in {checkpoint.parent.parent} has trained {state.step} "
+            f"steps (checkpoint {checkpoint.name}); set run.steps above {state.step} to train more, "
+            "or choose another run.dir"
+        )
 
 
 def python_rng_state() -> list[Any]:

@@ -1,21 +1,36 @@
-"""Held-out evaluation: greedy generation on prompts never trained on, scored by the reward."""
+"""Held-out evaluation: greedy generation on prompts never trained on, scored by the reward.
+
+Generation is retried as rollout's is (`rollout.max_retries` attempts under `generation_s`);
+the scoring runs under `reward.reward_s` of wall time. When a prompt's attempts run out or the
+scoring times out, that evaluation is skipped (`EvaluationSkipped`, reported by the train
+stage, which goes on training); an engine error that is not retryable is a bug and fails the
+run.
+"""
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Sequence
 from statistics import fmean
 
 import anyio
 
+from pipeline.clock import DeadlineClock
+from pipeline.errors import DeadlineExceeded
 from pipeline.gate import EngineGate
 from pipeline.messages import Prompt
 from pipeline.recipe import NonNegativeInt, PositiveInt, Section
 from stages.reward import RewardFn, score_all
+from stages.rollout import GiveUp, RolloutSection, with_retries
 
 
 class EvalSection(Section):
     every_steps: NonNegativeInt = 0  # 0: no held-out evaluation
     num_prompts: PositiveInt = 256
+
+
+class EvaluationSkipped(Exception):
+    """This evaluation could not finish (engine failures past the retries, a scoring timeout)."""
 
 
 class Evaluation:
@@ -28,28 +43,54 @@ class Evaluation:
         prompts: Sequence[Prompt],
         fn: RewardFn,
         decode: Callable[[Sequence[int]], str],
+        rollout: RolloutSection,
+        reward_s: float,
+        clock: DeadlineClock,
     ) -> None:
         self.section = section
         self.prompts = list(prompts)[: section.num_prompts]
         self.fn = fn
         self.decode = decode
+        self.rollout = rollout
+        self.reward_s = reward_s
+        self.clock = clock
+        self.counts: Counter[str] = Counter()  # retries, timeouts, engine_errors, skipped
 
     def due(self, step: int, last_step: int) -> bool:
         every = self.section.every_steps
         return bool(every) and (step % every == 0 or step == last_step)
 
     async def run(self, gate: EngineGate) -> dict[str, float]:
+        """The evaluation's figures; raises `EvaluationSkipped` when it cannot finish."""
         texts: list[str] = [""] * len(self.prompts)
+        failures: list[str] = []
 
-        async def one(i: int, prompt: Prompt) -> None:
-            async with gate.serving():
-                (completion,) = await gate.engine.generate(prompt.tokens, 1, greedy=True)  # type: ignore[call-arg]
-            texts[i] = self.decode(completion.tokens)
+        async def one(i: int, prompt: Prompt, scope: anyio.CancelScope) -> None:
+            async def attempt(number: int) -> str:
+                async with gate.serving():
+                    (completion,) = await gate.engine.generate(prompt.tokens, 1, greedy=True)  # type: ignore[call-arg]
+                return self.decode(completion.tokens)
+
+            try:
+                texts[i] = await with_retries(
+                    attempt, self.rollout, self.clock, self.counts, prompt.prompt_id
+                )
+            except GiveUp as failed:  # the evaluation is incomplete: stop its other requests
+                failures.append(f"{prompt.prompt_id}: {failed.reason}")
+                scope.cancel()
 
         async with anyio.create_task_group() as tg:
             for i, prompt in enumerate(self.prompts):
-                tg.start_soon(one, i, prompt)
-        scored = await score_all(self.fn, list(zip(self.prompts, texts, strict=True)))
+                tg.start_soon(one, i, prompt, tg.cancel_scope)
+        if failures:
+            self.counts["skipped"] += 1
+            raise EvaluationSkipped(f"generation for {failures[0]}")
+        try:
+            with self.clock.fail_after(self.reward_s, "evaluation scoring", suspendable=False):
+                scored = await score_all(self.fn, list(zip(self.prompts, texts, strict=True)))
+        except DeadlineExceeded as error:
+            self.counts["skipped"] += 1
+            raise EvaluationSkipped(f"{error} (reward.reward_s)") from None
         # A reward that fails on a held-out answer scores it 0 rather than hiding the prompt.
         records = [result if isinstance(result, dict) else {"reward": 0.0} for result in scored]
         keys = sorted({key for r in records for key in r})

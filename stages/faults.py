@@ -15,6 +15,7 @@ from typing import Annotated
 import msgspec
 
 from pipeline.clock import TimeSource
+from pipeline.errors import RetryableEngineError
 from pipeline.messages import Completion
 from pipeline.protocols import Engine
 from pipeline.recipe import NonNegativeFloat, Section
@@ -32,7 +33,7 @@ class FaultsSection(Section):
         return bool(self.nonfinite_logprob_rate or self.engine_latency_s or self.engine_crash_rate)
 
 
-class InjectedEngineCrash(RuntimeError):
+class InjectedEngineCrash(RetryableEngineError):
     """An engine failure injected by `faults.engine_crash_rate`."""
 
 

@@ -12,7 +12,6 @@ from typing import Any
 
 import anyio
 import msgspec
-import yaml
 
 from pipeline.channel import Channel
 from pipeline.clock import DeadlineClock, TimeSource
@@ -33,10 +32,13 @@ from pipeline.watchdog import Watchdog
 from stages.admission import PromptStage
 from stages.checkpoint import (
     Checkpointer,
+    CheckpointError,
+    NonFiniteState,
     PipelineState,
     check_compatible,
+    check_steps_left,
     clean_orphans,
-    find_resume,
+    committed,
     python_rng_state,
     set_python_rng_state,
 )
@@ -44,10 +46,12 @@ from stages.evaluation import Evaluation
 from stages.faults import FaultyEngine
 from stages.gates import Verdict, give_verdict
 from stages.progress import Progress
-from stages.prompts import build_prompts
+from stages.prompts import PromptSet, build_prompts
 from stages.recipe import Recipe
-from stages.reward import RewardStage, resolve
+from stages.resume import Resumed, nonfinite, open_resume, set_aside
+from stages.reward import RewardFn, RewardStage, resolve
 from stages.rollout import RolloutStage
+from stages.run_dir import RunDirLock, keep_earlier_runs
 from stages.timings import BatchTimings
 from stages.train import TrainStage
 
@@ -84,18 +88,13 @@ async def run_program(
     """
     reset_warnings()
     run_dir = Path(recipe.run.dir)
-    resume_from = find_resume(run_dir, recipe.checkpoint.resume)
-    resumed: PipelineState | None = None
-    if resume_from is not None:
-        saved_recipe = yaml.safe_load((resume_from / "recipe.yaml").read_text())
-        check_compatible(saved_recipe, msgspec.to_builtins(recipe), resume_from)
-        resumed = msgspec.msgpack.decode((resume_from / "state.msgpack").read_bytes(), type=PipelineState)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "recipe.yaml").write_text(dump(recipe))
-    checkpoints = Checkpointer(
-        run_dir / "checkpoints", keep_last=recipe.checkpoint.keep_last, hook=checkpoint_hook
-    )
-    clean_orphans(checkpoints.root)
+    # Nothing is written to run.dir until the checkpoint, the data and the model have loaded.
+    lock = RunDirLock(run_dir)
+    lock.check_free()
+    resumed = await anyio.to_thread.run_sync(open_resume, run_dir, recipe.checkpoint.resume)
+    if resumed is not None:
+        check_compatible(resumed.recipe, msgspec.to_builtins(recipe), resumed.path)
+        check_steps_left(recipe.run.steps, resumed.state, resumed.path)
     seed = recipe.run.seed
     random.seed(seed)
     prompts = build_prompts(recipe.prompts, seed, model_path=recipe.model.path)
@@ -111,16 +110,76 @@ async def run_program(
             )
         except ModelLoadError as error:  # a missing file or an unsupported model: the user's to fix
             raise RecipeError(f"model.path: {error}") from None
+    assert engine is not None and trainer is not None
+    try:
+        lock.acquire()
+        if recipe.checkpoint.resume == "auto" and _newest(run_dir) != _newest_at_start(resumed):
+            raise PipelineError(
+                f"run.dir: another run wrote a checkpoint to {run_dir} while this one loaded; start again"
+            )
+    except BaseException:
+        lock.release()
+        if built:
+            for part in (engine, trainer):
+                getattr(part, "close", lambda: None)()
+        raise
+    try:
+        return await _run_locked(
+            recipe,
+            run_dir=run_dir,
+            resumed=resumed,
+            prompts=prompts,
+            reward_fn=reward_fn,
+            engine=engine,
+            trainer=trainer,
+            built=built,
+            time_source=time_source,
+            stop=stop,
+            echo=echo,
+            on_eval=on_eval,
+            console=console,
+            checkpoint_hook=checkpoint_hook,
+        )
+    finally:
+        lock.release()
+
+
+async def _run_locked(
+    recipe: Recipe,
+    *,
+    run_dir: Path,
+    resumed: Resumed | None,
+    prompts: PromptSet,
+    reward_fn: RewardFn,
+    engine: Engine,
+    trainer: Trainer,
+    built: bool,
+    time_source: TimeSource | None,
+    stop: StopRequest | None,
+    echo: Callable[[dict[str, Any]], None] | None,
+    on_eval: Callable[[dict[str, Any]], None] | None,
+    console: Console | None,
+    checkpoint_hook: Callable[[str], None] | None,
+) -> RunSummary:
+    """The run, once run.dir is locked and everything it needs has loaded."""
+    seed = recipe.run.seed
+    keep_earlier_runs(run_dir, fresh=resumed is None)
+    (run_dir / "recipe.yaml").write_text(dump(recipe))
+    checkpoints = Checkpointer(
+        run_dir / "checkpoints", keep_last=recipe.checkpoint.keep_last, hook=checkpoint_hook
+    )
+    clean_orphans(checkpoints.root)
+    checkpoints.check_writable()
     if resumed is not None:
-        assert resume_from is not None
+        set_aside(resumed.damaged)
         start = time.perf_counter()
-        await anyio.to_thread.run_sync(_load_backend_state, resume_from, trainer, engine)
-        load_s = time.perf_counter() - start
-        prompts.train.skip(resumed.next_batch * recipe.prompts.prompts_per_step)
-        set_python_rng_state(resumed.python_rng)
-        _restore_metrics(run_dir / STEPS_FILE, resumed)
-        _restore_metrics(run_dir / EVAL_FILE, resumed, recover=False)
-        log.info("resumed from %s (step %d) in %.3f s", resume_from, resumed.step, load_s)
+        await anyio.to_thread.run_sync(_load_backend_state, resumed, trainer, engine)
+        load_s = resumed.load_s + time.perf_counter() - start
+        prompts.train.skip(resumed.state.next_batch * recipe.prompts.prompts_per_step)
+        set_python_rng_state(resumed.state.python_rng)
+        _restore_metrics(run_dir / STEPS_FILE, resumed.state)
+        _restore_metrics(run_dir / EVAL_FILE, resumed.state, recover=False)
+        log.info("resumed from %s (step %d) in %.3f s", resumed.path, resumed.state.step, load_s)
     clock = DeadlineClock(time_source)
     backend_engine = engine  # checkpoints hold its state; the fault wrapper has none of its own
     if recipe.faults.enabled:
@@ -128,8 +187,8 @@ async def run_program(
     stop = stop or StopRequest()
     trace = Trace(clock.source.now)
     timings = BatchTimings()
-    version = resumed.policy_version if resumed else 0
-    first_batch = resumed.next_batch if resumed else 0
+    version = resumed.state.policy_version if resumed else 0
+    first_batch = resumed.state.next_batch if resumed else 0
     gate = EngineGate(
         engine,
         clock,
@@ -142,8 +201,8 @@ async def run_program(
     tickets = TicketBox(lookahead, first_batch=first_batch)
     progress = Progress(
         steps=recipe.run.steps,
-        steps_done=resumed.step if resumed else 0,
-        empty_batches=resumed.empty_batches if resumed else 0,
+        steps_done=resumed.state.step if resumed else 0,
+        empty_batches=resumed.state.empty_batches if resumed else 0,
     )
     per_step = recipe.prompts.prompts_per_step
     batches: Channel[Batch] = Channel("batches", lookahead + 1)
@@ -157,7 +216,7 @@ async def run_program(
             recipe.tensorboard,
             run_dir,
             msgspec.to_builtins(recipe),
-            resume_step=resumed.step if resumed else None,
+            resume_step=resumed.state.step if resumed else None,
         ),
     )
     queues = (batches, generated, scored)
@@ -187,9 +246,9 @@ async def run_program(
         timings=timings,
     )
     if resumed is not None:
-        rollout.counts.update(resumed.rollout_counts)
-        reward.counts.update(resumed.reward_counts)
-        checkpoints.last_step = resumed.step
+        rollout.counts.update(resumed.state.rollout_counts)
+        reward.counts.update(resumed.state.reward_counts)
+        checkpoints.last_step = resumed.state.step
 
     async def save(step: int, next_batch: int, record: dict[str, Any] | None) -> None:
         state = PipelineState(
@@ -219,12 +278,19 @@ async def run_program(
             "rollout/dropped_groups_total": rollout.counts["dropped_groups"],
             "rollout/poisoned_samples_total": rollout.counts["poisoned_samples"],
             "reward/failures": reward.counts["failures"],
+            **({"eval/skipped": evaluation.counts["skipped"]} if evaluation is not None else {}),
         }
 
     evaluation = None
     if recipe.eval.every_steps:
         evaluation = Evaluation(
-            recipe.eval, prompts=prompts.heldout, fn=reward_fn, decode=prompts.tokenizer.decode
+            recipe.eval,
+            prompts=prompts.heldout,
+            fn=reward_fn,
+            decode=prompts.tokenizer.decode,
+            rollout=recipe.rollout,
+            reward_s=recipe.reward.reward_s,
+            clock=clock,
         )
     train = TrainStage(
         trainer=trainer,
@@ -249,6 +315,8 @@ async def run_program(
         evaluation=evaluation,
         echo=_both(echo, console.record if console else None),
         on_eval=_both(on_eval, console.evaluation if console else None),
+        max_empty_in_row=recipe.train.max_consecutive_empty_batches,
+        max_skipped_in_row=recipe.train.max_consecutive_skipped_steps,
     )
     stages = [
         PromptStage(
@@ -295,6 +363,12 @@ async def run_program(
             grace_s=recipe.run.stop_grace_s,
         )
 
+    def close_backend() -> None:
+        if built:
+            for part in (backend_engine, trainer):
+                getattr(part, "close", lambda: None)()
+
+    failing = False
     try:
         if console is not None and console.live:
             outcome = await _beside(run_all, console.refresh, snapshot)
@@ -303,17 +377,26 @@ async def run_program(
         if outcome.stopped:
             await final_save()
     except anyio.get_cancelled_exc_class():
+        failing = True
         with anyio.CancelScope(shield=True):
-            await final_save()
+            await _never_masking(final_save, "the save on cancellation")
+        raise
+    except Exception as error:
+        failing = True
+        if not isinstance(error, CheckpointError):  # a last save, when the state allows one
+            with anyio.CancelScope(shield=True):
+                await _never_masking(final_save, "the last save")
         raise
     finally:
-        metrics.close()
-        if built:
-            for part in (backend_engine, trainer):
-                getattr(part, "close", lambda: None)()
-        trace.write(run_dir / "trace.json")
-        if console is not None:
-            console.close()
+        _close_all(
+            [
+                ("closing the metrics", metrics.close),
+                ("closing the backend", close_backend),
+                ("writing trace.json", lambda: trace.write(run_dir / "trace.json")),
+                ("closing the console", console.close if console is not None else lambda: None),
+            ],
+            failing=failing,
+        )
     if recipe.run.plot:
         try:
             await anyio.to_thread.run_sync(write_report, [run_dir], run_dir / "report.png")
@@ -330,6 +413,31 @@ async def run_program(
         passed=verdict.passed,
         verdict=verdict,
     )
+
+
+async def _never_masking(action: Callable[[], Any], what: str) -> None:
+    """Run `action` while another error is on its way out: its own failure is logged, not raised."""
+    try:
+        await action()
+    except Exception as error:
+        log.error("%s failed too, after the run's error: %s: %s", what, type(error).__name__, error)
+
+
+def _close_all(steps: list[tuple[str, Callable[[], None]]], *, failing: bool) -> None:
+    """Run every clean-up step. While the run's own error propagates (`failing`), a step that
+    fails is logged so that it cannot replace that error; otherwise the first failure is raised
+    once all steps have run."""
+    first: Exception | None = None
+    for what, step in steps:
+        try:
+            step()
+        except Exception as error:
+            if failing:
+                log.error("%s failed too, after the run's error: %s: %s", what, type(error).__name__, error)
+            elif first is None:
+                first = error
+    if first is not None:
+        raise first
 
 
 async def _beside(body: Callable[[], Any], view: Callable[..., Any], *args: Any) -> Any:
@@ -358,17 +466,31 @@ def _torch_writer(state: Any) -> Callable[[Path], None]:
     def write(path: Path) -> None:
         import torch
 
+        where = nonfinite(state)
+        if where is not None:
+            raise NonFiniteState(f"{path.name} would hold non-finite values at {where}")
         torch.save(state, path)
 
     return write
 
 
-def _load_backend_state(checkpoint: Path, trainer: Any, engine: Any) -> None:
-    import torch
+def _load_backend_state(resumed: Resumed, trainer: Any, engine: Any) -> None:
+    trainer.load_state(resumed.trainer)
+    if resumed.engine is not None and hasattr(engine, "load_state"):
+        engine.load_state(resumed.engine)
 
-    trainer.load_state(torch.load(checkpoint / "trainer.pt", weights_only=False))
-    if (checkpoint / "engine.pt").exists() and hasattr(engine, "load_state"):
-        engine.load_state(torch.load(checkpoint / "engine.pt", weights_only=False))
+
+def _newest(run_dir: Path) -> Path | None:
+    found = committed(run_dir / "checkpoints")
+    return found[-1] if found else None
+
+
+def _newest_at_start(resumed: Resumed | None) -> Path | None:
+    """The newest committed checkpoint when this run looked: the resumed one, or the newest of
+    the damaged ones it skipped (still in place: they are set aside later)."""
+    if resumed is None:
+        return None
+    return resumed.damaged[0] if resumed.damaged else resumed.path
 
 
 def _restore_metrics(path: Path, state: PipelineState, *, recover: bool = True) -> None:

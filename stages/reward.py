@@ -11,8 +11,9 @@ else is given as `module:function`, importable from the working directory or the
 Up to `concurrency` groups are scored at once, each under `reward_s` of wall time (the gate
 does not block reward work); the cheap built-ins (`positional`, `exact_match`: microseconds a
 sample) are scored on the event loop as each group arrives, with no thread or deadline. A
-function that raises, or a group that times out, is a counted data failure: those samples get
-no reward and are not trained on. More than `max_failures` failures stop the run.
+function that raises or returns a non-finite value, or a group that times out, is a counted data
+failure: those samples get no reward and are not trained on. More than `max_failures` failures
+stop the run.
 """
 
 from __future__ import annotations
@@ -20,9 +21,9 @@ from __future__ import annotations
 import importlib
 import inspect
 import logging
+import math
 from collections import Counter
 from collections.abc import Awaitable, Callable
-from functools import partial
 from typing import Any
 
 import anyio
@@ -36,6 +37,7 @@ from pipeline.messages import Dropped, Group, Prompt, Sample
 from pipeline.recipe import NonNegativeInt, PositiveFloat, PositiveInt, Section
 from pipeline.trace import Trace
 from pipeline.watchdog import Watchdog
+from stages.reward_threads import blocking_note, run_abandonable, run_async
 from stages.timings import BatchTimings
 from stages.tokenizer import Tokenizer
 
@@ -121,15 +123,29 @@ def resolve(name: str, *, source_reward: RewardFn | None = None) -> RewardFn:
     return fn
 
 
+class NonFiniteReward(ValueError):
+    """A reward function returned NaN or an infinity: a reward failure, never a trained value."""
+
+
 def _normalise(result: Any) -> dict[str, float]:
     if isinstance(result, dict):
         if "reward" not in result:
             raise ValueError(f"reward function returned a dict without a 'reward' key: {sorted(result)}")
-        return {key: float(value) for key, value in result.items()}
-    return {"reward": float(result)}
+        values = {key: float(value) for key, value in result.items()}
+    else:
+        values = {"reward": float(result)}
+    bad = {key: value for key, value in values.items() if not math.isfinite(value)}
+    if bad:
+        raise NonFiniteReward(f"reward function returned non-finite values: {bad}")
+    return values
 
 
 Scored = dict[str, float] | Exception | None
+
+
+# `SystemExit` too: a reward function that calls sys.exit has failed on that sample; it must
+# not end the thread silently (nor the run).
+_REWARD_ERRORS = (Exception, SystemExit)
 
 
 def _score_all_sync(fn: RewardFn, items: list[tuple[Prompt, str | None]]) -> list[Scored]:
@@ -140,31 +156,46 @@ def _score_all_sync(fn: RewardFn, items: list[tuple[Prompt, str | None]]) -> lis
             continue
         try:
             results.append(_normalise(fn(prompt, text)))
-        except Exception as error:  # a reward bug is a counted data failure, not a crash
-            results.append(error)
+        except _REWARD_ERRORS as error:  # a reward bug is a counted data failure, not a crash
+            results.append(_as_exception(error))
     return results
 
 
-async def score_all(fn: RewardFn, items: list[tuple[Prompt, str | None]]) -> list[Scored]:
-    """Score each (prompt, text) pair (text None: skip); an exception is returned, not raised.
-
-    A plain function scores all pairs in one worker-thread call (a cheap built-in on the event
-    loop: the thread hop would cost more than the scoring); an async one is awaited in turn.
-    """
-    if is_cheap(fn):
-        return _score_all_sync(fn, items)
-    if not inspect.iscoroutinefunction(fn):
-        return await anyio.to_thread.run_sync(partial(_score_all_sync, fn, items), abandon_on_cancel=True)
+async def _score_all_async(fn: RewardFn, items: list[tuple[Prompt, str | None]]) -> list[Scored]:
     results: list[Scored] = []
     for prompt, text in items:
         if text is None:
             results.append(None)
             continue
         try:
-            results.append(_normalise(await fn(prompt, text)))
-        except Exception as error:
-            results.append(error)
+            results.append(_normalise(await fn(prompt, text)))  # type: ignore[misc]
+        except _REWARD_ERRORS as error:
+            results.append(_as_exception(error))
     return results
+
+
+class RewardExited(Exception):
+    """The reward function raised `SystemExit` (called sys.exit)."""
+
+
+def _as_exception(error: Exception | SystemExit) -> Exception:
+    if isinstance(error, SystemExit):
+        return RewardExited(f"the reward function called sys.exit({error.code!r})")
+    return error
+
+
+async def score_all(fn: RewardFn, items: list[tuple[Prompt, str | None]]) -> list[Scored]:
+    """Score each (prompt, text) pair (text None: skip); an exception is returned, not raised.
+
+    A plain function scores all pairs in one call on a daemon thread, an async one on the
+    reward loop (`stages.reward_threads`): either can be abandoned by a deadline. A cheap
+    built-in scores on the event loop: the thread hop would cost more than the scoring.
+    """
+    if is_cheap(fn):
+        return _score_all_sync(fn, items)
+    if not inspect.iscoroutinefunction(fn):
+        return await run_abandonable(_score_all_sync, fn, items)
+    return await run_async(_score_all_async, fn, items, name=getattr(fn, "__name__", repr(fn)))
 
 
 class RewardStage:
@@ -241,7 +272,7 @@ class RewardStage:
                 ):
                     results = await score_all(self.fn, pairs)
             except DeadlineExceeded as error:
-                self._failure("timeout", str(error))
+                self._failure("timeout", f"{error}{blocking_note()}")
         samples: list[Sample] = []
         for sample, text, result in zip(group.samples, texts, results, strict=True):
             if isinstance(result, Exception):

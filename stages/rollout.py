@@ -2,9 +2,11 @@
 
 Every request runs under deadlines on the pipeline clock: `generation_s` per engine call,
 `sample_s` per group (retries included) and `batch_s` per batch, so time the engine spends
-stood down is never charged. A failed call (timeout or engine error) is retried with exponential
-backoff up to `max_retries`; then the group is dropped with a reason. A request the engine
-rejects (`RequestRejected`: it asks for something the model cannot do) is dropped at once. More than
+stood down is never charged. A failed call (a timeout, or a `RetryableEngineError`: the engine's
+infrastructure failed) is retried with exponential backoff up to `max_retries`; then the group
+is dropped with a reason. A request the engine rejects (`RequestRejected`: it asks for something
+the model cannot do) is dropped at once. Any other exception from the engine is a bug: it fails
+the run at once, with its traceback. More than
 `max_dropped_groups` drops stop the run. A completion with a non-finite logprob is kept but
 marked poisoned, so it is never trained on and never reaches a metric.
 """
@@ -14,14 +16,15 @@ from __future__ import annotations
 import logging
 import math
 from collections import Counter
-from typing import Annotated
+from collections.abc import Awaitable, Callable
+from typing import Annotated, TypeVar
 
 import anyio
 import msgspec
 
 from pipeline.channel import Channel
 from pipeline.clock import DeadlineClock
-from pipeline.errors import DeadlineExceeded, DropBudgetExceeded, RequestRejected
+from pipeline.errors import DeadlineExceeded, DropBudgetExceeded, RequestRejected, RetryableEngineError
 from pipeline.gate import EngineGate
 from pipeline.logs import warn_once
 from pipeline.messages import Batch, Completion, Dropped, Group, Prompt, Sample
@@ -46,9 +49,55 @@ class RolloutSection(Section):
     max_dropped_groups: NonNegativeInt = 64
 
 
-class _GiveUp(Exception):
+class GiveUp(Exception):
+    """Every attempt at a generation request failed (or it was rejected); `reason` says how."""
+
     def __init__(self, reason: str) -> None:
         self.reason = reason
+
+
+T = TypeVar("T")
+
+
+async def with_retries(
+    attempt: Callable[[int], Awaitable[T]],
+    section: RolloutSection,
+    clock: DeadlineClock,
+    counts: Counter[str],
+    what: str,
+) -> T:
+    """`await attempt(n)` under `generation_s`, retried with backoff up to `max_retries` times.
+
+    Timeouts and `RetryableEngineError`s are retried; a `RequestRejected` gives up at once; any
+    other exception is a bug and propagates. Raises `GiveUp` when the attempts run out.
+    """
+    reason = ""
+    for number in range(section.max_retries + 1):
+        if number:
+            counts["retries"] += 1
+            await clock.sleep(section.backoff_s * 2 ** (number - 1))
+        try:
+            with clock.fail_after(section.generation_s, "generation request"):
+                return await attempt(number)
+        except DeadlineExceeded:
+            counts["timeouts"] += 1
+            reason = "generation_timeout"
+        except RequestRejected as error:  # the same request would be refused again
+            counts["engine_errors"] += 1
+            raise GiveUp(f"rejected: {error}") from None
+        except RetryableEngineError as error:
+            counts["engine_errors"] += 1
+            reason = f"engine_error: {type(error).__name__}: {error}"
+            warn_once(
+                log,
+                f"engine {type(error).__name__}",
+                "generation for %s failed (attempt %d): %s "
+                "(further engine errors of this kind are counted in rollout/engine_errors)",
+                what,
+                number + 1,
+                reason,
+            )
+    raise GiveUp(reason)
 
 
 class RolloutStage:
@@ -107,7 +156,7 @@ class RolloutStage:
             self.counts["timeouts"] += 1
             await self._drop(prompt, group_id, batch, "sample_timeout", pending)
             return
-        except _GiveUp as give_up:
+        except GiveUp as give_up:
             await self._drop(prompt, group_id, batch, give_up.reason, pending)
             return
         samples = tuple(
@@ -133,41 +182,17 @@ class RolloutStage:
         del pending[group_id]
 
     async def _generate(self, prompt: Prompt, group_id: str) -> tuple[list[Completion], tuple[int, int]]:
-        section = self.section
-        reason = ""
-        for attempt in range(section.max_retries + 1):
-            if attempt:
-                self.counts["retries"] += 1
-                await self.clock.sleep(section.backoff_s * 2 ** (attempt - 1))
-            try:
-                with self.clock.fail_after(section.generation_s, "generation request"):
-                    with self.watchdog.waiting(self.name, "the generation engine"):
-                        async with self.gate.serving() as first_version:
-                            with self.trace.lane("rollout", f"generate {group_id}", attempt=attempt) as span:
-                                completions = await self.gate.engine.generate(
-                                    prompt.tokens, section.samples_per_prompt
-                                )
-                                span["version"] = first_version
-                            return completions, (first_version, self.gate.engine_version)
-            except DeadlineExceeded:
-                self.counts["timeouts"] += 1
-                reason = "generation_timeout"
-            except RequestRejected as error:  # the same request would be refused again
-                self.counts["engine_errors"] += 1
-                raise _GiveUp(f"rejected: {error}") from None
-            except Exception as error:  # an engine failure is retried like a timeout
-                self.counts["engine_errors"] += 1
-                reason = f"engine_error: {type(error).__name__}: {error}"
-                warn_once(
-                    log,
-                    f"engine {type(error).__name__}",
-                    "generation for %s failed (attempt %d): %s "
-                    "(further engine errors of this kind are counted in rollout/engine_errors)",
-                    prompt.prompt_id,
-                    attempt + 1,
-                    reason,
-                )
-        raise _GiveUp(reason)
+        async def attempt(number: int) -> tuple[list[Completion], tuple[int, int]]:
+            with self.watchdog.waiting(self.name, "the generation engine"):
+                async with self.gate.serving() as first_version:
+                    with self.trace.lane("rollout", f"generate {group_id}", attempt=number) as span:
+                        completions = await self.gate.engine.generate(
+                            prompt.tokens, self.section.samples_per_prompt
+                        )
+                        span["version"] = first_version
+                    return completions, (first_version, self.gate.engine_version)
+
+        return await with_retries(attempt, self.section, self.clock, self.counts, prompt.prompt_id)
 
     async def _drop(
         self, prompt: Prompt, group_id: str, batch: int, reason: str, pending: dict[str, Prompt]

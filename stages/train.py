@@ -5,7 +5,10 @@ a drop. The step runs through the engine gate (stand-down/train/[save]/wake when
 train/refit/[save] otherwise); only after it has published the new weights does the batch's
 ticket go back, so generation never runs more than L versions ahead. A batch with nothing
 trainable (all dropped, poisoned or unscored) trains nothing, gives its ticket back and is
-counted; another batch takes its place.
+counted; another batch takes its place. A run never ends looking fine while it trains nothing:
+more than `max_consecutive_empty_batches` empty batches in a row, more than
+`max_consecutive_skipped_steps` steps in a row whose optimizer updates were all skipped
+(`train/applied_updates` 0), or a run whose every step was skipped, stops with `NothingTrained`.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import msgspec
 
 from pipeline.channel import Channel
 from pipeline.clock import DeadlineClock
+from pipeline.errors import NothingTrained
 from pipeline.gate import EngineGate
 from pipeline.messages import Dropped, Group, Sample
 from pipeline.metrics import MetricsLog
@@ -30,7 +34,7 @@ from pipeline.tickets import Ticket, TicketBox
 from pipeline.trace import Trace
 from pipeline.watchdog import Watchdog
 from stages.advantages import leave_one_out, population_std
-from stages.evaluation import Evaluation
+from stages.evaluation import Evaluation, EvaluationSkipped
 from stages.progress import Progress
 from stages.timings import BatchTimings
 
@@ -65,6 +69,11 @@ class TrainSection(Section):
     compile: bool = False
     # Recompute each layer in the backward pass instead of keeping its activations.
     activation_checkpointing: bool = False
+    # Stop the run when this many batches in a row have nothing to train on (every group
+    # dropped, poisoned or unscored), or this many steps in a row apply no optimizer update
+    # (non-finite loss or gradient norm).
+    max_consecutive_empty_batches: PositiveInt = 8
+    max_consecutive_skipped_steps: PositiveInt = 8
 
 
 # (step, next batch, the step's metrics record so far)
@@ -97,6 +106,8 @@ class TrainStage:
         evaluation: Evaluation | None = None,
         echo: Callable[[dict[str, Any]], None] | None = None,
         on_eval: Callable[[dict[str, Any]], None] | None = None,
+        max_empty_in_row: int = 8,
+        max_skipped_in_row: int = 8,
     ) -> None:
         self.trainer = trainer
         self.gate = gate
@@ -120,11 +131,17 @@ class TrainStage:
         self.queues = queues
         self._last_step_end = clock.source.now()
         self.pending: dict[int, list[Group | Dropped]] = defaultdict(list)
+        self.max_empty_in_row = max_empty_in_row
+        self.max_skipped_in_row = max_skipped_in_row
+        self.empty_in_row = 0
+        self.skipped_in_row = 0
+        self.steps_trained = 0  # this run's steps, and those of them that applied an update
+        self.steps_applied = 0
 
     async def run(self) -> None:
         try:
             if self.evaluation is not None and self.progress.steps_done == 0:
-                self._emit_eval(0, await self._evaluate())
+                await self._evaluate(0)
             waiting_since = self.clock.source.now()
             with self.watchdog.waiting(self.name, f"groups of batch {self.next_batch}"):
                 async for item in self.inp:
@@ -139,6 +156,11 @@ class TrainStage:
                         self.next_batch += 1
                         if self.progress.done:
                             self.tickets.close()
+            if self.progress.done and self.steps_trained and not self.steps_applied:
+                raise NothingTrained(
+                    f"all {self.steps_trained} train steps of this run skipped their optimizer "
+                    "update (non-finite loss or gradient norm): nothing was trained"
+                )
         finally:
             self.tickets.close()
             self.watchdog.done(self.name)
@@ -170,6 +192,15 @@ class TrainStage:
             # train/empty_batches and the *_total counters include it.
             self.tickets.give_back(Ticket(batch=batch))
             self.progress.batch_finished(trained=False)
+            self.empty_in_row += 1
+            if self.empty_in_row > self.max_empty_in_row:
+                raise NothingTrained(
+                    f"{self.empty_in_row} batches in a row had nothing to train on (the last: "
+                    f"{record['rollout/dropped_groups']} groups dropped, "
+                    f"{record['rollout/poisoned_samples']} samples poisoned, "
+                    f"{record['rollout/unscored_samples']} unscored), over "
+                    f"train.max_consecutive_empty_batches={self.max_empty_in_row}"
+                )
             log.warning(
                 "batch %d had nothing to train on (%d groups dropped, %d samples poisoned); "
                 "another batch takes its place",
@@ -178,6 +209,7 @@ class TrainStage:
                 record["rollout/poisoned_samples"],
             )
             return
+        self.empty_in_row = 0
         step = self.progress.steps_done + 1
         lags = [version - s.gen_version[0] for s in samples]
         response_tokens = sum(len(s.tokens) for s in samples)
@@ -239,20 +271,44 @@ class TrainStage:
         clean = self.metrics.write(record)
         if self.echo is not None:
             self.echo(clean)
+        self._count_update(step, record)
         if self.evaluation is not None and self.evaluation.due(step, self.progress.steps):
-            self._emit_eval(step, await self._evaluate())
+            await self._evaluate(step)
 
-    async def _evaluate(self) -> dict[str, float]:
+    def _count_update(self, step: int, record: dict[str, Any]) -> None:
+        self.steps_trained += 1
+        if record.get("train/applied_updates", 1) > 0:  # a trainer that does not say applied it
+            self.steps_applied += 1
+            self.skipped_in_row = 0
+            return
+        self.skipped_in_row += 1
+        if self.skipped_in_row > self.max_skipped_in_row:
+            raise NothingTrained(
+                f"{self.skipped_in_row} train steps in a row (up to step {step}) skipped their "
+                "optimizer update (non-finite loss or gradient norm), over "
+                f"train.max_consecutive_skipped_steps={self.max_skipped_in_row}"
+            )
+
+    async def _evaluate(self, step: int) -> None:
+        """Evaluate and write the record; an evaluation that cannot finish is skipped, said once."""
         assert self.evaluation is not None
         start = self.clock.source.now()
-        result = await self.evaluation.run(self.gate)
-        end = self.clock.source.now()
-        self.trace.span("eval", start, end, track="train")
-        self._last_step_end = end  # evaluation time is not charged to the next step
-        return {**result, "timing/eval_s": end - start}
-
-    def _emit_eval(self, step: int, result: dict[str, float]) -> None:
-        clean = self.metrics.write_eval({"step": step, "policy_version": self.gate.engine_version, **result})
+        try:
+            result = await self.evaluation.run(self.gate)
+        except EvaluationSkipped as skipped:
+            log.warning("evaluation at step %d skipped: %s", step, skipped)
+            return
+        finally:
+            end = self.clock.source.now()
+            self.trace.span("eval", start, end, track="train")
+            self._last_step_end = end  # evaluation time is not charged to the next step
+        record = {
+            "step": step,
+            "policy_version": self.gate.engine_version,
+            **result,
+            "timing/eval_s": end - start,
+        }
+        clean = self.metrics.write_eval(record)
         if self.on_eval is not None:
             self.on_eval(clean)
 

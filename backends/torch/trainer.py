@@ -235,6 +235,7 @@ class TorchTrainer:
                 "train/clip_fraction": totals["clip_fraction"] / tokens,
                 "train/lr": self.scheduler.get_last_lr()[0],
                 "train/skipped_steps": float(self.skipped_steps),
+                "train/applied_updates": float(len(grad_norms)),
                 "train/tokens": tokens,
             }
         )

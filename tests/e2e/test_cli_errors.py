@@ -130,6 +130,49 @@ def test_small_real_run(tmp_path: Path) -> None:
         assert METRIC_KEYS <= set(line), METRIC_KEYS - set(line)
         assert all(math.isfinite(v) for v in line.values() if isinstance(v, float))
     assert json.loads((run_dir / "trace.json").read_text())["traceEvents"]
+    # Rerunning the finished run as it is would train nothing: refused, and nothing changes.
+    again = cli("run", str(QUICKSTART), "run.steps=3", f"run.dir={run_dir}", *SMALL, "--quiet", timeout=240)
+    assert again.returncode == 2, again.stdout + again.stderr
+    assert again.stderr.splitlines()[-1] == (
+        f"error: run.steps: 3, but the run in {run_dir} has trained 3 steps (checkpoint step-000003); "
+        "set run.steps above 3 to train more, or choose another run.dir"
+    )
+    assert "Traceback" not in again.stderr and "trace.1.json" not in {p.name for p in run_dir.iterdir()}
+
+
+def test_a_second_run_on_the_same_run_dir_exits_2_naming_the_first(tmp_path: Path) -> None:
+    from stages.run_dir import RunDirLock
+
+    run_dir = tmp_path / "run"
+    holder = RunDirLock(run_dir)
+    holder.acquire()
+    try:
+        result = cli("run", str(QUICKSTART), f"run.dir={run_dir}", *SMALL, "--quiet", timeout=240)
+        who = holder.path.read_text().strip()
+    finally:
+        holder.release()
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert result.stderr.splitlines()[-1] == (
+        f"error: run.dir: {run_dir} is in use by {who}; wait for that run to end or choose another run.dir"
+    )
+    assert "Traceback" not in result.stderr
+
+
+def nan_reward(prompt: object, completion: str) -> float:
+    """`reward.function: tests.e2e.test_cli_errors:nan_reward`: never a usable reward."""
+    return math.nan
+
+
+def test_a_reward_that_is_always_nan_ends_the_run_with_exit_1(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    reward = "reward.function=tests.e2e.test_cli_errors:nan_reward"
+    result = cli("run", str(QUICKSTART), f"run.dir={run_dir}", reward, *SMALL, "--quiet", timeout=240)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert result.stderr.splitlines()[-1] == (
+        "error: 65 reward failures, over reward.max_failures=64; last: NonFiniteReward: "
+        "reward function returned non-finite values: {'reward': nan}"
+    )
+    assert "Traceback" not in result.stderr and "finished" not in result.stdout
 
 
 def test_failed_gates_exit_3_and_check_reads_the_resumed_run(tmp_path: Path) -> None:

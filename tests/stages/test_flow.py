@@ -18,11 +18,11 @@ import pytest
 
 import stages.program
 from pipeline.channel import Channel
-from pipeline.errors import DropBudgetExceeded, StageFailed
+from pipeline.errors import DropBudgetExceeded, NothingTrained, StageFailed
 from pipeline.messages import Batch, Dropped, Sample
 from pipeline.metrics import REQUIRED_KEYS
 from pipeline.recipe import convert
-from pipeline.testing import FakeEngine, FakeTime, FakeTrainer, FaultInjector, InjectedFault
+from pipeline.testing import EngineCrash, FakeEngine, FakeTime, FakeTrainer, FaultInjector, InjectedFault
 from pipeline.tickets import TicketBox
 from stages.program import RunSummary, run_program
 from stages.recipe import Recipe
@@ -386,3 +386,182 @@ async def test_metrics_have_the_documented_keys_and_no_nan(tmp_path: Path, fake:
     trace = json.loads((run_dir / "trace.json").read_text())
     names = [e["name"] for e in trace["traceEvents"]]
     assert names.count("stand_down") == names.count("wake") == 3
+
+
+# -- runs that train nothing -------------------------------------------------------------------
+
+
+def nan_for_odd_prompts(prompt: Any, completion: str) -> float:
+    """A reward function (`test_flow:nan_for_odd_prompts`): NaN for every odd-numbered prompt."""
+    return math.nan if int(prompt.prompt_id.split("-")[1]) % 2 else 1.0
+
+
+async def test_a_non_finite_reward_is_a_counted_failure_and_never_trained(
+    tmp_path: Path, fake: FakeTime
+) -> None:
+    recipe = make_recipe(tmp_path, steps=3, reward={"function": "test_flow:nan_for_odd_prompts"})
+    trainer = FakeTrainer(time=fake, latency=5.0)
+    summary = await drive(recipe, FakeEngine(time=fake, latency=1.0), trainer, fake)
+    assert summary.steps_done == 3
+    trained = {s.prompt_id for step in trainer.steps for s in step}
+    assert trained == {"train-0", "train-2", "train-4"}
+    assert all(s.reward == 1.0 for step in trainer.steps for s in step)
+    lines = metrics(recipe)
+    assert [m["reward/mean"] for m in lines] == [1.0, 1.0, 1.0]
+    assert lines[-1]["reward/failures"] == 3 * 2  # one prompt a step, two samples each
+
+
+async def test_non_finite_rewards_over_the_budget_stop_the_run(tmp_path: Path, fake: FakeTime) -> None:
+    recipe = make_recipe(
+        tmp_path,
+        steps=3,
+        reward={"function": "test_flow:nan_for_odd_prompts", "reward_s": 1.0e9, "max_failures": 1},
+    )
+    with pytest.raises(DropBudgetExceeded) as raised:
+        await drive(recipe, FakeEngine(time=fake, latency=1.0), FakeTrainer(time=fake), fake)
+    assert str(raised.value) == (
+        "2 reward failures, over reward.max_failures=1; last: NonFiniteReward: "
+        "reward function returned non-finite values: {'reward': nan}"
+    )
+
+
+async def test_batches_with_nothing_to_train_on_stop_the_run(tmp_path: Path, fake: FakeTime) -> None:
+    recipe = make_recipe(tmp_path, steps=3, train={"max_consecutive_empty_batches": 2})
+    engine = FakeEngine(time=fake, latency=1.0, nonfinite_calls=range(1000))  # every sample poisoned
+    trainer = FakeTrainer(time=fake)
+    with pytest.raises(NothingTrained) as raised:
+        await drive(recipe, engine, trainer, fake)
+    assert str(raised.value) == (
+        "3 batches in a row had nothing to train on (the last: 0 groups dropped, 4 samples poisoned, "
+        "0 unscored), over train.max_consecutive_empty_batches=2"
+    )
+    assert trainer.steps == []
+
+
+async def test_a_trained_batch_resets_the_count_of_empty_ones(tmp_path: Path, fake: FakeTime) -> None:
+    recipe = make_recipe(tmp_path, steps=3, lookahead=0, train={"max_consecutive_empty_batches": 2})
+    # Batches 0-1 and 3-4 are empty (two calls a batch), batches 2, 5 and 6 train.
+    engine = FakeEngine(time=fake, latency=1.0, nonfinite_calls=[0, 1, 2, 3, 6, 7, 8, 9])
+    summary = await drive(recipe, engine, FakeTrainer(time=fake), fake)
+    assert summary.steps_done == 3
+    assert metrics(recipe)[-1]["train/empty_batches"] == 4
+
+
+async def test_steps_that_apply_no_update_stop_the_run(tmp_path: Path, fake: FakeTime) -> None:
+    recipe = make_recipe(tmp_path, steps=10, train={"max_consecutive_skipped_steps": 2})
+    trainer = FakeTrainer(time=fake, skipped_steps=[0, 2, 3, 4, 5])
+    with pytest.raises(NothingTrained) as raised:
+        await drive(recipe, FakeEngine(time=fake, latency=1.0), trainer, fake)
+    assert str(raised.value) == (
+        "3 train steps in a row (up to step 5) skipped their optimizer update "
+        "(non-finite loss or gradient norm), over train.max_consecutive_skipped_steps=2"
+    )
+    assert [m["step"] for m in metrics(recipe)] == [1, 2, 3, 4, 5]
+
+
+async def test_a_run_whose_every_step_skipped_its_update_fails(tmp_path: Path, fake: FakeTime) -> None:
+    recipe = make_recipe(tmp_path, steps=2)
+    trainer = FakeTrainer(time=fake, skipped_steps=[0, 1])
+    with pytest.raises(NothingTrained) as raised:
+        await drive(recipe, FakeEngine(time=fake, latency=1.0), trainer, fake)
+    assert str(raised.value) == (
+        "all 2 train steps of this run skipped their optimizer update "
+        "(non-finite loss or gradient norm): nothing was trained"
+    )
+
+
+# -- engine errors: infrastructure failures are retried, bugs fail the run ---------------------
+
+
+async def test_an_engine_bug_fails_the_run_at_once(tmp_path: Path, fake: FakeTime) -> None:
+    recipe = make_recipe(tmp_path, steps=4, lookahead=0, rollout={"samples_per_prompt": 2, "max_retries": 3})
+    engine = FakeEngine(time=fake, latency=1.0, errors={2: RuntimeError("index out of range in the sampler")})
+    trainer = FakeTrainer(time=fake, latency=5.0)
+    with pytest.raises(StageFailed) as raised:
+        await drive(recipe, engine, trainer, fake)
+    assert str(raised.value) == "stage 'rollout' failed: RuntimeError: index out of range in the sampler"
+    assert engine.calls == 4  # batch 0, then batch 1's two requests: the failed one is not retried
+    assert len(trainer.steps) == 1
+
+
+async def test_injected_engine_crashes_are_retried(tmp_path: Path, fake: FakeTime) -> None:
+    recipe = make_recipe(
+        tmp_path,
+        steps=4,
+        rollout={"samples_per_prompt": 2, "max_retries": 4, "backoff_s": 0.1},
+        faults={"engine_crash_rate": 0.4},
+    )
+    summary = await drive(recipe, FakeEngine(time=fake, latency=1.0), FakeTrainer(time=fake), fake)
+    last = metrics(recipe)[-1]
+    assert summary.steps_done == 4
+    assert last["rollout/engine_errors"] > 0
+    assert last["rollout/retries"] >= last["rollout/engine_errors"] - last["rollout/dropped_groups_total"]
+
+
+def eval_recipe(tmp_path: Path, **sections: Any) -> Recipe:
+    return make_recipe(
+        tmp_path,
+        steps=2,
+        eval={"every_steps": 2, "num_prompts": 1},
+        rollout={"samples_per_prompt": 2, "max_retries": 1, "backoff_s": 0.1},
+        **sections,
+    )
+
+
+def evals(recipe: Recipe) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (Path(recipe.run.dir) / "eval.jsonl").read_text().splitlines()]
+
+
+async def test_an_engine_crash_in_an_evaluation_is_retried(tmp_path: Path, fake: FakeTime) -> None:
+    recipe = eval_recipe(tmp_path)
+    engine = FakeEngine(time=fake, latency=1.0, greedy_errors=[EngineCrash("worker lost")])
+    summary = await drive(recipe, engine, FakeTrainer(time=fake), fake)
+    assert summary.steps_done == 2
+    assert [e["step"] for e in evals(recipe)] == [0, 2]
+
+
+async def test_an_evaluation_whose_retries_run_out_is_skipped_and_said(
+    tmp_path: Path, fake: FakeTime, caplog: pytest.LogCaptureFixture
+) -> None:
+    recipe = eval_recipe(tmp_path)
+    engine = FakeEngine(time=fake, latency=1.0, greedy_errors=[EngineCrash("worker lost")] * 2)
+    summary = await drive(recipe, engine, FakeTrainer(time=fake), fake)
+    assert summary.steps_done == 2
+    assert [e["step"] for e in evals(recipe)] == [2]
+    skipped = [r.getMessage() for r in caplog.records if "skipped" in r.getMessage()]
+    assert skipped == [
+        "evaluation at step 0 skipped: generation for heldout-0: engine_error: EngineCrash: worker lost"
+    ]
+    assert metrics(recipe)[-1]["eval/skipped"] == 1
+
+
+async def test_an_engine_bug_in_an_evaluation_fails_the_run(tmp_path: Path, fake: FakeTime) -> None:
+    recipe = eval_recipe(tmp_path)
+    engine = FakeEngine(time=fake, latency=1.0, greedy_errors=[TypeError("greedy got a tensor")])
+    with pytest.raises(StageFailed) as raised:
+        await drive(recipe, engine, FakeTrainer(time=fake), fake)
+    assert str(raised.value) == "stage 'train' failed: TypeError: greedy got a tensor"
+
+
+def slow_on_heldout(prompt: Any, completion: str) -> float:
+    """`test_flow:slow_on_heldout`: hangs (for a minute of real time) on held-out prompts."""
+    import time
+
+    if prompt.prompt_id.startswith("heldout"):
+        time.sleep(60)
+    return 1.0
+
+
+async def test_an_evaluation_whose_scoring_hangs_is_skipped_at_its_deadline(
+    tmp_path: Path, fake: FakeTime, caplog: pytest.LogCaptureFixture
+) -> None:
+    recipe = eval_recipe(tmp_path, reward={"function": "test_flow:slow_on_heldout", "reward_s": 30.0})
+    summary = await drive(recipe, FakeEngine(time=fake, latency=1.0), FakeTrainer(time=fake), fake)
+    assert summary.steps_done == 2
+    assert not (Path(recipe.run.dir) / "eval.jsonl").read_text()
+    skipped = [r.getMessage() for r in caplog.records if "skipped" in r.getMessage()]
+    assert skipped == [
+        f"evaluation at step {step} skipped: evaluation scoring exceeded its deadline of 30 s "
+        "(reward.reward_s)"
+        for step in (0, 2)
+    ]

@@ -42,6 +42,7 @@ def test_on_policy_step_engine_and_trainer_agree(tmp_path: Path) -> None:
         assert record["rollout/max_lag"] == 0
         assert abs(record["train/token_mult_prob_error"] - 1.0) < 1e-3
         assert record["train/gen_kl_error"] < 1e-4
+        assert record["train/applied_updates"] == 1  # what the train stage's skip limit reads
 
 
 @pytest.mark.slow

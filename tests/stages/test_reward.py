@@ -77,3 +77,90 @@ async def test_an_unhashable_reward_callable_is_scored() -> None:
     assert is_cheap(positional_reward) and not is_cheap(scorer)
     scored = await score_all(scorer, [(_prompt("12"), "12"), (_prompt("12"), None), (_prompt("3"), "4")])
     assert scored == [{"reward": 1.0}, None, {"reward": 0.0}]
+
+
+def _exits(prompt: Prompt, completion: str) -> float:
+    raise SystemExit(3)
+
+
+async def test_a_reward_that_calls_sys_exit_is_a_failure_of_that_sample() -> None:
+    from stages.reward import score_all
+
+    (result,) = await score_all(_exits, [(_prompt("1"), "1")])
+    assert isinstance(result, Exception)
+    assert f"{type(result).__name__}: {result}" == "RewardExited: the reward function called sys.exit(3)"
+
+
+ABANDON_SCRIPT = """
+import time, anyio
+from pipeline.messages import Prompt
+from stages.reward import score_all
+
+def forever(prompt, completion):
+    time.sleep(3600)
+
+async def main():
+    with anyio.move_on_after(0.2):
+        await score_all(forever, [(Prompt(prompt_id="p", text="q", tokens=(1,), answer="a"), "a")])
+    print("abandoned")
+
+anyio.run(main)
+"""
+
+
+def test_a_reward_abandoned_by_its_deadline_does_not_keep_the_process_alive() -> None:
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", ABANDON_SCRIPT], capture_output=True, text=True, timeout=60)
+    assert (done.returncode, done.stdout) == (0, "abandoned\n"), done.stderr
+
+
+async def _blocks(prompt: Prompt, completion: str) -> float:
+    import time
+
+    time.sleep(1.5)  # a synchronous call inside an async def: it holds whatever loop runs it
+    return 1.0
+
+
+async def test_an_async_reward_that_blocks_cannot_freeze_the_pipeline_and_is_reported(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    import anyio
+
+    from pipeline.logs import reset_warnings
+    from stages.reward import score_all
+
+    reset_warnings()  # the warning is said once a run; each test is a run here
+    ticks = 0
+
+    async def tick() -> None:
+        nonlocal ticks
+        while True:
+            await anyio.sleep(0.05)
+            ticks += 1
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(tick)
+        scored = await score_all(_blocks, [(_prompt("1"), "1")])
+        tg.cancel_scope.cancel()
+    assert scored == [{"reward": 1.0}]
+    assert ticks >= 10  # the pipeline's loop kept running for the 1.5 s
+    (message,) = [r.getMessage() for r in caplog.records if r.name == "stages.reward"]
+    assert message.startswith("async reward function _blocks blocked its event loop for 1.")
+    assert message.endswith(
+        " s in one step: make it a plain def (it then runs in a worker thread) or await its slow work"
+    )
+
+
+async def test_a_deadline_on_a_blocked_async_reward_fires_and_says_why() -> None:
+    import anyio
+
+    from stages.reward import score_all
+    from stages.reward_threads import blocking_note
+
+    with anyio.move_on_after(1.2) as scope:
+        await score_all(_blocks, [(_prompt("1"), "1")])
+    assert scope.cancelled_caught
+    assert blocking_note().startswith("; an async reward function has blocked its event loop for 1.")
+    await anyio.sleep(0.5)  # the slice ends: the next test finds the reward loop free
