@@ -50,6 +50,7 @@ _COUNTERS = (
     "reward/failures",
     "metrics/nonfinite_dropped",
     "metrics/recovered",
+    "eval/skipped",  # evaluations skipped so far: a count on train steps, not an evaluation's figure
 )
 # backends/torch/trainer.py's train_step (the mismatch figures are required keys); kl_ref with
 # train.kl_coef > 0, the offload figures with train.offload_optimizer.
@@ -57,6 +58,7 @@ _TRAINER = (
     "train/clip_fraction",
     "train/lr",
     "train/skipped_steps",
+    "train/applied_updates",
     "train/tokens",
     "train/kl_ref",
     "train/offloaded_gb",
@@ -102,4 +104,4 @@ class MetricNames(msgspec.Struct, frozen=True, kw_only=True):
 
 def per_evaluation(name: str) -> bool:
     """Whether `name` is read from eval.jsonl (one value per evaluation), not metrics.jsonl."""
-    return name.startswith("eval/") or name == "timing/eval_s"
+    return (name.startswith("eval/") and name not in _COUNTERS) or name == "timing/eval_s"
