@@ -22,7 +22,7 @@ log = logging.getLogger("pipeline.metrics")
 STEPS_FILE = "metrics.jsonl"
 EVAL_FILE = "eval.jsonl"
 
-# DESIGN.md, "What a run leaves behind": on every line of metrics.jsonl.
+# docs/DESIGN.md, "What a run leaves behind": on every line of metrics.jsonl.
 REQUIRED_KEYS = frozenset(
     {
         "step",

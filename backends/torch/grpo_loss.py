@@ -1,4 +1,4 @@
-"""The GRPO token loss and the engine/trainer mismatch metrics (formulas of DESIGN.md)."""
+"""The GRPO token loss and the engine/trainer mismatch metrics (formulas of docs/DESIGN.md, "Training")."""
 
 from __future__ import annotations
 

@@ -19,7 +19,7 @@ from stages.checkpoint import committed
 ROOT = Path(__file__).parents[2]
 QUICKSTART = ROOT / "recipes" / "quickstart.yaml"
 
-METRIC_KEYS = REQUIRED_KEYS  # DESIGN.md, "What a run leaves behind"
+METRIC_KEYS = REQUIRED_KEYS  # docs/DESIGN.md, "What a run leaves behind"
 # Small and fast; without the quickstart's gates, which a run this short fails.
 SMALL = [
     "prompts.prompts_per_step=8",

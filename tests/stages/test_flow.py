@@ -29,7 +29,7 @@ from stages.recipe import Recipe
 
 PROMPTS_PER_STEP = 2
 
-# What DESIGN.md promises in every metrics line that a FakeTrainer can provide (the mismatch
+# What docs/DESIGN.md promises in every metrics line that a FakeTrainer can provide (the mismatch
 # figures, train/gen_kl_error and train/token_mult_prob_error, come from a real trainer).
 METRIC_KEYS = REQUIRED_KEYS - {"train/gen_kl_error", "train/token_mult_prob_error"}
 
