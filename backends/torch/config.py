@@ -1,11 +1,11 @@
-"""Architecture hyper-parameters of a Llama/Qwen2-family decoder.
+"""Architecture hyper-parameters of a Llama/Mistral/Qwen2/Qwen3-family decoder.
 
 `ModelConfig` doubles as the ``model:`` section of YAML recipes, so its defaults describe
 a tiny model suitable for CPU runs; only ``vocab_size`` is required. Field names follow
 Hugging Face ``config.json`` so that checkpoints map onto it one to one.
 """
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import msgspec
 
@@ -22,7 +22,17 @@ _ROPE_SCALING_KEYS: dict[str, frozenset[str]] = {
     ),
 }
 
-_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
+# Hugging Face class -> its model_type. Mistral's parameter layout is Llama's.
+_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+_LLAMA_LAYOUT = {"LlamaForCausalLM", "MistralForCausalLM"}
+Architecture = Literal["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"]
+# What transformers' MistralConfig reads a config.json without "sliding_window" as.
+_MISTRAL_DEFAULT_WINDOW = 4096
 
 
 class ModelConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
@@ -34,6 +44,11 @@ class ModelConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
       * ``num_attention_heads`` is a multiple of ``num_key_value_heads`` (grouped-query attention)
         and ``head_dim`` is even (rotary embeddings rotate pairs).
       * ``attention_bias`` adds biases to the q/k/v projections only (the Qwen2 layout).
+      * ``qk_norm`` RMS-normalises each head's queries and keys over ``head_dim`` before the
+        rotation, one weight shared by the heads (the Qwen3 layout); not with ``attention_bias``.
+      * ``architecture`` (the Hugging Face class `to_hf_dict` writes) left as None is resolved
+        to the class of this layout: Qwen3 with ``qk_norm``, Qwen2 with ``attention_bias``,
+        else Llama; MistralForCausalLM may be given for the Llama layout.
       * ``rope_scaling`` is None or ``{"rope_type": "linear", "factor": f}`` or
         ``{"rope_type": "llama3", "factor", "low_freq_factor", "high_freq_factor",
         "original_max_position_embeddings"}`` with the meaning transformers gives them.
@@ -52,8 +67,10 @@ class ModelConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
     rms_norm_eps: PositiveFloat = 1e-6
     tie_word_embeddings: bool = False
     attention_bias: bool = False
+    qk_norm: bool = False
+    architecture: Architecture | None = None
     rope_scaling: dict[str, Any] | None = None
-    # Not a Llama/Qwen2 feature: a learned absolute position embedding added to the token
+    # Not a feature of any Hugging Face family here: a learned absolute position embedding added to the token
     # embedding (rotary stays). Small models from scratch learn position-dependent tasks
     # (reversal) far faster with it. Such a model has no Hugging Face equivalent.
     learned_position_embeddings: bool = False
@@ -73,6 +90,21 @@ class ModelConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
             msgspec.structs.force_setattr(self, "head_dim", self.hidden_size // self.num_attention_heads)
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+        if self.attention_bias and self.qk_norm:
+            raise ValueError(
+                "attention_bias and qk_norm together have no Hugging Face equivalent "
+                "(Qwen3's attention_bias also biases o_proj)"
+            )
+        plain = "Qwen2ForCausalLM" if self.attention_bias else "LlamaForCausalLM"
+        layout = "Qwen3ForCausalLM" if self.qk_norm else plain
+        if self.architecture is None:
+            msgspec.structs.force_setattr(self, "architecture", layout)
+        elif self.architecture != layout and {self.architecture, layout} != _LLAMA_LAYOUT:
+            raise ValueError(
+                f"architecture {self.architecture} does not match attention_bias="
+                f"{str(self.attention_bias).lower()} and qk_norm={str(self.qk_norm).lower()}, "
+                f"the layout of {layout}"
+            )
         if self.rope_scaling is not None:
             _check_rope_scaling(self.rope_scaling)
             # A private copy: the caller's dict may be mutated later (transformers does so).
@@ -83,7 +115,9 @@ class ModelConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
         """Build from a Hugging Face ``config.json`` dict (transformers 4.x or 5.x layout).
 
         Raises UnsupportedModelError, naming ``source``, for architectures other than
-        LlamaForCausalLM / Qwen2ForCausalLM and for features this backend does not implement.
+        Llama/Mistral/Qwen2/Qwen3ForCausalLM and for features this backend does not implement:
+        among them a Mistral sliding window narrower than ``max_position_embeddings`` (a window
+        at least that wide never limits attention within the model's context).
         """
         architectures = d.get("architectures") or []
         # A tuple keeps odd values hashable for the lookup and readable in the message.
@@ -100,11 +134,18 @@ class ModelConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
             raise unsupported(f"hidden_act={d['hidden_act']!r}")
         if d.get("mlp_bias"):
             raise unsupported("mlp_bias=true")
-        if arch == "LlamaForCausalLM" and d.get("attention_bias"):
-            # Llama's attention_bias also biases o_proj, which this backend does not model.
+        if arch in ("LlamaForCausalLM", "Qwen3ForCausalLM") and d.get("attention_bias"):
+            # Their attention_bias also biases o_proj, which this backend does not model.
             raise unsupported("attention_bias=true")
         if d.get("use_sliding_window"):
             raise unsupported("use_sliding_window=true")
+        if arch == "MistralForCausalLM":
+            window = d.get("sliding_window", _MISTRAL_DEFAULT_WINDOW)
+            if window is not None and window < d.get("max_position_embeddings", 0):
+                raise unsupported(
+                    f"sliding_window={window} (attention over only the last {window} positions, "
+                    f"fewer than max_position_embeddings={d['max_position_embeddings']})"
+                )
 
         # transformers 5 nests rope_theta and the scaling spec in "rope_parameters";
         # 4.x keeps "rope_theta" top level and the spec in "rope_scaling".
@@ -139,8 +180,10 @@ class ModelConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
                 rope_theta=float(rope_theta),
                 rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
                 tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-                # Qwen2 always has q/k/v biases, whatever the file says.
+                # Qwen2 always has q/k/v biases, whatever the file says; Qwen3 always q/k norms.
                 attention_bias=arch == "Qwen2ForCausalLM",
+                qk_norm=arch == "Qwen3ForCausalLM",
+                architecture=arch,
                 rope_scaling=rope_scaling,
             )
         except KeyError as exc:
@@ -151,11 +194,6 @@ class ModelConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
         """The most positions a sequence may use: the learned table's size, or None (rotary)."""
         return self.max_position_embeddings if self.learned_position_embeddings else None
 
-    @property
-    def architecture(self) -> str:
-        """Hugging Face class that has exactly this parameter layout."""
-        return "Qwen2ForCausalLM" if self.attention_bias else "LlamaForCausalLM"
-
     def to_hf_dict(self) -> dict[str, Any]:
         """A ``config.json`` dict that transformers (4.x and 5.x) loads as ``architecture``."""
         if self.learned_position_embeddings:
@@ -163,7 +201,10 @@ class ModelConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
                 "learned_position_embeddings=true has no Hugging Face Llama/Qwen2 equivalent; "
                 "such a model cannot be exported"
             )
+        assert self.architecture is not None  # resolved on construction
         rope_parameters = {"rope_type": "default", **(self.rope_scaling or {})}
+        # Mistral without the key would get transformers' default window.
+        window = {"sliding_window": None} if self.architecture == "MistralForCausalLM" else {}
         return {
             "architectures": [self.architecture],
             "model_type": _ARCHITECTURES[self.architecture],
@@ -182,7 +223,7 @@ class ModelConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
             "rope_theta": self.rope_theta,
             "rope_scaling": self.rope_scaling,
             "rope_parameters": {**rope_parameters, "rope_theta": self.rope_theta},
-        }
+        } | window
 
 
 def _check_rope_scaling(spec: dict[str, Any]) -> None:

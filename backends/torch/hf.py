@@ -35,7 +35,7 @@ def read_config(root: Path) -> ModelConfig:
 def load_pretrained(
     path: str | Path, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
 ) -> tuple[ModelConfig, Decoder]:
-    """Load a LlamaForCausalLM / Qwen2ForCausalLM directory into a `Decoder`.
+    """Load a Llama/Mistral/Qwen2/Qwen3ForCausalLM directory into a `Decoder`.
 
     Reads ``config.json`` and either ``model.safetensors`` or ``model.safetensors.index.json``
     plus the shards it names; tensors are streamed into the model one at a time. Raises

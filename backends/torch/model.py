@@ -1,7 +1,8 @@
-"""Llama/Qwen2-family decoder whose parameter names equal Hugging Face's.
+"""Llama/Mistral/Qwen2/Qwen3-family decoder whose parameter names equal Hugging Face's.
 
 Layout (per ``ModelConfig``): token embedding, ``num_hidden_layers`` pre-norm blocks of
-RMSNorm -> grouped-query attention with rotary embeddings -> residual -> RMSNorm ->
+RMSNorm -> grouped-query attention with rotary embeddings (queries and keys RMS-normalised per
+head first, with ``qk_norm``) -> residual -> RMSNorm ->
 SwiGLU MLP -> residual, a final RMSNorm and an (optionally tied) output projection.
 """
 
@@ -111,6 +112,10 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(config.hidden_size, kv_size, bias=bias)
         self.v_proj = nn.Linear(config.hidden_size, kv_size, bias=bias)
         self.o_proj = nn.Linear(q_size, config.hidden_size, bias=False)
+        self.qk_norm = config.qk_norm
+        if self.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
 
     def project(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Rotated queries [..., T, heads, D] and keys, values [..., T, kv_heads, D] of tokens
@@ -120,10 +125,13 @@ class Attention(nn.Module):
     def rotated(
         self, q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor
     ) -> tuple[Tensor, Tensor, Tensor]:
-        """`project`'s result from the projections q [..., heads * D], k and v [..., kv_heads * D]."""
+        """`project`'s result from the projections q [..., heads * D], k and v [..., kv_heads * D]
+        (the one place of every attention path where queries and keys are split into heads)."""
         lead = q.shape[:-1]
         q = q.view(*lead, self.heads, self.head_dim)
         k = k.view(*lead, self.kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
         return rotate(q, cos, sin), rotate(k, cos, sin), v.view(*lead, self.kv_heads, self.head_dim)
 
     def forward(
