@@ -29,8 +29,6 @@ _ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
 }
-_LLAMA_LAYOUT = {"LlamaForCausalLM", "MistralForCausalLM"}
-Architecture = Literal["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"]
 # What transformers' MistralConfig reads a config.json without "sliding_window" as.
 _MISTRAL_DEFAULT_WINDOW = 4096
 
@@ -46,9 +44,9 @@ class ModelConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
       * ``attention_bias`` adds biases to the q/k/v projections only (the Qwen2 layout).
       * ``qk_norm`` RMS-normalises each head's queries and keys over ``head_dim`` before the
         rotation, one weight shared by the heads (the Qwen3 layout); not with ``attention_bias``.
-      * ``architecture`` (the Hugging Face class `to_hf_dict` writes) left as None is resolved
-        to the class of this layout: Qwen3 with ``qk_norm``, Qwen2 with ``attention_bias``,
-        else Llama; MistralForCausalLM may be given for the Llama layout.
+      * `architecture`, the Hugging Face class of this layout (what `to_hf_dict` writes), is
+        Qwen3 with ``qk_norm``, Qwen2 with ``attention_bias``, else Llama, or Mistral where
+        ``hf_architecture`` says so (the Llama layout under Mistral's name).
       * ``rope_scaling`` is None or ``{"rope_type": "linear", "factor": f}`` or
         ``{"rope_type": "llama3", "factor", "low_freq_factor", "high_freq_factor",
         "original_max_position_embeddings"}`` with the meaning transformers gives them.
@@ -68,11 +66,11 @@ class ModelConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
     tie_word_embeddings: bool = False
     attention_bias: bool = False
     qk_norm: bool = False
-    architecture: Architecture | None = None
+    hf_architecture: Literal["MistralForCausalLM"] | None = None
     rope_scaling: dict[str, Any] | None = None
-    # Not a feature of any Hugging Face family here: a learned absolute position embedding added to the token
-    # embedding (rotary stays). Small models from scratch learn position-dependent tasks
-    # (reversal) far faster with it. Such a model has no Hugging Face equivalent.
+    # Not a feature of these Hugging Face families: a learned absolute position embedding added
+    # to the token embedding (rotary stays). Small models from scratch learn position-dependent
+    # tasks (reversal) far faster with it. Such a model has no Hugging Face equivalent.
     learned_position_embeddings: bool = False
 
     def __post_init__(self) -> None:
@@ -95,15 +93,10 @@ class ModelConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
                 "attention_bias and qk_norm together have no Hugging Face equivalent "
                 "(Qwen3's attention_bias also biases o_proj)"
             )
-        plain = "Qwen2ForCausalLM" if self.attention_bias else "LlamaForCausalLM"
-        layout = "Qwen3ForCausalLM" if self.qk_norm else plain
-        if self.architecture is None:
-            msgspec.structs.force_setattr(self, "architecture", layout)
-        elif self.architecture != layout and {self.architecture, layout} != _LLAMA_LAYOUT:
+        if self.hf_architecture is not None and (self.attention_bias or self.qk_norm):
             raise ValueError(
-                f"architecture {self.architecture} does not match attention_bias="
-                f"{str(self.attention_bias).lower()} and qk_norm={str(self.qk_norm).lower()}, "
-                f"the layout of {layout}"
+                f"hf_architecture {self.hf_architecture} names the Llama layout: "
+                "it takes neither attention_bias nor qk_norm"
             )
         if self.rope_scaling is not None:
             _check_rope_scaling(self.rope_scaling)
@@ -183,7 +176,7 @@ class ModelConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
                 # Qwen2 always has q/k/v biases, whatever the file says; Qwen3 always q/k norms.
                 attention_bias=arch == "Qwen2ForCausalLM",
                 qk_norm=arch == "Qwen3ForCausalLM",
-                architecture=arch,
+                hf_architecture="MistralForCausalLM" if arch == "MistralForCausalLM" else None,
                 rope_scaling=rope_scaling,
             )
         except KeyError as exc:
@@ -194,6 +187,15 @@ class ModelConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
         """The most positions a sequence may use: the learned table's size, or None (rotary)."""
         return self.max_position_embeddings if self.learned_position_embeddings else None
 
+    @property
+    def architecture(self) -> str:
+        """Hugging Face class that has exactly this parameter layout."""
+        if self.qk_norm:
+            return "Qwen3ForCausalLM"
+        if self.attention_bias:
+            return "Qwen2ForCausalLM"
+        return self.hf_architecture or "LlamaForCausalLM"
+
     def to_hf_dict(self) -> dict[str, Any]:
         """A ``config.json`` dict that transformers (4.x and 5.x) loads as ``architecture``."""
         if self.learned_position_embeddings:
@@ -201,7 +203,6 @@ class ModelConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
                 "learned_position_embeddings=true has no Hugging Face Llama/Qwen2 equivalent; "
                 "such a model cannot be exported"
             )
-        assert self.architecture is not None  # resolved on construction
         rope_parameters = {"rope_type": "default", **(self.rope_scaling or {})}
         # Mistral without the key would get transformers' default window.
         window = {"sliding_window": None} if self.architecture == "MistralForCausalLM" else {}

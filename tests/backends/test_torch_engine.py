@@ -15,15 +15,20 @@ VOCAB = 29
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7], [8, 9], [10, 11, 12, 13], [8, 9]]
 
 
-def _sampler(seed: int = 0, **variant: bool) -> Sampler:
+# Qwen3's layout: q/k norms, no biases, head_dim other than hidden_size / heads (16).
+QWEN3 = {"qk_norm": True, "attention_bias": False, "head_dim": 24}
+
+
+def _sampler(seed: int = 0, **variant: Any) -> Sampler:
     torch.manual_seed(seed)
-    config = ModelConfig(
-        vocab_size=VOCAB, hidden_size=64, attention_bias=True, tie_word_embeddings=True, **variant
-    )
-    model = Decoder(config)
+    shape = {"attention_bias": True, "tie_word_embeddings": True} | variant
+    model = Decoder(ModelConfig(vocab_size=VOCAB, hidden_size=64, **shape))
     # A sharper random model so that sampled tokens vary and greedy choices are not near-ties.
     with torch.no_grad():
         model.model.embed_tokens.weight.mul_(3)
+        for name, param in model.named_parameters():
+            if name.endswith(("q_norm.weight", "k_norm.weight")):  # not all ones: each dim its own
+                param.uniform_(0.5, 1.5)
     return Sampler(model)
 
 
@@ -144,19 +149,17 @@ def test_learned_positions_bound_prompt_plus_new_tokens() -> None:
 
 
 @pytest.mark.parametrize(
-    ("learned_positions", "compiled"),
-    [(False, False), (True, False), (False, True)],
-    ids=["rotary", "rotary+learned", "compiled"],
+    ("variant", "compiled"),
+    [({}, False), ({"learned_position_embeddings": True}, False), ({}, True), (QWEN3, False)],
+    ids=["rotary", "rotary+learned", "compiled", "qwen3"],
 )
-def test_cuda_sampler_run_eagerly_on_cpu_equals_the_plain_sampler(
-    learned_positions: bool, compiled: bool
-) -> None:
+def test_cuda_sampler_run_eagerly_on_cpu_equals_the_plain_sampler(variant: dict, compiled: bool) -> None:
     """`CudaSampler` without a GPU (no graphs, no flash, a plain pool) decodes greedily like the
     plain sampler, and its sampled tokens' logprobs equal a full recomputation: its prefill and
     decode can be checked on CPU, with its step's parts torch.compile'd as on a GPU, too."""
     from backends.torch.cuda_sampler import CudaSampler
 
-    plain = _sampler(learned_position_embeddings=learned_positions)
+    plain = _sampler(**variant)
     cuda = CudaSampler(plain.model, compiled=compiled)
     expected = _generate(plain, PROMPTS, temperature=0.0)
     got = _generate(cuda, PROMPTS, temperature=0.0)

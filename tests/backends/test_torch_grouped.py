@@ -24,15 +24,15 @@ def _full(model: Decoder, prompts, owner, responses, temperature):
     return torch.stack(rows)
 
 
-@pytest.mark.parametrize("learned_positions", [False, True], ids=["rotary", "rotary+learned"])
-def test_grouped_logprobs_and_gradients_match_full_sequences(learned_positions: bool) -> None:
+@pytest.mark.parametrize(
+    "variant",
+    [{}, {"learned_position_embeddings": True}, {"qk_norm": True, "head_dim": 24}],
+    ids=["rotary", "rotary+learned", "qwen3"],
+)
+def test_grouped_logprobs_and_gradients_match_full_sequences(variant: dict) -> None:
     torch.manual_seed(0)
     config = ModelConfig(
-        vocab_size=23,
-        hidden_size=64,
-        intermediate_size=96,
-        num_attention_heads=4,
-        learned_position_embeddings=learned_positions,
+        vocab_size=23, hidden_size=64, intermediate_size=96, num_attention_heads=4, **variant
     )
     model = Decoder(config)
     prompts = [(2, 5, 7, 9), (2, 11), (3, 4, 5, 6, 7, 8)]

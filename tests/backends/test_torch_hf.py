@@ -1,4 +1,5 @@
-"""Checkpoint I/O against transformers: logits parity both ways, shards, clear errors."""
+"""Checkpoint I/O against transformers for each family: logits parity both ways, exact round
+trips, shards, clear errors."""
 
 import json
 from pathlib import Path
@@ -6,11 +7,22 @@ from pathlib import Path
 import msgspec
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from safetensors.torch import load_file
+from transformers import (
+    AutoModelForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
 from backends.torch.config import ModelConfig
 from backends.torch.errors import ModelLoadError, UnsupportedModelError
-from backends.torch.hf import load_pretrained, save_pretrained
+from backends.torch.hf import WEIGHTS_FILE, load_pretrained, read_config, save_pretrained
 from backends.torch.model import Decoder
 
 SHAPE = dict(
@@ -47,6 +59,29 @@ def _llama(rope: str) -> LlamaForCausalLM:
     return _randomize(LlamaForCausalLM(config))
 
 
+def _qwen3() -> Qwen3ForCausalLM:
+    torch.manual_seed(0)
+    # head_dim differs from hidden_size / heads (16), as in Qwen3-0.6B's 1024 / 16 = 64 vs 128.
+    config = Qwen3Config(**SHAPE, head_dim=24, tie_word_embeddings=True, rope_theta=1000.0)
+    return _randomize(Qwen3ForCausalLM(config))
+
+
+def _mistral(window: int | None = None) -> MistralForCausalLM:
+    torch.manual_seed(0)
+    return _randomize(MistralForCausalLM(MistralConfig(**SHAPE, sliding_window=window)))
+
+
+BUILDERS = {
+    "qwen2-tied-bias": _qwen2,
+    "llama-llama3-rope": lambda: _llama("llama3"),
+    "llama-linear-rope": lambda: _llama("linear"),
+    "qwen3-qk-norm-tied": _qwen3,
+    "mistral": _mistral,
+    # A window as wide as the context never limits attention: loaded, with HF's logits.
+    "mistral-window-at-context": lambda: _mistral(SHAPE["max_position_embeddings"]),
+}
+
+
 def _randomize(model: torch.nn.Module) -> torch.nn.Module:
     # Default init zeroes biases and sets norms to 1; perturb them so every tensor is tested.
     with torch.no_grad():
@@ -70,17 +105,15 @@ def _ours(model: Decoder, ids: torch.Tensor, positions: torch.Tensor) -> torch.T
         return model(ids, positions)
 
 
-@pytest.mark.parametrize(
-    "build",
-    [_qwen2, lambda: _llama("llama3"), lambda: _llama("linear")],
-    ids=["qwen2-tied-bias", "llama-llama3-rope", "llama-linear-rope"],
-)
+@pytest.mark.parametrize("build", BUILDERS.values(), ids=BUILDERS.keys())
 def test_transformers_checkpoint_loads_with_matching_logits(build, tmp_path: Path) -> None:
     hf = build()
     hf.save_pretrained(tmp_path)
     config, model = load_pretrained(tmp_path)
+    assert config.architecture == type(hf).__name__
     assert config.attention_bias == isinstance(hf, Qwen2ForCausalLM)
-    assert config.tie_word_embeddings == isinstance(hf, Qwen2ForCausalLM)
+    assert config.qk_norm == isinstance(hf, Qwen3ForCausalLM)
+    assert config.tie_word_embeddings == hf.config.tie_word_embeddings
     ids, positions = _inputs()
     torch.testing.assert_close(_ours(model, ids, positions), _hf_logits(hf, ids), atol=1e-4, rtol=0)
 
@@ -91,8 +124,10 @@ def test_transformers_checkpoint_loads_with_matching_logits(build, tmp_path: Pat
         ModelConfig(**SHAPE, attention_bias=True, tie_word_embeddings=True),
         ModelConfig(**SHAPE, head_dim=24, rope_scaling=ROPE["linear"]),
         ModelConfig(**SHAPE, rope_theta=500.0, rope_scaling=ROPE["llama3"]),
+        ModelConfig(**SHAPE, qk_norm=True, head_dim=24, tie_word_embeddings=True),
+        ModelConfig(**SHAPE, hf_architecture="MistralForCausalLM"),
     ],
-    ids=["qwen2", "llama-linear", "llama-llama3"],
+    ids=["qwen2", "llama-linear", "llama-llama3", "qwen3", "mistral"],
 )
 def test_our_checkpoint_loads_in_transformers(config: ModelConfig, tmp_path: Path) -> None:
     torch.manual_seed(0)
@@ -105,6 +140,25 @@ def test_our_checkpoint_loads_in_transformers(config: ModelConfig, tmp_path: Pat
     reloaded_config, reloaded = load_pretrained(tmp_path)
     assert reloaded_config == config
     assert torch.equal(_ours(reloaded, ids, positions), _ours(model, ids, positions))
+
+
+@pytest.mark.parametrize("build", BUILDERS.values(), ids=BUILDERS.keys())
+def test_transformers_checkpoint_round_trips_exactly(build, tmp_path: Path) -> None:
+    """Loaded and saved again: the same tensor names and values, a config that reads back the
+    same, and transformers builds the same class with the same logits from it."""
+    hf = build()
+    hf.save_pretrained(tmp_path / "theirs")
+    config, model = load_pretrained(tmp_path / "theirs")
+    save_pretrained(config, model, tmp_path / "ours")
+    theirs, ours = (load_file(tmp_path / d / WEIGHTS_FILE) for d in ("theirs", "ours"))
+    assert sorted(ours) == sorted(theirs)
+    for name, tensor in theirs.items():
+        assert torch.equal(ours[name], tensor), name
+    assert read_config(tmp_path / "ours") == config
+    again = AutoModelForCausalLM.from_pretrained(tmp_path / "ours").eval()
+    assert type(again) is type(hf)
+    ids, _ = _inputs()
+    assert torch.equal(_hf_logits(again, ids), _hf_logits(hf, ids))
 
 
 def test_sharded_checkpoint_loads(tmp_path: Path) -> None:
@@ -128,14 +182,53 @@ def test_missing_shard_is_named(tmp_path: Path) -> None:
 
 
 def test_unsupported_architecture_is_named(tmp_path: Path) -> None:
-    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["MistralForCausalLM"]}))
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["Qwen3MoeForCausalLM"]}))
     with pytest.raises(UnsupportedModelError) as err:
         load_pretrained(tmp_path)
     assert isinstance(err.value, ModelLoadError)
     assert str(err.value) == (
-        f"{tmp_path / 'config.json'}: unsupported architecture 'MistralForCausalLM'; "
-        "supported: LlamaForCausalLM, Qwen2ForCausalLM"
+        f"{tmp_path / 'config.json'}: unsupported architecture 'Qwen3MoeForCausalLM'; "
+        "supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM"
     )
+
+
+def test_mistral_sliding_window_that_limits_attention_is_refused(tmp_path: Path) -> None:
+    _mistral(window=16).save_pretrained(tmp_path)
+    with pytest.raises(UnsupportedModelError) as err:
+        load_pretrained(tmp_path)
+    assert str(err.value) == (
+        f"{tmp_path / 'config.json'}: MistralForCausalLM with sliding_window=16 (attention over "
+        "only the last 16 positions, fewer than max_position_embeddings=128) is not supported"
+    )
+
+
+def _without(config: dict, key: str) -> dict:
+    return {k: v for k, v in config.items() if k != key}
+
+
+@pytest.mark.parametrize(
+    ("arch", "config", "feature"),
+    [
+        # transformers reads a Mistral config.json without the key as a window of 4096.
+        (
+            "MistralForCausalLM",
+            _without(MistralConfig(**SHAPE | {"max_position_embeddings": 32768}).to_dict(), "sliding_window"),
+            "sliding_window=4096 (attention over only the last 4096 positions, fewer than "
+            "max_position_embeddings=32768)",
+        ),
+        ("Qwen3ForCausalLM", Qwen3Config(**SHAPE, attention_bias=True).to_dict(), "attention_bias=true"),
+        (
+            "Qwen3ForCausalLM",
+            Qwen3Config(**SHAPE, use_sliding_window=True).to_dict(),
+            "use_sliding_window=true",
+        ),
+    ],
+    ids=["mistral-default-window", "qwen3-attention-bias", "qwen3-sliding-window"],
+)
+def test_unsupported_family_features_are_named(arch: str, config: dict, feature: str) -> None:
+    with pytest.raises(UnsupportedModelError) as err:
+        ModelConfig.from_hf_dict(config | {"architectures": [arch]}, source="m/config.json")
+    assert str(err.value) == f"m/config.json: {arch} with {feature} is not supported"
 
 
 def test_missing_files_are_named(tmp_path: Path) -> None:

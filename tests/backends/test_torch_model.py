@@ -143,11 +143,34 @@ def test_config_decodes_from_recipe_with_tiny_defaults() -> None:
         ModelConfig(vocab_size=16, rope_scaling={"rope_type": "linear"})
 
 
+def test_config_names_the_hf_class_of_its_layout() -> None:
+    assert ModelConfig(vocab_size=16).architecture == "LlamaForCausalLM"
+    assert ModelConfig(vocab_size=16, attention_bias=True).architecture == "Qwen2ForCausalLM"
+    assert ModelConfig(vocab_size=16, qk_norm=True).architecture == "Qwen3ForCausalLM"
+    mistral = ModelConfig(vocab_size=16, hf_architecture="MistralForCausalLM")
+    assert mistral.architecture == "MistralForCausalLM"
+    for fields, message in [
+        (
+            b'"qk_norm": true, "attention_bias": true',
+            "attention_bias and qk_norm together have no Hugging Face equivalent "
+            "(Qwen3's attention_bias also biases o_proj)",
+        ),
+        (
+            b'"hf_architecture": "MistralForCausalLM", "qk_norm": true',
+            "hf_architecture MistralForCausalLM names the Llama layout: "
+            "it takes neither attention_bias nor qk_norm",
+        ),
+    ]:
+        with pytest.raises(msgspec.ValidationError) as err:
+            msgspec.json.decode(b'{"vocab_size": 16, ' + fields + b"}", type=ModelConfig)
+        assert str(err.value) == message
+
+
 def test_from_hf_dict_rejects_unsupported_architecture() -> None:
     with pytest.raises(
         UnsupportedModelError,
         match=r"^x/config\.json: unsupported architecture 'GPT2LMHeadModel'; "
-        r"supported: LlamaForCausalLM, Qwen2ForCausalLM$",
+        r"supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM$",
     ):
         ModelConfig.from_hf_dict({"architectures": ["GPT2LMHeadModel"]}, source="x/config.json")
 
