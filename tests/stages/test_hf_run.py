@@ -1,14 +1,24 @@
-"""GRPO from a Hugging Face directory, and the trained model back out as one."""
+"""GRPO from a Hugging Face directory of each family, and the trained model back out as one."""
 
 from __future__ import annotations
 
+import json
 import math
+import shutil
 from pathlib import Path
 
+import anyio
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import (
+    AutoModelForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
+import pipeline
 from pipeline.errors import RecipeError
 from pipeline.metrics import read
 from stages.checkpoint import committed
@@ -16,6 +26,32 @@ from stages.generate import generate
 from stages.model_files import export, open_model
 
 PROMPT = "What is 3 + 4?"
+RECIPE = Path(__file__).parents[1] / "data" / "tiny-hf.yaml"
+# Beside `tiny_qwen2_dir`'s Qwen2: the other families, in its shape, with its tokenizer.
+FAMILIES = {
+    # head_dim other than hidden_size / heads (16), as in Qwen3's own checkpoints.
+    "qwen3": lambda shape: Qwen3ForCausalLM(Qwen3Config(**shape, head_dim=32, tie_word_embeddings=True)),
+    "mistral": lambda shape: MistralForCausalLM(MistralConfig(**shape, sliding_window=None)),
+}
+_SHAPE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers")
+_SHAPE_KEYS += ("num_attention_heads", "num_key_value_heads", "max_position_embeddings")
+
+
+@pytest.fixture(scope="module", params=["qwen2", *FAMILIES])
+def hf_run(request, tiny_qwen2_run, tiny_qwen2_dir, tmp_path_factory) -> Path:
+    """The run directory of `tiny_qwen2_run`'s recipe (3 steps), from a directory of each family."""
+    if request.param == "qwen2":
+        return tiny_qwen2_run[1]
+    root = tmp_path_factory.mktemp(f"tiny-{request.param}")
+    qwen2 = json.loads((tiny_qwen2_dir / "config.json").read_text())
+    torch.manual_seed(0)
+    FAMILIES[request.param]({k: qwen2[k] for k in _SHAPE_KEYS}).save_pretrained(root / "model")
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copyfile(tiny_qwen2_dir / name, root / "model" / name)
+    data = tiny_qwen2_run[0].prompts.source.path
+    overrides = [f"run.dir={root / 'run'}", f"model.path={root / 'model'}", f"prompts.source.path={data}"]
+    anyio.run(pipeline.run, pipeline.load_recipe(RECIPE, overrides))
+    return root / "run"
 
 
 def _checkpoint(run_dir: Path) -> Path:
@@ -23,9 +59,8 @@ def _checkpoint(run_dir: Path) -> Path:
     return checkpoint
 
 
-def test_grpo_steps_from_a_hf_checkpoint(tiny_qwen2_run) -> None:
-    _, run_dir = tiny_qwen2_run
-    steps = [r for r in read(run_dir / "metrics.jsonl") if "train/loss" in r]
+def test_grpo_steps_from_a_hf_checkpoint(hf_run: Path) -> None:
+    steps = [r for r in read(hf_run / "metrics.jsonl") if "train/loss" in r]
     assert [r["step"] for r in steps] == [1, 2, 3]
     for record in steps:
         assert math.isfinite(record["train/loss"])
@@ -34,14 +69,14 @@ def test_grpo_steps_from_a_hf_checkpoint(tiny_qwen2_run) -> None:
         assert abs(record["train/token_mult_prob_error"] - 1.0) < 1e-3
 
 
-def test_export_loads_in_transformers_and_generates_our_tokens(tiny_qwen2_run, tmp_path: Path) -> None:
-    _, run_dir = tiny_qwen2_run
-    checkpoint = _checkpoint(run_dir)
+def test_export_loads_in_transformers_and_generates_our_tokens(hf_run: Path, tmp_path: Path) -> None:
+    checkpoint = _checkpoint(hf_run)
     out = export(checkpoint, tmp_path / "exported")
     for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
         assert (out / name).is_file(), name
     trained = torch.load(checkpoint / "trainer.pt", weights_only=False)["model"]
     hf = AutoModelForCausalLM.from_pretrained(out).eval()
+    assert type(hf).__name__ == open_model(checkpoint).config.architecture  # the family it started as
     for name, tensor in hf.state_dict().items():
         assert torch.equal(tensor, trained[name]), name
 
@@ -72,17 +107,13 @@ def test_generate_from_a_directory_that_is_no_model(tmp_path: Path) -> None:
 
 
 def test_run_with_missing_model_directory_is_a_recipe_error(tiny_qwen2_run, tmp_path: Path) -> None:
-    import anyio
-
-    import pipeline
-
     recipe, _ = tiny_qwen2_run
     missing = tmp_path / "nowhere"
     with pytest.raises(RecipeError) as raised:
         anyio.run(
             pipeline.run,
             pipeline.load_recipe(
-                Path(__file__).parents[1] / "data" / "tiny-hf.yaml",
+                RECIPE,
                 [
                     f"run.dir={tmp_path / 'run'}",
                     f"model.path={missing}",
