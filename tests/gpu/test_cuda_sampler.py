@@ -16,7 +16,9 @@ pytestmark = pytest.mark.gpu
 VOCAB = 1000
 
 
-def _model(dtype: torch.dtype, *, learned_positions: bool = False) -> Decoder:
+def _model(dtype: torch.dtype, *, learned_positions: bool = False, qwen3: bool = False) -> Decoder:
+    """A Qwen2-shaped model, or with `qwen3` a Qwen3-shaped one (q/k norms, no biases, head_dim
+    other than hidden_size / heads)."""
     torch.manual_seed(0)
     config = ModelConfig(
         vocab_size=VOCAB,
@@ -25,8 +27,9 @@ def _model(dtype: torch.dtype, *, learned_positions: bool = False) -> Decoder:
         num_hidden_layers=3,
         num_attention_heads=4,
         num_key_value_heads=2,
-        head_dim=64,
-        attention_bias=True,
+        head_dim=128 if qwen3 else 64,
+        attention_bias=not qwen3,
+        qk_norm=qwen3,
         tie_word_embeddings=True,
         max_position_embeddings=128,
         learned_position_embeddings=learned_positions,
@@ -34,6 +37,9 @@ def _model(dtype: torch.dtype, *, learned_positions: bool = False) -> Decoder:
     model = Decoder(config)
     with torch.no_grad():  # sharper than the 0.02 init, so sampled tokens and greedy choices vary
         model.model.embed_tokens.weight.mul_(20)
+        for name, param in model.named_parameters():
+            if name.endswith(("q_norm.weight", "k_norm.weight")):  # each dim its own scale
+                param.uniform_(0.5, 1.5)
     return model.to(device="cuda", dtype=dtype)
 
 
@@ -60,20 +66,21 @@ def _recomputed(model: Decoder, prompts: list[list[int]], outs: list[Completion]
 
 
 @pytest.mark.parametrize(
-    ("dtype", "temperature", "top_p", "learned_positions"),
+    ("dtype", "temperature", "top_p", "variant"),
     [
-        (torch.float32, 1.0, 1.0, False),
-        (torch.float32, 0.7, 0.9, False),
-        (torch.float32, 0.0, 1.0, False),
-        (torch.float32, 1.0, 1.0, True),
-        (torch.bfloat16, 1.0, 1.0, False),
-        (torch.bfloat16, 0.0, 1.0, False),
+        (torch.float32, 1.0, 1.0, {}),
+        (torch.float32, 0.7, 0.9, {}),
+        (torch.float32, 0.0, 1.0, {}),
+        (torch.float32, 1.0, 1.0, {"learned_positions": True}),
+        (torch.bfloat16, 1.0, 1.0, {}),
+        (torch.bfloat16, 0.0, 1.0, {}),
+        (torch.bfloat16, 1.0, 1.0, {"qwen3": True}),
     ],
 )
 def test_logprobs_match_full_recomputation(
-    dtype: torch.dtype, temperature: float, top_p: float, learned_positions: bool
+    dtype: torch.dtype, temperature: float, top_p: float, variant: dict[str, bool]
 ) -> None:
-    model = _model(dtype, learned_positions=learned_positions)
+    model = _model(dtype, **variant)
     sampler = CudaSampler(model)
     prompts = _prompts(37)  # not a bucket size: padding rows ride along
     outs = sampler.generate(
