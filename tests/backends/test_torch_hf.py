@@ -135,6 +135,7 @@ def test_our_checkpoint_loads_in_transformers(config: ModelConfig, tmp_path: Pat
     save_pretrained(config, model, tmp_path)
     hf = AutoModelForCausalLM.from_pretrained(tmp_path)
     assert type(hf).__name__ == config.architecture
+    assert getattr(hf.config, "sliding_window", None) is None  # (MistralConfig's default is 4096)
     ids, positions = _inputs()
     torch.testing.assert_close(_hf_logits(hf, ids), _ours(model, ids, positions), atol=1e-4, rtol=0)
     reloaded_config, reloaded = load_pretrained(tmp_path)
