@@ -193,6 +193,16 @@ BINDING_FIELDS = (
 )
 
 
+def with_defaults(saved: dict[str, Any], recipe_type: type) -> dict[str, Any]:
+    """A checkpoint's recipe with the fields it predates filled in with their defaults, so a
+    field added since (with a default) is not a difference; as written if it no longer decodes
+    (a field since removed), so that the comparison names what changed."""
+    try:
+        return msgspec.to_builtins(msgspec.convert(saved, recipe_type))
+    except msgspec.ValidationError:
+        return saved
+
+
 def check_compatible(saved: dict[str, Any], current: dict[str, Any], checkpoint: Path) -> None:
     for field in BINDING_FIELDS:
         old, new = lookup(saved, field), lookup(current, field)

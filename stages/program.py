@@ -36,6 +36,7 @@ from stages.checkpoint import (
     NonFiniteState,
     PipelineState,
     check_compatible,
+    with_defaults,
     check_steps_left,
     clean_orphans,
     committed,
@@ -93,7 +94,8 @@ async def run_program(
     lock.check_free()
     resumed = await anyio.to_thread.run_sync(open_resume, run_dir, recipe.checkpoint.resume)
     if resumed is not None:
-        check_compatible(resumed.recipe, msgspec.to_builtins(recipe), resumed.path)
+        saved = with_defaults(resumed.recipe, type(recipe))
+        check_compatible(saved, msgspec.to_builtins(recipe), resumed.path)
         check_steps_left(recipe.run.steps, resumed.state, resumed.path)
     seed = recipe.run.seed
     random.seed(seed)

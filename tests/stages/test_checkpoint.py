@@ -178,3 +178,21 @@ def test_a_kill_right_after_a_save_keeps_that_steps_metrics(tmp_path: Path) -> N
     assert [r["step"] for r in records] == [1, 2, 3, 4]
     assert records[1]["metrics/recovered"] == 1
     assert "metrics/recovered" not in records[2]
+
+
+def test_a_checkpoint_from_before_a_new_recipe_field_still_resumes(tmp_path: Path) -> None:
+    """A field added to the recipe since a checkpoint was written (here: the model config's
+    `qk_norm`, `async_rl.handoff_checks`) takes its default: the resume is not refused as a
+    changed model, while a field really changed still is."""
+    import yaml
+
+    run_dir = tmp_path / "run"
+    anyio.run(pipeline.run, _recipe(run_dir, "run.steps=2"))
+    (checkpoint,) = committed(run_dir / "checkpoints")
+    saved = yaml.safe_load((checkpoint / "recipe.yaml").read_text())
+    del saved["model"]["config"]["qk_norm"], saved["async_rl"]["handoff_checks"]
+    (checkpoint / "recipe.yaml").write_text(yaml.safe_dump(saved))
+    summary = anyio.run(pipeline.run, _recipe(run_dir, "run.steps=3"))
+    assert summary.steps_done == 3
+    with pytest.raises(pipeline.RecipeError, match="^model: differs from checkpoint"):
+        anyio.run(pipeline.run, _recipe(run_dir, "run.steps=4", "model.config.hidden_size=64"))
