@@ -36,12 +36,12 @@ from stages.checkpoint import (
     NonFiniteState,
     PipelineState,
     check_compatible,
-    with_defaults,
     check_steps_left,
     clean_orphans,
     committed,
     python_rng_state,
     set_python_rng_state,
+    with_defaults,
 )
 from stages.evaluation import Evaluation
 from stages.faults import FaultyEngine

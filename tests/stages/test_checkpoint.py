@@ -194,5 +194,5 @@ def test_a_checkpoint_from_before_a_new_recipe_field_still_resumes(tmp_path: Pat
     (checkpoint / "recipe.yaml").write_text(yaml.safe_dump(saved))
     summary = anyio.run(pipeline.run, _recipe(run_dir, "run.steps=3"))
     assert summary.steps_done == 3
-    with pytest.raises(pipeline.RecipeError, match="^model: differs from checkpoint"):
+    with pytest.raises(pipeline.RecipeError, match=r"^model: differs from checkpoint"):
         anyio.run(pipeline.run, _recipe(run_dir, "run.steps=4", "model.config.hidden_size=64"))
