@@ -10,6 +10,7 @@ Importing this package imports no torch, ray or megatron: the compute is loaded 
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -38,6 +39,8 @@ async def run(recipe: Recipe, **options: Any) -> RunSummary:
     Cancelling the awaiting task stops the pipeline and leaves no task running. Pass
     `stop=StopRequest()` to ask for a clean stop (admission closes, in-flight work drains).
     """
-    from stages.program import run_program
+    import anyio
 
-    return await run_program(recipe, **options)
+    # The stages' modules are imported off the event loop: the host keeps its turns.
+    program = await anyio.to_thread.run_sync(importlib.import_module, "stages.program")
+    return await program.run_program(recipe, **options)

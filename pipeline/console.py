@@ -4,11 +4,18 @@ On a terminal: a status line at the bottom, redrawn twice a second while the run
 reward, loss, lag, tokens/s, ETA, queue depths, gate state), with a permanent line every
 `log_every` steps and at each evaluation; log records are printed above it. Anywhere else (CI,
 a file): the same permanent lines, plain, and nothing redrawn.
+
+The status line is cut to the terminal's width: a line that wraps cannot be erased by `\r`,
+and each redraw would leave a copy behind. The ETA is the steps left times the median of the
+last steps' durations, so the slow first steps (and an evaluation's step) do not inflate it.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
+import shutil
+import statistics
 import sys
 import threading
 import time
@@ -46,16 +53,18 @@ class Console:
         live: bool | None = None,
         log_every: int = 10,
         now: Callable[[], float] = time.monotonic,
+        width: Callable[[], int] = lambda: shutil.get_terminal_size().columns,
     ) -> None:
         self.total = total_steps
         self.stream = stream if stream is not None else sys.stdout
         self.live = self.stream.isatty() if live is None else live
         self.log_every = log_every
         self.now = now
+        self.width = width
         self.last: dict[str, Any] = {}
         self.last_eval: dict[str, Any] = {}
         self.state: dict[str, Any] = {}
-        self._step_times: deque[tuple[int, float]] = deque(maxlen=20)
+        self._step_times: deque[tuple[int, float]] = deque(maxlen=11)  # ten durations
         self._shown = ""
         # Log records may arrive from worker threads (a reward function's warnings) while the
         # event loop redraws: one writer at a time, or the lines interleave.
@@ -112,12 +121,13 @@ class Console:
     # -- drawing ------------------------------------------------------------------------------
 
     def eta_s(self) -> float | None:
-        if len(self._step_times) < 2:
+        times = list(self._step_times)
+        durations = [
+            (t - t0) / (step - step0) for (step0, t0), (step, t) in itertools.pairwise(times) if step > step0
+        ]
+        if not durations:
             return None
-        (first_step, first_t), (last_step, last_t) = self._step_times[0], self._step_times[-1]
-        if last_step <= first_step:
-            return None
-        return (self.total - last_step) * (last_t - first_t) / (last_step - first_step)
+        return (self.total - times[-1][0]) * statistics.median(durations)
 
     def _summary(self, *, with_eval: bool = True) -> str:
         record = self.last
@@ -143,7 +153,9 @@ class Console:
         if not self.live or self._closed:
             return
         with self._writing:
-            self._shown = self._summary()
+            # One column spare: a line that fills the last column leaves some terminals'
+            # cursor waiting to wrap.
+            self._shown = self._summary()[: max(self.width() - 1, 1)]
             self.stream.write("\r\x1b[2K" + self._shown)
             self.stream.flush()
 

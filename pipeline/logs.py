@@ -1,5 +1,9 @@
 """Logging: one logger per component (`pipeline.gate`, `stages.rollout`, ...), one format, and
 warnings that would repeat every step said once.
+
+The level chosen (`--log-level`) applies to the project's own loggers; everyone else's (other
+libraries, a user's reward module) log at info at the most verbose, so `--log-level debug` is
+our debug output, not thousands of lines of matplotlib's font manager.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ FORMAT = "%(asctime)s %(levelname)-7s %(name)s: %(message)s"
 DATE_FORMAT = "%H:%M:%S"
 
 _warned: set[tuple[str, str]] = set()
+OWN_LOGGERS = ("pipeline", "stages", "backends", "bench")
 
 
 def setup(level: str = "INFO", handler: logging.Handler | None = None) -> None:
@@ -22,7 +27,10 @@ def setup(level: str = "INFO", handler: logging.Handler | None = None) -> None:
     for old in list(root.handlers):
         root.removeHandler(old)
     root.addHandler(handler)
-    root.setLevel(level.upper())
+    chosen = logging.getLevelName(level.upper())
+    root.setLevel(max(chosen, logging.INFO))
+    for name in OWN_LOGGERS:
+        logging.getLogger(name).setLevel(chosen)
     logging.captureWarnings(True)
 
 

@@ -18,6 +18,8 @@ from typing import Any
 
 import msgspec
 
+_WRITE_CHUNK = 2_000  # events encoded at once by `Trace.write`
+
 
 class Trace:
     def __init__(self, now: Callable[[], float], *, max_events: int = 200_000) -> None:
@@ -93,8 +95,16 @@ class Trace:
 
     def write(self, path: Path, snapshot: dict[str, Any] | None = None) -> None:
         """Write atomically: a crash mid-write never leaves a torn trace."""
+        snapshot = snapshot if snapshot is not None else self.snapshot()
+        events = snapshot["traceEvents"]
+        rest = msgspec.json.encode({k: v for k, v in snapshot.items() if k != "traceEvents"})
         tmp = path.with_suffix(".json.tmp")
-        # msgspec, not json: a full trace (200k events) is written in 0.16 s instead of 0.8 s, which
-        # json.dumps would spend holding the GIL, stalling the event loop even from a thread.
-        tmp.write_bytes(msgspec.json.encode(snapshot if snapshot is not None else self.snapshot()))
+        with tmp.open("wb") as out:
+            out.write(b'{"traceEvents":[')
+            # An encode holds the GIL throughout (a full trace: 0.16 s), stalling the event loop
+            # even from a thread; a chunk at a time lets the loop in between (1-2 ms each).
+            for start in range(0, len(events), _WRITE_CHUNK):
+                out.write(b"," if start else b"")
+                out.write(msgspec.json.encode(events[start : start + _WRITE_CHUNK])[1:-1])
+            out.write(b"]," + rest[1:] if len(rest) > 2 else b"]}")
         os.replace(tmp, path)

@@ -4,8 +4,9 @@ A run checkpoint (`run.dir/checkpoints/step-NNNNNN/`) holds `trainer.pt` (its `"
 is the state dict) and `recipe.yaml`, whose `model` section gives the shape (`config`) or the
 Hugging Face directory the run started from (`path`, read again for its config.json and its
 tokenizer). `export` writes what `transformers` loads: config.json, model.safetensors, and the
-tokenizer files of that directory (or, for a character-tokenizer run, a generation_config.json
-with its end-of-sequence id).
+tokenizer files of that directory (or, for a character-tokenizer run, its alphabet in
+char_tokenizer.json and a generation_config.json with its end-of-sequence id), into a new or
+empty directory.
 
 Used by the `export` and `generate` commands; it imports torch, so the CLI imports it lazily.
 """
@@ -29,7 +30,7 @@ from pipeline.recipe import convert
 from stages.hf_tokenizer import GENERATION_CONFIG_FILE, TOKENIZER_FILE, TOKENIZER_FILES, HFTokenizer
 from stages.prompts import build_tokenizer
 from stages.recipe import Recipe
-from stages.tokenizer import Tokenizer
+from stages.tokenizer import CHAR_TOKENIZER_FILE, CharTokenizer, Tokenizer
 
 TRAINER_FILE = "trainer.pt"
 RECIPE_FILE = "recipe.yaml"
@@ -41,6 +42,7 @@ class OpenedModel:
     model: Decoder
     tokenizer: Tokenizer | None  # None: a Hugging Face directory without tokenizer.json
     hf_dir: Path | None  # the Hugging Face directory whose tokenizer files go with the weights
+    max_new_tokens: int | None  # what the model was trained to generate, where known
 
 
 def is_checkpoint(path: Path) -> bool:
@@ -56,14 +58,30 @@ def open_model(path: str | Path, *, device: str = "cpu") -> OpenedModel:
             return _open_checkpoint(path, device)
         if (path / CONFIG_FILE).is_file():
             config, model = load_pretrained(path, device=device)
-            tokenizer = HFTokenizer(path) if (path / TOKENIZER_FILE).is_file() else None
-            return OpenedModel(config, model.eval(), tokenizer, path)
+            return OpenedModel(config, model.eval(), _hf_tokenizer(path), path, _trained_length(path))
     except ModelLoadError as error:
         raise RecipeError(str(error)) from None
     raise RecipeError(
         f"{path}: neither a checkpoint ({TRAINER_FILE} and {RECIPE_FILE}) "
         f"nor a Hugging Face model directory ({CONFIG_FILE})"
     )
+
+
+def _hf_tokenizer(path: Path) -> Tokenizer | None:
+    if (path / TOKENIZER_FILE).is_file():
+        return HFTokenizer(path)
+    if (path / CHAR_TOKENIZER_FILE).is_file():  # exported from a run on a built-in task
+        return CharTokenizer.load(path)
+    return None
+
+
+def _trained_length(path: Path) -> int | None:
+    """generation_config.json's `max_new_tokens` (export writes the run's), if any."""
+    try:
+        value = json.loads((path / GENERATION_CONFIG_FILE).read_text()).get("max_new_tokens")
+    except (OSError, json.JSONDecodeError, AttributeError):
+        return None
+    return value if isinstance(value, int) and value > 0 else None
 
 
 def _open_checkpoint(path: Path, device: str) -> OpenedModel:
@@ -92,15 +110,15 @@ def _open_checkpoint(path: Path, device: str) -> OpenedModel:
         model = Decoder(config).to(dtype)
     model.load_state_dict(weights)
     tokenizer = build_tokenizer(recipe.prompts, section.path)
-    return OpenedModel(config, model.eval(), tokenizer, hf_dir)
+    return OpenedModel(config, model.eval(), tokenizer, hf_dir, recipe.rollout.max_new_tokens)
 
 
 def export(checkpoint: str | Path, out_dir: str | Path) -> Path:
     """Write `checkpoint` (a run checkpoint or a Hugging Face directory) to `out_dir` as a
     Hugging Face directory; refuses a directory that already holds a model."""
     out = Path(out_dir)
-    if (out / CONFIG_FILE).exists():
-        raise RecipeError(f"{out}: already holds {CONFIG_FILE}; export into a new directory")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise RecipeError(f"{out}: not an empty directory; export into a new or empty one")
     opened = open_model(checkpoint)
     if opened.config.learned_position_embeddings:
         raise RecipeError(
@@ -112,10 +130,18 @@ def export(checkpoint: str | Path, out_dir: str | Path) -> Path:
         for name in TOKENIZER_FILES:
             if (opened.hf_dir / name).is_file():
                 shutil.copyfile(opened.hf_dir / name, out / name)
+    if isinstance(opened.tokenizer, CharTokenizer):
+        opened.tokenizer.save(out)
     if not (out / GENERATION_CONFIG_FILE).exists() and opened.tokenizer is not None:
-        # transformers then stops generating where our engine does.
+        # transformers then stops generating where our engine does, and `generate` (ours and
+        # transformers') generates as many tokens as the run did.
         tokenizer = opened.tokenizer
         stop = list(tokenizer.stop_ids)
-        generation = {"eos_token_id": stop[0] if len(stop) == 1 else stop, "pad_token_id": tokenizer.pad_id}
+        generation: dict[str, object] = {
+            "eos_token_id": stop[0] if len(stop) == 1 else stop,
+            "pad_token_id": tokenizer.pad_id,
+        }
+        if opened.max_new_tokens is not None:
+            generation["max_new_tokens"] = opened.max_new_tokens
         (out / GENERATION_CONFIG_FILE).write_text(json.dumps(generation, indent=2) + "\n")
     return out

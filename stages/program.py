@@ -46,11 +46,12 @@ from stages.checkpoint import (
 from stages.evaluation import Evaluation
 from stages.faults import FaultyEngine
 from stages.gates import Verdict, give_verdict
+from stages.preflight import preflight
 from stages.progress import Progress
-from stages.prompts import PromptSet, build_prompts
+from stages.prompts import PromptSet
 from stages.recipe import Recipe
 from stages.resume import Resumed, nonfinite, open_resume, set_aside
-from stages.reward import RewardFn, RewardStage, resolve
+from stages.reward import RewardFn, RewardStage
 from stages.rollout import RolloutStage
 from stages.run_dir import RunDirLock, keep_earlier_runs
 from stages.timings import BatchTimings
@@ -99,19 +100,13 @@ async def run_program(
         check_steps_left(recipe.run.steps, resumed.state, resumed.path)
     seed = recipe.run.seed
     random.seed(seed)
-    prompts = build_prompts(recipe.prompts, seed, model_path=recipe.model.path)
-    reward_fn = resolve(recipe.reward.function, source_reward=prompts.reward)
     built = engine is None or trainer is None  # then the backend's threads are ours to close
+    # Start-up work (reading data, importing torch, building the model) runs off the event
+    # loop, so a host application embedding the pipeline keeps its turns.
+    checked = await anyio.to_thread.run_sync(lambda: preflight(recipe, model=built, resume=False))
+    prompts, reward_fn = checked.prompts, checked.reward_fn
     if built:
-        from backends.torch.build import build_backend
-        from backends.torch.errors import ModelLoadError
-
-        try:
-            engine, trainer = build_backend(
-                recipe, vocab_size=prompts.tokenizer.vocab_size, stop_ids=prompts.tokenizer.stop_ids
-            )
-        except ModelLoadError as error:  # a missing file or an unsupported model: the user's to fix
-            raise RecipeError(f"model.path: {error}") from None
+        engine, trainer = await anyio.to_thread.run_sync(_build_backend, recipe, prompts.tokenizer)
     assert engine is not None and trainer is not None
     try:
         lock.acquire()
@@ -390,15 +385,15 @@ async def _run_locked(
                 await _never_masking(final_save, "the last save")
         raise
     finally:
-        _close_all(
-            [
-                ("closing the metrics", metrics.close),
-                ("closing the backend", close_backend),
-                ("writing trace.json", lambda: trace.write(run_dir / "trace.json")),
-                ("closing the console", console.close if console is not None else lambda: None),
-            ],
-            failing=failing,
-        )
+        steps = [
+            ("closing the metrics", metrics.close),
+            ("closing the backend", close_backend),
+            ("writing trace.json", lambda: trace.write(run_dir / "trace.json")),
+            ("closing the console", console.close if console is not None else lambda: None),
+        ]
+        # On a worker thread: closing the sinks (wandb) and writing the trace take a while.
+        with anyio.CancelScope(shield=True):
+            await anyio.to_thread.run_sync(lambda: _close_all(steps, failing=failing))
     if recipe.run.plot:
         try:
             await anyio.to_thread.run_sync(write_report, [run_dir], run_dir / "report.png")
@@ -462,6 +457,16 @@ def _both(*hooks: Callable[[dict[str, Any]], None] | None) -> Callable[[dict[str
                 hook(record)
 
     return call
+
+
+def _build_backend(recipe: Recipe, tokenizer: Any) -> tuple[Engine, Trainer]:
+    from backends.torch.build import build_backend
+    from backends.torch.errors import ModelLoadError
+
+    try:
+        return build_backend(recipe, vocab_size=tokenizer.vocab_size, stop_ids=tokenizer.stop_ids)
+    except ModelLoadError as error:  # a missing file or an unsupported model: the user's to fix
+        raise RecipeError(f"model.path: {error}") from None
 
 
 def _torch_writer(state: Any) -> Callable[[Path], None]:

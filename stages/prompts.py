@@ -127,17 +127,21 @@ SourceReward = Callable[[Prompt, str], float]
 
 
 class PromptSet:
-    """A tokenizer, an endless stream of training prompts, a held-out list and, for sources
-    that bring their own answer checker, that checker (`reward`)."""
+    """A tokenizer, an endless stream of training prompts, a held-out list, the most tokens any
+    of them has (`longest`) and, for sources that bring their own answer checker, that checker
+    (`reward`)."""
 
     def __init__(
         self,
         tokenizer: Tokenizer,
         train: Iterator[Prompt],
         heldout: list[Prompt],
+        *,
+        longest: int,
         reward: SourceReward | None = None,
     ) -> None:
         self.tokenizer = tokenizer
+        self.longest = longest
         self.train = PromptStream(train)
         self.heldout = heldout
         self.reward = reward
@@ -176,7 +180,11 @@ def build_prompts(section: PromptsSection, seed: int, *, model_path: str | None 
     ]
     where = str(Path(source.path))
     train, heldout = _split(prompts, source.num_heldout, where)
-    return PromptSet(tokenizer, _epochs(train, f"jsonl-{seed}"), heldout)
+    return PromptSet(tokenizer, _epochs(train, f"jsonl-{seed}"), heldout, longest=_longest(prompts))
+
+
+def _longest(prompts: list[Prompt]) -> int:
+    return max(len(p.tokens) for p in prompts)
 
 
 def _encoder(section: PromptsSection, tokenizer: Tokenizer) -> Encode:
@@ -234,7 +242,8 @@ def _digit_task(source: SyntheticSource, seed: int, tokenizer: Tokenizer, encode
             yield make(text, f"train-{index}")
             index += 1
 
-    return PromptSet(tokenizer, train(), heldout)
+    longest = len(encode("0" * source.max_digits + "=", "prompts.source"))
+    return PromptSet(tokenizer, train(), heldout, longest=longest)
 
 
 def _digits(rng: random.Random, source: SyntheticSource) -> str:
@@ -354,4 +363,6 @@ def _reasoning_gym(source: ReasoningGymSource, seed: int, tokenizer: Tokenizer, 
         return float(dataset.score_answer(completion.strip(), entry))
 
     train, heldout = _split(prompts, source.num_heldout, f"prompts.source: {source.name}")
-    return PromptSet(tokenizer, _epochs(train, f"reasoning_gym-{seed}"), heldout, reward=score)
+    return PromptSet(
+        tokenizer, _epochs(train, f"reasoning_gym-{seed}"), heldout, longest=_longest(prompts), reward=score
+    )

@@ -6,7 +6,9 @@ weights) and `stages.hf_tokenizer.HFTokenizer` (a Hugging Face model's own token
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Protocol
 
 from pipeline.errors import RecipeError
@@ -33,6 +35,8 @@ class Tokenizer(Protocol):
 
 
 SPECIAL = 3  # padding (0), end of sequence (1), beginning of sequence (2)
+# Beside an exported model trained with a character tokenizer: {"alphabet": "..."}.
+CHAR_TOKENIZER_FILE = "char_tokenizer.json"
 
 
 class CharTokenizer:
@@ -53,6 +57,17 @@ class CharTokenizer:
         self._ids = {ch: i + SPECIAL for i, ch in enumerate(alphabet)}
         self.vocab_size = len(alphabet) + SPECIAL
         self.stop_ids = (self.eos_id,)
+
+    def save(self, directory: Path) -> None:
+        (directory / CHAR_TOKENIZER_FILE).write_text(json.dumps({"alphabet": self.alphabet}) + "\n")
+
+    @classmethod
+    def load(cls, directory: Path) -> CharTokenizer:
+        path = directory / CHAR_TOKENIZER_FILE
+        try:
+            return cls(json.loads(path.read_text())["alphabet"])
+        except (json.JSONDecodeError, KeyError, TypeError):
+            raise RecipeError(f'{path}: expected {{"alphabet": "..."}}') from None
 
     def encode(self, text: str, *, where: str = "text") -> list[int]:
         try:

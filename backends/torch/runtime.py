@@ -1,0 +1,51 @@
+"""How torch's native runtime comes up in this process: `load()` before the first `import torch`
+(the pipeline calls it on a worker thread, first thing).
+
+- OpenMP's wait policy. libgomp, which torch's CPU build uses, lets a thread that finished its
+  share of a parallel region spin for the next one. Beside another busy process that spinning
+  takes the cores the working threads need: the quickstart next to one CPU-bound process took
+  109 s and 103 s of user CPU instead of 23 s. `PASSIVE` makes waiting threads sleep. libgomp
+  reads the variable once, when torch loads it, so `load` sets it first (unless the user did).
+- Loading libtorch without the GIL. Its static initialisers run inside `dlopen` (1-1.5 s
+  here), and Python holds the GIL through an extension module's `dlopen`, so even an import on a
+  worker thread froze the event loop for that long. The libraries are opened first through a
+  foreign call (ctypes releases the GIL around it) with the flags torch itself uses: its global
+  dependencies `RTLD_GLOBAL`, libtorch_cpu local. torch's own import then finds them loaded.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+
+def load() -> None:
+    """Set OpenMP's wait policy, open libtorch without holding the GIL, then import torch.
+
+    With torch already imported (by the host application, or an earlier call) it does nothing."""
+    if "torch" in sys.modules:
+        return
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    if sys.platform.startswith("linux"):
+        _open_libraries()
+    import torch  # noqa: F401
+
+
+def _open_libraries() -> None:
+    spec = importlib.util.find_spec("torch")
+    dlopen = getattr(ctypes.CDLL(None), "dlopen", None)
+    if spec is None or not spec.submodule_search_locations or dlopen is None:
+        return  # torch's own import reports a missing torch; without dlopen it loads as usual
+    lib = Path(spec.submodule_search_locations[0]) / "lib"
+    dlopen.restype = ctypes.c_void_p
+    dlopen.argtypes = [ctypes.c_char_p, ctypes.c_int]
+    for name, flags in (
+        ("libtorch_global_deps.so", os.RTLD_NOW | os.RTLD_GLOBAL),
+        ("libtorch_cpu.so", os.RTLD_NOW | os.RTLD_LOCAL),
+    ):
+        # A library that does not open here (another layout) is left to torch's own import.
+        if (lib / name).is_file():
+            dlopen(str(lib / name).encode(), flags)

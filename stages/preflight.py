@@ -1,0 +1,99 @@
+"""The checks a recipe must pass before any weights are read, shared by `validate` and `run`.
+
+`preflight` raises `RecipeError` for what would otherwise fail later in the run (or, for the
+model and device, with a traceback): a resume path that is not a checkpoint or a recipe that
+does not match it, a missing model directory or config.json, a device this machine lacks, data
+files that do not parse, a reward function that does not import, and prompts plus
+`rollout.max_new_tokens` past a learned position table. What it built on the way (the resume
+prompts, the reward function) is what `run` goes on with.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import msgspec
+import yaml
+
+from pipeline.errors import RecipeError
+from stages.checkpoint import MARKER, PipelineState, check_compatible, check_steps_left, committed
+from stages.prompts import PromptSet, build_prompts
+from stages.recipe import Recipe
+from stages.reward import RewardFn, resolve
+
+
+@dataclass(frozen=True)
+class Checked:
+    prompts: PromptSet
+    reward_fn: RewardFn
+
+
+def preflight(recipe: Recipe, *, model: bool = True, resume: bool = True) -> Checked:
+    """Every check that needs no weights; `model=False` skips the model's (a caller that brings
+    its own engine and trainer has none to check), `resume=False` the resume checkpoint's (`run`
+    loads and verifies it whole). Imports torch when `model`."""
+    if resume:
+        _check_resume(recipe)
+    position_limit = _check_model(recipe) if model else None
+    prompts = build_prompts(recipe.prompts, recipe.run.seed, model_path=recipe.model.path)
+    reward_fn = resolve(recipe.reward.function, source_reward=prompts.reward)
+    if position_limit is not None and prompts.longest + recipe.rollout.max_new_tokens > position_limit:
+        raise RecipeError(
+            f"rollout.max_new_tokens: {recipe.rollout.max_new_tokens} new tokens after the longest "
+            f"prompt ({prompts.longest} tokens) exceed model.config.max_position_embeddings "
+            f"{position_limit} (learned position embeddings); set it to at most "
+            f"{max(position_limit - prompts.longest, 0)}"
+        )
+    return Checked(prompts, reward_fn)
+
+
+def _check_resume(recipe: Recipe) -> None:
+    """The checkpoint a run would resume from, against this recipe, read without its weights."""
+    if recipe.checkpoint.resume == "never":
+        return  # whether run.dir is empty is the run's to say, when it starts
+    if recipe.checkpoint.resume == "auto":
+        found = committed(Path(recipe.run.dir) / "checkpoints")
+        if not found:
+            return
+        path = found[-1]
+    else:
+        path = Path(recipe.checkpoint.resume)
+        if not (path / MARKER).is_file():
+            raise RecipeError(f"checkpoint.resume: {path} is not a committed checkpoint (no {MARKER} file)")
+    try:
+        saved = yaml.safe_load((path / "recipe.yaml").read_text())
+        state = msgspec.msgpack.decode((path / "state.msgpack").read_bytes(), type=PipelineState)
+    except (OSError, msgspec.DecodeError, yaml.YAMLError):
+        return  # a damaged checkpoint: the run reports it and resumes from the one before
+    check_compatible(saved, msgspec.to_builtins(recipe), path)
+    check_steps_left(recipe.run.steps, state, path)
+
+
+def _check_model(recipe: Recipe) -> int | None:
+    """The model's learned position limit (None: rotary only), after checking that its files
+    and device are there."""
+    from backends.torch.runtime import load
+
+    load()  # first: it sets how torch's threads wait, which torch reads once, as it loads
+    from backends.torch.device import check_device
+    from backends.torch.errors import ModelLoadError
+    from backends.torch.hf import read_config
+
+    section = recipe.model
+    if section.path is None:
+        assert section.config is not None  # the section holds exactly one of the two
+        config = section.config
+    else:
+        path = Path(section.path)
+        if not path.is_dir():
+            raise RecipeError(
+                f"model.path: {path}: no such directory; fetch the model into it first, e.g. "
+                f"huggingface-cli download ORG/NAME --local-dir {path}"
+            )
+        try:
+            config = read_config(path)
+        except ModelLoadError as error:
+            raise RecipeError(f"model.path: {error}") from None
+    check_device(section.device, "model.device")
+    return config.position_limit
