@@ -44,6 +44,14 @@ def _duration(seconds: float) -> str:
     return f"{seconds}s"
 
 
+def _fit(text: str, width: int) -> str:
+    """`text` cut to `width` columns after its last whole field (fields are two spaces apart)."""
+    if len(text) <= width:
+        return text
+    end = text.rfind("  ", 0, width + 2)
+    return text[:end] if end > 0 else text[:width]
+
+
 class Console:
     def __init__(
         self,
@@ -155,7 +163,7 @@ class Console:
         with self._writing:
             # One column spare: a line that fills the last column leaves some terminals'
             # cursor waiting to wrap.
-            self._shown = self._summary()[: max(self.width() - 1, 1)]
+            self._shown = _fit(self._summary(), max(self.width() - 1, 1))
             self.stream.write("\r\x1b[2K" + self._shown)
             self.stream.flush()
 

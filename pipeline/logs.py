@@ -26,12 +26,14 @@ def setup(level: str = "INFO", handler: logging.Handler | None = None) -> None:
     root = logging.getLogger()
     for old in list(root.handlers):
         root.removeHandler(old)
+    handler.addFilter(_quiet_others)
     root.addHandler(handler)
-    chosen = logging.getLevelName(level.upper())
-    root.setLevel(max(chosen, logging.INFO))
-    for name in OWN_LOGGERS:
-        logging.getLogger(name).setLevel(chosen)
+    root.setLevel(level.upper())
     logging.captureWarnings(True)
+
+
+def _quiet_others(record: logging.LogRecord) -> bool:
+    return record.levelno >= logging.INFO or record.name.partition(".")[0] in OWN_LOGGERS
 
 
 def warn_once(logger: logging.Logger, key: str, message: str, *args: Any) -> None:

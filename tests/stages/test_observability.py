@@ -310,7 +310,7 @@ def test_console_prints_plain_lines_when_not_a_terminal() -> None:
 
 def test_console_on_a_terminal_redraws_a_status_line_under_the_log() -> None:
     out = io.StringIO()
-    console = Console(10, stream=out, live=True, log_every=10)
+    console = Console(10, stream=out, live=True, log_every=10, width=lambda: 200)
     console.record(record(2))
     console.observe({"gate": "down", "queues": {"batches": 1, "generated": 4}})
     handler = ConsoleHandler(console)
@@ -329,6 +329,46 @@ def test_console_on_a_terminal_redraws_a_status_line_under_the_log() -> None:
     assert "\r\x1b[2KWARNING something happened\n\r\x1b[2Kstep 2/10" in text
     # Closing clears the status line for good: a late record prints plainly.
     assert text.endswith("\r\x1b[2KWARNING after the run\n")
+
+
+def test_the_status_line_fits_the_terminal_so_a_redraw_leaves_no_copy() -> None:
+    out = io.StringIO()
+    console = Console(40, stream=out, live=True, log_every=100, width=lambda: 40)
+    for step in range(2, 6):
+        console.record(record(step, **{"throughput/tokens_per_s_per_gpu": 12345.0, "timing/step_s": 0.25}))
+        console.observe({"gate": "serving", "queues": {"batches": 2, "generated": 16, "scored": 8}})
+    drawn = [part for part in out.getvalue().split("\r\x1b[2K") if part]
+    assert drawn and all(len(part) <= 39 and "\n" not in part for part in drawn)
+    assert drawn[-1] == "step 5/40  reward 0.500  loss +0.0100"  # whole fields only
+
+
+def test_the_eta_follows_the_recent_steps_not_the_slow_first_ones() -> None:
+    out = io.StringIO()
+    times = iter([0.0, 30.0, 60.0, *(60.0 + i for i in range(1, 9))])  # two 30 s steps, then 1 s
+    console = Console(20, stream=out, log_every=10, now=lambda: next(times))
+    for step in range(1, 11):
+        console.record(record(step))
+    assert console.eta_s() == 10.0  # ten steps left at one second each
+
+
+def test_debug_logging_is_ours_not_third_party_chatter() -> None:
+    from pipeline.logs import setup
+
+    stream = io.StringIO()
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    try:
+        setup("debug", logging.StreamHandler(stream))
+        logging.getLogger("matplotlib.font_manager").debug("findfont: scoring DejaVu Sans")
+        logging.getLogger("stages.program").debug("building the backend")
+        logging.getLogger("matplotlib").info("a library's info")
+    finally:
+        root.handlers[:] = handlers
+        root.setLevel(level)
+    assert [line.split(" ", 1)[1] for line in stream.getvalue().splitlines()] == [
+        "DEBUG   stages.program: building the backend",
+        "INFO    matplotlib: a library's info",
+    ]
 
 
 def test_warn_once_says_a_repeated_warning_once(caplog: pytest.LogCaptureFixture) -> None:

@@ -1,0 +1,88 @@
+"""`validate` runs every check of `run` that needs no weights, with the same one-line errors."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import pipeline
+from pipeline.errors import RecipeError
+from stages.preflight import preflight
+
+ROOT = Path(__file__).parents[2]
+QUICKSTART = ROOT / "recipes" / "quickstart.yaml"
+GSM8K = ROOT / "recipes" / "gsm8k-qwen2.5-math-1.5b.yaml"
+CPU_BUILD = torch.version.cuda is None
+CPU_TORCH = (
+    f"model.device: 'cuda', but this torch ({torch.__version__}) is a CPU build; "
+    "install a CUDA build of torch, or use cpu"
+)
+
+
+def check(recipe: Path, *overrides: str) -> str:
+    with pytest.raises(RecipeError) as error:
+        preflight(pipeline.load_recipe(recipe, overrides))
+    return str(error.value)
+
+
+def test_a_missing_model_directory_is_named_before_its_files(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)  # the recipe's relative model.path does not exist here
+    assert check(GSM8K) == (
+        "model.path: models/qwen2.5-math-1.5b-instruct: no such directory; fetch the model into it "
+        "first, e.g. huggingface-cli download ORG/NAME --local-dir models/qwen2.5-math-1.5b-instruct"
+    )
+
+
+def test_new_tokens_past_a_learned_position_table_name_the_field() -> None:
+    assert check(QUICKSTART, "rollout.max_new_tokens=30") == (
+        "rollout.max_new_tokens: 30 new tokens after the longest prompt (7 tokens) exceed "
+        "model.config.max_position_embeddings 32 (learned position embeddings); set it to at most 25"
+    )
+    preflight(pipeline.load_recipe(QUICKSTART, ["rollout.max_new_tokens=25"]))  # exactly fits
+
+
+def test_a_reward_that_does_not_import() -> None:
+    assert check(QUICKSTART, "reward.function=no_such_module:score") == (
+        "reward.function: cannot import module 'no_such_module': No module named 'no_such_module'"
+    )
+
+
+def test_a_resume_path_that_is_not_a_checkpoint(tmp_path: Path) -> None:
+    assert check(QUICKSTART, f"checkpoint.resume={tmp_path / 'nope'}") == (
+        f"checkpoint.resume: {tmp_path / 'nope'} is not a committed checkpoint (no COMMITTED file)"
+    )
+
+
+def test_a_data_file_that_does_not_parse(tmp_path: Path) -> None:
+    data = tmp_path / "rows.jsonl"
+    data.write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": \n')
+    source = f"prompts.source={{kind: jsonl, path: {data}}}"
+    assert check(QUICKSTART, source, "eval.every_steps=0") == (
+        f"{data}:2: not valid JSON: Expecting value"
+    )
+
+
+@pytest.mark.skipif(not CPU_BUILD, reason="needs a CPU build of torch")
+def test_cuda_on_a_cpu_build_of_torch() -> None:
+    assert check(QUICKSTART, "model.device=cuda") == CPU_TORCH
+
+
+@pytest.mark.skipif(not CPU_BUILD, reason="needs a CPU build of torch")
+@pytest.mark.parametrize("command", ["validate", "run"])
+def test_validate_and_run_exit_2_with_one_line_for_a_missing_device(tmp_path: Path, command: str) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "pipeline", command, str(QUICKSTART), "model.device=cuda"]
+        + [f"run.dir={tmp_path / 'run'}"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert (result.returncode, result.stdout, result.stderr) == (2, "", f"error: {CPU_TORCH}\n")
+    assert not (tmp_path / "run").exists()
