@@ -63,9 +63,7 @@ def test_a_data_file_that_does_not_parse(tmp_path: Path) -> None:
     data = tmp_path / "rows.jsonl"
     data.write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": \n')
     source = f"prompts.source={{kind: jsonl, path: {data}}}"
-    assert check(QUICKSTART, source, "eval.every_steps=0") == (
-        f"{data}:2: not valid JSON: Expecting value"
-    )
+    assert check(QUICKSTART, source, "eval.every_steps=0") == (f"{data}:2: not valid JSON: Expecting value")
 
 
 @pytest.mark.skipif(not CPU_BUILD, reason="needs a CPU build of torch")
@@ -77,12 +75,19 @@ def test_cuda_on_a_cpu_build_of_torch() -> None:
 @pytest.mark.parametrize("command", ["validate", "run"])
 def test_validate_and_run_exit_2_with_one_line_for_a_missing_device(tmp_path: Path, command: str) -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "pipeline", command, str(QUICKSTART), "model.device=cuda"]
-        + [f"run.dir={tmp_path / 'run'}"],
+        [
+            sys.executable,
+            "-m",
+            "pipeline",
+            command,
+            str(QUICKSTART),
+            "model.device=cuda",
+            f"run.dir={tmp_path}/r",
+        ],
         cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=120,
     )
     assert (result.returncode, result.stdout, result.stderr) == (2, "", f"error: {CPU_TORCH}\n")
-    assert not (tmp_path / "run").exists()
+    assert not (tmp_path / "r").exists()
