@@ -41,6 +41,9 @@ async def run(recipe: Recipe, **options: Any) -> RunSummary:
     """
     import anyio
 
+    from pipeline.startup import start_up
+
     # The stages' modules are imported off the event loop: the host keeps its turns.
-    program = await anyio.to_thread.run_sync(importlib.import_module, "stages.program")
+    with start_up():
+        program = await anyio.to_thread.run_sync(importlib.import_module, "stages.program")
     return await program.run_program(recipe, **options)

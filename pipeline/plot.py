@@ -6,6 +6,8 @@ Needs matplotlib (`pip install matplotlib`).
 
 from __future__ import annotations
 
+import os
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -125,6 +127,28 @@ def write_report(run_dirs: Sequence[Path], out: Path) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(out, dpi=90)
     return out
+
+
+async def draw_apart(run_dir: Path) -> str | None:
+    """Write `run_dir/report.png` from a child process (`python -m pipeline plot`); None when
+    it did, else the child's error line.
+
+    Apart, because matplotlib's first import and its drawing hold the GIL for 50-90 ms at a
+    time: from a thread they would take that from the event loop of the process that trained.
+    """
+    import anyio
+
+    here = str(Path(__file__).resolve().parents[1])  # the child imports this very package
+    path = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)
+    done = await anyio.run_process(
+        [sys.executable, "-m", "pipeline", "plot", str(run_dir), "--log-level", "error"],
+        check=False,
+        env={**os.environ, "PYTHONPATH": path},
+    )
+    if done.returncode == 0:
+        return None
+    lines = done.stderr.decode(errors="replace").strip().splitlines()
+    return lines[-1].removeprefix("error: ") if lines else f"exit code {done.returncode}"
 
 
 def _stack_step_parts(ax: Any, steps: list[dict[str, Any]], colours: list[str]) -> None:

@@ -21,11 +21,12 @@ from pipeline.gate import EngineGate
 from pipeline.logs import reset_warnings
 from pipeline.messages import Batch, Dropped, Group
 from pipeline.metrics import EVAL_FILE, STEPS_FILE, MetricsLog, finite, read
-from pipeline.plot import write_report
+from pipeline.plot import draw_apart
 from pipeline.protocols import Engine, Trainer
 from pipeline.recipe import dump
 from pipeline.runner import StopRequest, first_error, run_stages
 from pipeline.sinks import open_sinks
+from pipeline.startup import start_up
 from pipeline.tickets import TicketBox
 from pipeline.trace import Trace
 from pipeline.watchdog import Watchdog
@@ -46,7 +47,7 @@ from stages.checkpoint import (
 from stages.evaluation import Evaluation
 from stages.faults import FaultyEngine
 from stages.gates import Verdict, give_verdict
-from stages.preflight import preflight
+from stages.preflight import Checked, preflight
 from stages.progress import Progress
 from stages.prompts import PromptSet
 from stages.recipe import Recipe
@@ -93,20 +94,22 @@ async def run_program(
     # Nothing is written to run.dir until the checkpoint, the data and the model have loaded.
     lock = RunDirLock(run_dir)
     lock.check_free()
-    resumed = await anyio.to_thread.run_sync(open_resume, run_dir, recipe.checkpoint.resume)
-    if resumed is not None:
-        saved = with_defaults(resumed.recipe, type(recipe))
-        check_compatible(saved, msgspec.to_builtins(recipe), resumed.path)
-        check_steps_left(recipe.run.steps, resumed.state, resumed.path)
     seed = recipe.run.seed
     random.seed(seed)
     built = engine is None or trainer is None  # then the backend's threads are ours to close
-    # Start-up work (reading data, importing torch, building the model) runs off the event
-    # loop, so a host application embedding the pipeline keeps its turns.
-    checked = await anyio.to_thread.run_sync(lambda: preflight(recipe, model=built, resume=False))
+    # Start-up work (reading the checkpoint and data, importing torch, building the model) runs
+    # off the event loop, so a host application embedding the pipeline keeps its turns; and
+    # without the garbage collector's full passes, which hold the GIL 100-300 ms each.
+    with start_up():
+        resumed = await anyio.to_thread.run_sync(open_resume, run_dir, recipe.checkpoint.resume)
+        if resumed is not None:
+            saved = with_defaults(resumed.recipe, type(recipe))
+            check_compatible(saved, msgspec.to_builtins(recipe), resumed.path)
+            check_steps_left(recipe.run.steps, resumed.state, resumed.path)
+        checked, backend = await anyio.to_thread.run_sync(_start, recipe, built)
     prompts, reward_fn = checked.prompts, checked.reward_fn
-    if built:
-        engine, trainer = await anyio.to_thread.run_sync(_build_backend, recipe, prompts.tokenizer)
+    if backend is not None:
+        engine, trainer = backend
     assert engine is not None and trainer is not None
     try:
         lock.acquire()
@@ -395,10 +398,9 @@ async def _run_locked(
         with anyio.CancelScope(shield=True):
             await anyio.to_thread.run_sync(lambda: _close_all(steps, failing=failing))
     if recipe.run.plot:
-        try:
-            await anyio.to_thread.run_sync(write_report, [run_dir], run_dir / "report.png")
-        except PipelineError as error:  # the run is done and saved: a missing plot is not a failure
-            log.warning("run.plot: no report.png: %s", error)
+        problem = await draw_apart(run_dir)
+        if problem:  # the run is done and saved: a missing plot is not a failure
+            log.warning("run.plot: no report.png: %s", problem)
     verdict = await anyio.to_thread.run_sync(give_verdict, run_dir, recipe.gates, recipe.run.steps)
     return RunSummary(
         run_dir=str(run_dir),
@@ -459,12 +461,17 @@ def _both(*hooks: Callable[[dict[str, Any]], None] | None) -> Callable[[dict[str
     return call
 
 
-def _build_backend(recipe: Recipe, tokenizer: Any) -> tuple[Engine, Trainer]:
+def _start(recipe: Recipe, build: bool) -> tuple[Checked, tuple[Engine, Trainer] | None]:
+    """The recipe's checks, then (with `build`) the torch backend; on a worker thread."""
+    checked = preflight(recipe, model=build, resume=False)  # open_resume read it whole
+    if not build:
+        return checked, None
     from backends.torch.build import build_backend
     from backends.torch.errors import ModelLoadError
 
+    tokenizer = checked.prompts.tokenizer
     try:
-        return build_backend(recipe, vocab_size=tokenizer.vocab_size, stop_ids=tokenizer.stop_ids)
+        return checked, build_backend(recipe, vocab_size=tokenizer.vocab_size, stop_ids=tokenizer.stop_ids)
     except ModelLoadError as error:  # a missing file or an unsupported model: the user's to fix
         raise RecipeError(f"model.path: {error}") from None
 
