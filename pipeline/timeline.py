@@ -29,6 +29,10 @@ _COLOURS = {
 }
 
 
+# A label's width per character, as a fraction of the window: 6-point text on a 14-inch axis.
+_CHAR_WIDTH = 1 / 330
+
+
 def _colour(name: str) -> str:
     return _COLOURS.get(name.split()[0], "#bbbbbb")
 
@@ -71,8 +75,11 @@ def write_timeline(run_dir: Path, out: Path, *, first: int | None = None, last: 
     family = {tid: re.sub(r" \d+$", "", name) for tid, name in names.items()}
     rows = list(dict.fromkeys(family.get(t, str(t)) for t in sorted({s["tid"] for s in shown})))
     row = {tid: rows.index(family.get(tid, str(tid))) for tid in {s["tid"] for s in shown}}
-    figure = new_figure(14, 0.6 * len(rows) + 1.5)
+    figure = new_figure(14, 0.6 * len(rows) + 2)
     ax = figure.subplots()
+    from matplotlib.patches import Patch
+
+    kinds: dict[str, None] = {}  # the span kinds drawn, in order, for the legend
     for span in shown:
         left = (max(span["ts"], start) - start) / 1e3
         width = (min(span["ts"] + span["dur"], end) - max(span["ts"], start)) / 1e3
@@ -84,14 +91,30 @@ def write_timeline(run_dir: Path, out: Path, *, first: int | None = None, last: 
             edgecolors="#555555",
             linewidth=0.3,
         )
+        kinds.setdefault(span["name"].split()[0], None)
         first_lane = names.get(span["tid"], "") in (rows[row[span["tid"]]], f"{rows[row[span['tid']]]} 0")
-        if first_lane and width > (end - start) / 1e3 / 40:
-            label = (
-                span["name"].split()[0] if span["name"].startswith(("generate", "score")) else span["name"]
-            )
+        label = span["name"].split()[0] if span["name"].startswith(("generate", "score")) else span["name"]
+        # A step's label sits above its transitions' (which cover the step's middle); any label
+        # only where its bar has room for it, so none overlaps another or runs off the axes.
+        on_top = span["name"].startswith("step ")
+        if first_lane and len(label) * _CHAR_WIDTH * (end - start) / 1e3 < width * 0.9:
             ax.text(
-                left + width / 2, row[span["tid"]], label, ha="center", va="center", fontsize=6, clip_on=True
+                left + width / 2,
+                row[span["tid"]] - (0.3 if on_top else 0),
+                label,
+                ha="center",
+                va="center",
+                fontsize=6,
+                clip_on=True,
             )
+    ax.legend(
+        handles=[Patch(facecolor=_colour(kind), edgecolor="#555555", label=kind) for kind in kinds],
+        loc="upper center",
+        bbox_to_anchor=(0.5, -0.22),
+        ncol=min(len(kinds), 8),
+        fontsize=7,
+        frameon=False,
+    )
     ax.set_yticks(range(len(rows)), rows)
     ax.invert_yaxis()
     ax.set_xlim(0, (end - start) / 1e3)

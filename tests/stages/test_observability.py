@@ -443,3 +443,17 @@ def test_on_resume_the_sinks_drop_what_the_interrupted_run_logged_later(
         ("run", False),
         ("run-from-2", True),
     ]
+
+
+def test_quiet_silences_wandb(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.delenv("WANDB_SILENT", raising=False)
+    args = ["run", "recipes/quickstart.yaml", "--quiet", f"run.dir={tmp_path / 'run'}", "run.steps=1"]
+    args += ["eval.every_steps=0", "run.plot=false", "prompts.prompts_per_step=2", "wandb.enabled=true"]
+    result = subprocess.run(
+        [sys.executable, "-m", "pipeline", *args], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    assert "wandb:" not in result.stdout + result.stderr  # its lines start so
+    assert list((tmp_path / "run" / "wandb").glob("offline-run-*"))  # it did log
