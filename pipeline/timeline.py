@@ -75,7 +75,7 @@ def write_timeline(run_dir: Path, out: Path, *, first: int | None = None, last: 
     family = {tid: re.sub(r" \d+$", "", name) for tid, name in names.items()}
     rows = list(dict.fromkeys(family.get(t, str(t)) for t in sorted({s["tid"] for s in shown})))
     row = {tid: rows.index(family.get(tid, str(tid))) for tid in {s["tid"] for s in shown}}
-    figure = new_figure(14, 0.6 * len(rows) + 2)
+    figure = new_figure(14, 0.6 * len(rows) + 1.8)
     ax = figure.subplots()
     from matplotlib.patches import Patch
 
@@ -111,7 +111,7 @@ def write_timeline(run_dir: Path, out: Path, *, first: int | None = None, last: 
         handles=[Patch(facecolor=_colour(kind), edgecolor="#555555", label=kind) for kind in kinds],
         loc="upper center",
         bbox_to_anchor=(0.5, -0.22),
-        ncol=min(len(kinds), 8),
+        ncol=len(kinds),
         fontsize=7,
         frameon=False,
     )
