@@ -86,7 +86,7 @@ def load_run(run_dir: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]
     return read(steps_file), read(evals_file) if evals_file.is_file() else []
 
 
-def _on_gpu(run_dir: Path) -> bool:
+def on_gpu(run_dir: Path) -> bool:
     """Whether the run's resolved recipe put the model on a GPU."""
     import yaml
 
@@ -97,7 +97,7 @@ def _on_gpu(run_dir: Path) -> bool:
     return str((recipe.get("model") or {}).get("device", "cpu")).startswith("cuda")
 
 
-def _headline(name: str, steps: list[dict[str, Any]], evals: list[dict[str, Any]]) -> str:
+def headline(name: str, steps: list[dict[str, Any]], evals: list[dict[str, Any]]) -> str:
     """One line about a run: how many steps, how long, the final rewards."""
     seconds = sum(r.get("timing/step_s", 0.0) for r in steps) + sum(
         r.get("timing/eval_s", 0.0) for r in evals
@@ -117,7 +117,7 @@ def _duration(seconds: float) -> str:
     return f"{minutes:.1f} min" if minutes < 120 else f"{minutes / 60:.1f} h"
 
 
-def _steady_top(steps: list[dict[str, Any]]) -> float | None:
+def steady_top(steps: list[dict[str, Any]]) -> float | None:
     """An upper limit for seconds per step that shows the steady state: the slow first steps
     (start-up, the first compiles) and rare spikes run off the top instead of flattening it."""
     values = sorted(r["timing/step_s"] for r in steps[len(steps) // 10 :] if "timing/step_s" in r)
@@ -159,8 +159,8 @@ def write_report(run_dirs: Sequence[Path], out: Path) -> Path:
         _line(lag, steps, "rollout/mean_lag", smooth=False, label=f"{prefix}mean", **style)
         _line(lag, steps, "rollout/max_lag", ":", smooth=False, label=f"{prefix}max", **style)
         _line(throughput, steps, "throughput/tokens_per_s_per_gpu", label=name, **style)
-        tops.append(_steady_top(steps))
-    per_gpu = " per GPU" if any(_on_gpu(run_dir) for run_dir, _, _ in runs) else ""
+        tops.append(steady_top(steps))
+    per_gpu = " per GPU" if any(on_gpu(run_dir) for run_dir, _, _ in runs) else ""
     for ax, title in (
         (reward, "reward (1 = every answer right)"),
         (loss, "training loss (GRPO's clipped objective)"),
@@ -184,7 +184,7 @@ def write_report(run_dirs: Sequence[Path], out: Path) -> Path:
         )
     figure.suptitle(
         "\n".join(
-            _headline(run_dir.resolve().name if single else str(run_dir), steps, evals)
+            headline(run_dir.resolve().name if single else str(run_dir), steps, evals)
             for run_dir, steps, evals in runs
         ),
         fontsize=12,

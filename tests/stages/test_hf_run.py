@@ -94,7 +94,7 @@ def test_export_refuses_a_directory_with_a_model(tiny_qwen2_run, tmp_path: Path)
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(RecipeError) as raised:
         export(_checkpoint(run_dir), tmp_path)
-    assert str(raised.value) == f"{tmp_path}: already holds config.json; export into a new directory"
+    assert str(raised.value) == f"{tmp_path}: not an empty directory; export into a new or empty one"
 
 
 def test_generate_from_a_directory_that_is_no_model(tmp_path: Path) -> None:
@@ -121,7 +121,7 @@ def test_run_with_missing_model_directory_is_a_recipe_error(tiny_qwen2_run, tmp_
                 ],
             ),
         )
-    assert str(raised.value) == (
-        f"model.path: {missing / 'tokenizer.json'} not found: the model's tokenizer is needed to "
-        "tokenize prompts (copy tokenizer.json and tokenizer_config.json next to config.json)"
+    assert str(raised.value) == (  # the directory, not a file in it
+        f"model.path: {missing}: no such directory; fetch the model into it first, e.g. "
+        f"huggingface-cli download ORG/NAME --local-dir {missing}"
     )
