@@ -98,8 +98,9 @@ def test_validate_missing_file_and_bad_override(tmp_path: Path) -> None:
     )
 
 
-def test_validate_good_recipe_exits_0() -> None:
-    result = cli("validate", str(QUICKSTART))
+def test_validate_good_recipe_exits_0(tmp_path: Path) -> None:
+    # Its own run.dir: validate, like run, refuses the recipe once runs/quickstart has finished.
+    result = cli("validate", str(QUICKSTART), f"run.dir={tmp_path / 'run'}")
     assert result.returncode == 0, result.stderr
     assert result.stdout == f"{QUICKSTART}: ok\n"
 

@@ -385,7 +385,7 @@ def test_warn_once_says_a_repeated_warning_once(caplog: pytest.LogCaptureFixture
 
 def test_log_level_flag_filters_records(tmp_path: Path) -> None:
     path = tmp_path / "r.yaml"
-    path.write_text("run:\n  steps: 1\n")
+    path.write_text(f"run:\n  steps: 1\n  dir: {tmp_path / 'run'}\n")
     quiet = cli("validate", str(path), "--log-level", "error")
     assert quiet.returncode == 0 and quiet.stderr == ""
     bad = cli("validate", str(path), "--log-level", "loud")

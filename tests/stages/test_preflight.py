@@ -23,16 +23,20 @@ CPU_TORCH = (
 )
 
 
+@pytest.fixture(autouse=True)
+def elsewhere(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Relative paths (the recipes' run.dir, gsm8k's model.path) resolve in an empty folder, so
+    a finished runs/quickstart in the checkout does not change what is checked."""
+    monkeypatch.chdir(tmp_path)
+
+
 def check(recipe: Path, *overrides: str) -> str:
     with pytest.raises(RecipeError) as error:
         preflight(pipeline.load_recipe(recipe, overrides))
     return str(error.value)
 
 
-def test_a_missing_model_directory_is_named_before_its_files(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.chdir(tmp_path)  # the recipe's relative model.path does not exist here
+def test_a_missing_model_directory_is_named_before_its_files() -> None:
     assert check(GSM8K) == (
         "model.path: models/qwen2.5-math-1.5b-instruct: no such directory; fetch the model into it "
         "first, e.g. huggingface-cli download ORG/NAME --local-dir models/qwen2.5-math-1.5b-instruct"
