@@ -1,11 +1,15 @@
 """How torch's native runtime comes up in this process: `load()` before the first `import torch`
 (the pipeline calls it on a worker thread, first thing).
 
-- OpenMP's wait policy. libgomp, which torch's CPU build uses, lets a thread that finished its
-  share of a parallel region spin for the next one. Beside another busy process that spinning
-  takes the cores the working threads need: the quickstart next to one CPU-bound process took
-  109 s and 103 s of user CPU instead of 23 s. `PASSIVE` makes waiting threads sleep. libgomp
-  reads the variable once, when torch loads it, so `load` sets it first (unless the user did).
+- How long OpenMP's waiting threads spin. libgomp, which torch's CPU build uses, lets a thread
+  that finished its share of a parallel region spin for the next one (300,000 rounds by
+  default) before it sleeps. Beside another busy process that spinning takes the cores the
+  working threads need: the quickstart next to one CPU-bound process took 109 s and 103 s of
+  user CPU instead of 23 s. `GOMP_SPINCOUNT=1000` spins briefly, then sleeps: 36 s beside the
+  same process, and alone within a few percent of the default's wall time with less CPU.
+  (`OMP_WAIT_POLICY=PASSIVE`, no spinning at all, made the quickstart alone 1.6x slower: a
+  futex round trip for each of its many small parallel regions.) libgomp reads it once, when
+  torch loads it, so `load` sets it first, unless the user set either variable.
 - Loading libtorch without the GIL. Its static initialisers run inside `dlopen` (1-1.5 s
   here), and Python holds the GIL through an extension module's `dlopen`, so even an import on a
   worker thread froze the event loop for that long. The libraries are opened first through a
@@ -23,12 +27,13 @@ from pathlib import Path
 
 
 def load() -> None:
-    """Set OpenMP's wait policy, open libtorch without holding the GIL, then import torch.
+    """Set how long OpenMP's threads spin, open libtorch without the GIL, then import torch.
 
     With torch already imported (by the host application, or an earlier call) it does nothing."""
     if "torch" in sys.modules:
         return
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    if "OMP_WAIT_POLICY" not in os.environ:
+        os.environ.setdefault("GOMP_SPINCOUNT", "1000")
     if sys.platform.startswith("linux"):
         _open_libraries()
     import torch  # noqa: F401
