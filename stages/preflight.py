@@ -17,7 +17,14 @@ import msgspec
 import yaml
 
 from pipeline.errors import RecipeError
-from stages.checkpoint import MARKER, PipelineState, check_compatible, check_steps_left, committed
+from stages.checkpoint import (
+    MARKER,
+    PipelineState,
+    check_compatible,
+    check_steps_left,
+    committed,
+    with_defaults,
+)
 from stages.prompts import PromptSet, build_prompts
 from stages.recipe import Recipe
 from stages.reward import RewardFn, resolve
@@ -66,7 +73,7 @@ def _check_resume(recipe: Recipe) -> None:
         state = msgspec.msgpack.decode((path / "state.msgpack").read_bytes(), type=PipelineState)
     except (OSError, msgspec.DecodeError, yaml.YAMLError):
         return  # a damaged checkpoint: the run reports it and resumes from the one before
-    check_compatible(saved, msgspec.to_builtins(recipe), path)
+    check_compatible(with_defaults(saved, type(recipe)), msgspec.to_builtins(recipe), path)
     check_steps_left(recipe.run.steps, state, path)
 
 
