@@ -111,6 +111,7 @@ class EngineGate:
         """Run one train step in the capability-driven order; returns its result and timings."""
         self._timings = {}
         if self.engine.blocks_training:
+            completed = False
             try:
                 # Inside the try: a stand-down that fails or is cancelled still resumes the
                 # clock and reopens the gate.
@@ -119,8 +120,11 @@ class EngineGate:
                 self.engine_version += 1
                 if save is not None:
                     await self._timed("save", save)
+                completed = True
             finally:
-                await self._wake()
+                # After a failed step the trainer published nothing new: checking the weights
+                # would only hide the step's own error behind a mismatch.
+                await self._wake(check=completed)
         else:
             result = await self._timed("train", train)
             await self._timed("refit", self.engine.refit)
@@ -146,13 +150,14 @@ class EngineGate:
         self._record("stand_down", start)
         self._set_state(GateState.DOWN)
 
-    async def _wake(self) -> None:
+    async def _wake(self, *, check: bool) -> None:
         self._set_state(GateState.WAKING)
         try:
             if not self.engine.wake_carries_weights:
                 await self._timed("refit", self.engine.refit)
             await self._timed("wake", self.engine.wake)
-            self._check_weights("wake", self.engine_version)
+            if check:
+                self._check_weights("wake", self.engine_version)
         finally:
             self.clock.resume()
             self._set_state(GateState.SERVING)

@@ -5,8 +5,9 @@ That work allocates hundreds of thousands of objects that live as long as the pr
 the garbage collector's full passes over them hold the GIL, so the loop, for 100-300 ms each
 (five of them in a quickstart's first five seconds on a 2-core machine), from whichever thread
 triggers them. Inside `start_up` the collector is paused; at its end what exists is frozen
-(`gc.freeze`: later passes skip it) and collection resumes. The cost: cyclic garbage made
-before then is never reclaimed; start-up makes little.
+(`gc.freeze`: later passes skip it) and collection resumes. `thaw` at the run's end hands
+what was frozen back to the collector, so a host that runs pipelines one after another gets
+each run's backend (its model, optimizer and caches, held in reference cycles) reclaimed.
 """
 
 from __future__ import annotations
@@ -26,3 +27,8 @@ def start_up() -> Iterator[None]:
         gc.freeze()
         if enabled:
             gc.enable()
+
+
+def thaw() -> None:
+    """At a run's end: what `start_up` froze can be collected again."""
+    gc.unfreeze()

@@ -26,7 +26,7 @@ from pipeline.protocols import Engine, Trainer
 from pipeline.recipe import dump
 from pipeline.runner import StopRequest, first_error, run_stages
 from pipeline.sinks import open_sinks
-from pipeline.startup import start_up
+from pipeline.startup import start_up, thaw
 from pipeline.tickets import TicketBox
 from pipeline.trace import Trace
 from pipeline.watchdog import Watchdog
@@ -89,6 +89,34 @@ async def run_program(
     `echo` is called with each train step's metrics record, `on_eval` with each evaluation's
     (step 0: before training); `console` shows the run.
     """
+    try:
+        return await _run_program(
+            recipe,
+            engine=engine,
+            trainer=trainer,
+            time_source=time_source,
+            stop=stop,
+            echo=echo,
+            on_eval=on_eval,
+            console=console,
+            checkpoint_hook=checkpoint_hook,
+        )
+    finally:
+        thaw()  # start-up froze what it built: this run's backend can be reclaimed now
+
+
+async def _run_program(
+    recipe: Recipe,
+    *,
+    engine: Engine | None = None,
+    trainer: Trainer | None = None,
+    time_source: TimeSource | None = None,
+    stop: StopRequest | None = None,
+    echo: Callable[[dict[str, Any]], None] | None = None,
+    on_eval: Callable[[dict[str, Any]], None] | None = None,
+    console: Console | None = None,
+    checkpoint_hook: Callable[[str], None] | None = None,
+) -> RunSummary:
     reset_warnings()
     run_dir = Path(recipe.run.dir)
     # Nothing is written to run.dir until the checkpoint, the data and the model have loaded.
@@ -119,9 +147,7 @@ async def run_program(
             )
     except BaseException:
         lock.release()
-        if built:
-            for part in (engine, trainer):
-                getattr(part, "close", lambda: None)()
+        _close(engine, trainer, built)
         raise
     try:
         return await _run_locked(
@@ -140,8 +166,18 @@ async def run_program(
             console=console,
             checkpoint_hook=checkpoint_hook,
         )
+    except BaseException:
+        _close(engine, trainer, built)  # also where the run failed before its own clean-up began
+        raise
     finally:
         lock.release()
+
+
+def _close(engine: Any, trainer: Any, built: bool) -> None:
+    """Stop the threads of a backend this run built (closing twice is harmless)."""
+    if built:
+        for part in (engine, trainer):
+            getattr(part, "close", lambda: None)()
 
 
 async def _run_locked(
@@ -195,7 +231,7 @@ async def _run_locked(
         version=version,
         # On the train track, so the transitions nest inside their step's span.
         on_transition=lambda name, start, end: trace.span(name, start, end, track="train"),
-        checks=trainer if recipe.async_rl.handoff_checks else None,
+        checks=trainer if recipe.async_rl.handoff_checks and _fingerprints(backend_engine, trainer) else None,
     )
     lookahead = recipe.async_rl.max_lookahead_versions
     tickets = TicketBox(lookahead, first_batch=first_batch)
@@ -488,10 +524,19 @@ def _torch_writer(state: Any) -> Callable[[Path], None]:
     return write
 
 
+def _fingerprints(engine: Any, trainer: Any) -> bool:
+    """Whether both sides take weight fingerprints (an engine or trainer passed in by an
+    embedding application may predate `fingerprint` in the protocols: its run goes unchecked)."""
+    return all(callable(getattr(part, "fingerprint", None)) for part in (engine, trainer))
+
+
 def _load_backend_state(resumed: Resumed, trainer: Any, engine: Any) -> None:
-    trainer.load_state(resumed.trainer)
-    if resumed.engine is not None and hasattr(engine, "load_state"):
-        engine.load_state(resumed.engine)
+    """Load the checkpoint's states into the backend and let go of them (on a GPU run they are
+    device tensors as large as the model and its optimizer)."""
+    trainer.load_state(resumed.states.pop("trainer.pt"))
+    engine_state = resumed.states.pop("engine.pt", None)
+    if engine_state is not None and hasattr(engine, "load_state"):
+        engine.load_state(engine_state)
 
 
 def _newest(run_dir: Path) -> Path | None:

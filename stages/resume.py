@@ -37,8 +37,9 @@ class Resumed(msgspec.Struct, kw_only=True, frozen=True):
     path: Path
     state: PipelineState
     recipe: dict[str, Any]
-    trainer: Any  # the trainer's and the engine's states, as torch.load returned them
-    engine: Any = None
+    # The trainer's and the engine's states ("trainer.pt", "engine.pt"), as torch.load returned
+    # them; taken out (popped) when loaded into the backend, so they are not held for the run.
+    states: dict[str, Any]
     load_s: float = 0.0  # reading and verifying it (torch's import not included)
     damaged: tuple[Path, ...] = ()  # newer committed checkpoints that did not load
 
@@ -116,8 +117,7 @@ def _load(path: Path) -> Resumed:
         path=path,
         state=state,
         recipe=recipe,
-        trainer=loaded["trainer.pt"],
-        engine=loaded.get("engine.pt"),
+        states=loaded,
         load_s=time.perf_counter() - start,
     )
 

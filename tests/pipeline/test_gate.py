@@ -296,3 +296,22 @@ async def test_handoff_check_stops_an_engine_that_keeps_memory_after_standing_do
         await gate.step(recorder([], "train"))
     assert str(raised.value) == "the engine still holds 4096 bytes after standing down (expected 0)"
     assert gate.state is GateState.SERVING and not engine.down
+
+
+async def test_a_failed_train_step_is_not_hidden_behind_a_handoff_mismatch() -> None:
+    """A step whose training raised published nothing new: the wake after it skips the weight
+    check, so the training error is the one that surfaces."""
+    from pipeline.testing import FakeTrainer
+
+    fake = FakeTime()
+    engine = FakeEngine(time=fake)
+    trainer = FakeTrainer()
+    trainer.published, engine.served = {"w": 1}, {"w": 2}  # as a half-applied update leaves them
+    gate = EngineGate(engine, DeadlineClock(source=fake), checks=trainer)
+
+    async def failing() -> None:
+        raise RuntimeError("CUDA out of memory")
+
+    with pytest.raises(RuntimeError, match="CUDA out of memory"):
+        await gate.step(failing)
+    assert gate.state is GateState.SERVING and not engine.down

@@ -118,3 +118,25 @@ def _quickstart_model():
 
     recipe = pipeline.load_recipe("recipes/quickstart.yaml")
     return build_model(recipe.model, vocab_size=16, seed=0)
+
+
+def test_a_finished_runs_model_is_reclaimed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Start-up freezes what it builds (`pipeline.startup`); the run's end thaws it, so a host
+    running pipelines one after another gets each run's model back."""
+    import gc
+    import weakref
+
+    from backends.torch import build
+
+    models: list[weakref.ref] = []
+    real = build.build_model
+
+    def recording(*args, **kwargs):
+        model = real(*args, **kwargs)
+        models.append(weakref.ref(model))
+        return model
+
+    monkeypatch.setattr(build, "build_model", recording)
+    _run(tmp_path, "run.steps=1", "eval.every_steps=0")
+    gc.collect()
+    assert len(models) == 1 and models[0]() is None
