@@ -1,14 +1,16 @@
 """Held-out evaluation: greedy generation on prompts never trained on, scored by the reward.
 
 Generation is retried as rollout's is (`rollout.max_retries` attempts under `generation_s`);
-the scoring runs under `reward.reward_s` of wall time. When a prompt's attempts run out or the
-scoring times out, that evaluation is skipped (`EvaluationSkipped`, reported by the train
-stage, which goes on training); an engine error that is not retryable is a bug and fails the
-run.
+the scoring runs under `reward.reward_s` of wall time for each `rollout.samples_per_prompt`
+held-out answers (one training group's budget per group's worth of answers). When a prompt's
+attempts run out or the scoring times out, that evaluation is skipped (`EvaluationSkipped`,
+reported by the train stage, which goes on training); an engine error that is not retryable is
+a bug and fails the run.
 """
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Callable, Sequence
 from statistics import fmean
@@ -52,7 +54,8 @@ class Evaluation:
         self.fn = fn
         self.decode = decode
         self.rollout = rollout
-        self.reward_s = reward_s
+        # One training group's budget for each group's worth of held-out answers.
+        self.scoring_s = reward_s * math.ceil(len(self.prompts) / rollout.samples_per_prompt)
         self.clock = clock
         self.counts: Counter[str] = Counter()  # retries, timeouts, engine_errors, skipped
 
@@ -86,11 +89,12 @@ class Evaluation:
             self.counts["skipped"] += 1
             raise EvaluationSkipped(f"generation for {failures[0]}")
         try:
-            with self.clock.fail_after(self.reward_s, "evaluation scoring", suspendable=False):
+            with self.clock.fail_after(self.scoring_s, "evaluation scoring", suspendable=False):
                 scored = await score_all(self.fn, list(zip(self.prompts, texts, strict=True)))
         except DeadlineExceeded as error:
             self.counts["skipped"] += 1
-            raise EvaluationSkipped(f"{error} (reward.reward_s)") from None
+            per = self.rollout.samples_per_prompt
+            raise EvaluationSkipped(f"{error} (reward.reward_s for each {per} answers)") from None
         # A reward that fails on a held-out answer scores it 0 rather than hiding the prompt.
         records = [result if isinstance(result, dict) else {"reward": 0.0} for result in scored]
         keys = sorted({key for r in records for key in r})

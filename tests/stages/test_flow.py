@@ -562,6 +562,6 @@ async def test_an_evaluation_whose_scoring_hangs_is_skipped_at_its_deadline(
     skipped = [r.getMessage() for r in caplog.records if "skipped" in r.getMessage()]
     assert skipped == [
         f"evaluation at step {step} skipped: evaluation scoring exceeded its deadline of 30 s "
-        "(reward.reward_s)"
+        "(reward.reward_s for each 2 answers)"
         for step in (0, 2)
     ]
