@@ -5,16 +5,21 @@ That work allocates hundreds of thousands of objects that live as long as the pr
 the garbage collector's full passes over them hold the GIL, so the loop, for 100-300 ms each
 (five of them in a quickstart's first five seconds on a 2-core machine), from whichever thread
 triggers them. Inside `start_up` the collector is paused; at its end what exists is frozen
-(`gc.freeze`: later passes skip it) and collection resumes. `thaw` at the run's end hands
+(`gc.freeze`: later passes skip it) and collection resumes. `thaws_after` (on the run) hands
 what was frozen back to the collector, so a host that runs pipelines one after another gets
 each run's backend (its model, optimizer and caches, held in reference cycles) reclaimed.
 """
 
 from __future__ import annotations
 
+import functools
 import gc
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
+from typing import ParamSpec, TypeVar
+
+P = ParamSpec("P")
+T = TypeVar("T")
 
 
 @contextmanager
@@ -29,6 +34,14 @@ def start_up() -> Iterator[None]:
             gc.enable()
 
 
-def thaw() -> None:
-    """At a run's end: what `start_up` froze can be collected again."""
-    gc.unfreeze()
+def thaws_after(run: Callable[P, Awaitable[T]]) -> Callable[P, Awaitable[T]]:
+    """``run``, after which (however it ends) what `start_up` froze can be collected again."""
+
+    @functools.wraps(run)
+    async def thawing(*args: P.args, **kwargs: P.kwargs) -> T:
+        try:
+            return await run(*args, **kwargs)
+        finally:
+            gc.unfreeze()
+
+    return thawing

@@ -26,7 +26,7 @@ from pipeline.protocols import Engine, Trainer
 from pipeline.recipe import dump
 from pipeline.runner import StopRequest, first_error, run_stages
 from pipeline.sinks import open_sinks
-from pipeline.startup import start_up, thaw
+from pipeline.startup import start_up, thaws_after
 from pipeline.tickets import TicketBox
 from pipeline.trace import Trace
 from pipeline.watchdog import Watchdog
@@ -72,6 +72,7 @@ class RunSummary(msgspec.Struct, frozen=True, kw_only=True):
     verdict: Verdict  # each gate's value and result, as in run_dir/gates.json
 
 
+@thaws_after  # start-up froze what it built: the run's backend is reclaimed once it ends
 async def run_program(
     recipe: Recipe,
     *,
@@ -89,34 +90,6 @@ async def run_program(
     `echo` is called with each train step's metrics record, `on_eval` with each evaluation's
     (step 0: before training); `console` shows the run.
     """
-    try:
-        return await _run_program(
-            recipe,
-            engine=engine,
-            trainer=trainer,
-            time_source=time_source,
-            stop=stop,
-            echo=echo,
-            on_eval=on_eval,
-            console=console,
-            checkpoint_hook=checkpoint_hook,
-        )
-    finally:
-        thaw()  # start-up froze what it built: this run's backend can be reclaimed now
-
-
-async def _run_program(
-    recipe: Recipe,
-    *,
-    engine: Engine | None = None,
-    trainer: Trainer | None = None,
-    time_source: TimeSource | None = None,
-    stop: StopRequest | None = None,
-    echo: Callable[[dict[str, Any]], None] | None = None,
-    on_eval: Callable[[dict[str, Any]], None] | None = None,
-    console: Console | None = None,
-    checkpoint_hook: Callable[[str], None] | None = None,
-) -> RunSummary:
     reset_warnings()
     run_dir = Path(recipe.run.dir)
     # Nothing is written to run.dir until the checkpoint, the data and the model have loaded.
@@ -400,9 +373,7 @@ async def _run_locked(
         )
 
     def close_backend() -> None:
-        if built:
-            for part in (backend_engine, trainer):
-                getattr(part, "close", lambda: None)()
+        _close(backend_engine, trainer, built)
 
     failing = False
     try:

@@ -61,14 +61,14 @@ class Fingerprinter:
 
     def __init__(self, probes: Sequence[Probe]) -> None:
         self.probes = list(probes)
+        self._by_dtype: dict[torch.dtype, list[Probe]] = {}
+        for probe in self.probes:
+            self._by_dtype.setdefault(probe.base.dtype, []).append(probe)
         self._tables: dict[torch.dtype, tuple[tuple[int, ...], list[str], Tensor, Tensor]] = {}
 
     def __call__(self) -> dict[str, int]:
         out: dict[str, int] = {}
-        by_dtype: dict[torch.dtype, list[Probe]] = {}
-        for probe in self.probes:
-            by_dtype.setdefault(probe.base.dtype, []).append(probe)
-        for dtype, probes in by_dtype.items():
+        for dtype, probes in self._by_dtype.items():
             device = probes[0].base.device
             if device.type == "cuda" and _kernel() is not None:
                 names, sums = self._on_gpu(dtype, probes)
