@@ -187,7 +187,7 @@ def _evaluate(
     symbol, compare = _BOUNDS[op]
     common = {"gate": gate.name, "metric": gate.metric, "stat": gate.stat, "bound": f"{symbol} {bound:g}"}
     if steps is not None and first is not None and first > steps:
-        reason = f"skipped: step {first} is past the run's last step {steps} (run.steps)"
+        reason = f"step {first} is past the run's last step {steps} (run.steps)"
         return GateResult(**common, value=None, passed=True, num_values=0, reason=reason, skipped=True)
     if not values:
         return GateResult(**common, value=None, passed=False, num_values=0, reason=_no_values(gate))

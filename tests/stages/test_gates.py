@@ -255,7 +255,7 @@ def test_a_gate_past_the_runs_planned_last_step_is_skipped_not_failed(tmp_path: 
     verdict = evaluate_gates(run_dir, GatesSection(checks=(late, from_late, failing)), steps=5)
     assert [(r.passed, r.skipped) for r in verdict.results] == [(True, True), (True, True), (False, False)]
     assert describe(verdict.results[0]) == (
-        "gate skipped: at(eval/reward, step 80): skipped: step 80 is past the run's last step 5 "
+        "gate skipped: at(eval/reward, step 80): step 80 is past the run's last step 5 "
         "(run.steps) (needs >= 0.9)"
     )
     assert verdict.summary() == "gates: 1 of 1 failed, 2 skipped"
