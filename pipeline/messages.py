@@ -4,6 +4,9 @@ Every generated sample knows its prompt, group, index in the group, the batch (`
 was admitted for, and the weights version at its first and last generated token. Work that is
 given up is a `Dropped` record with a reason, so every admitted prompt ends either trained or
 dropped and the counts close.
+
+A `Group` holds its prompt once; its samples do not repeat it. What crosses to the trainer is a
+`TrainGroup`: the prompt's tokens once, and each usable sample with its reward and advantage.
 """
 
 from __future__ import annotations
@@ -32,13 +35,12 @@ class Sample(msgspec.Struct, frozen=True, kw_only=True):
     sample_index: int
     target_step: int
     gen_version: tuple[int, int]
-    prompt_tokens: tuple[int, ...]
     tokens: tuple[int, ...]
     logprobs: tuple[float, ...]
     finish_reason: str
     poisoned: bool = False
     text: str = ""
-    reward: float | None = None
+    reward: float | None = None  # None: not scored (before the reward stage, or its failure)
     reward_info: dict[str, float] = msgspec.field(default_factory=dict)
 
     @property
@@ -66,3 +68,20 @@ class Batch(msgspec.Struct, frozen=True, kw_only=True):
 
     batch: int
     prompts: tuple[Prompt, ...]
+
+
+class TrainSample(msgspec.Struct, frozen=True, kw_only=True):
+    """One sample as the trainer sees it."""
+
+    tokens: tuple[int, ...]  # the response
+    logprobs: tuple[float, ...]  # behaviour logprob of each token, as generated
+    reward: float
+    advantage: float
+
+
+class TrainGroup(msgspec.Struct, frozen=True, kw_only=True):
+    """One prompt's usable samples, as `Trainer.train_step` receives them."""
+
+    group_id: str
+    prompt_tokens: tuple[int, ...]  # once per group
+    samples: tuple[TrainSample, ...]

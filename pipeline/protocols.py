@@ -7,9 +7,10 @@ awaited remote calls (Ray); the pipeline only ever awaits them.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Protocol
 
-from pipeline.messages import Completion, Sample
+from pipeline.messages import Completion, TrainGroup
 
 
 class Engine(Protocol):
@@ -41,13 +42,33 @@ class Engine(Protocol):
 
 
 class Trainer(Protocol):
-    """Turns a batch of scored samples into one optimizer step (policy version + 1)."""
+    """Turns a batch of scored groups into one optimizer step (policy version + 1).
 
-    async def train_step(
-        self, samples: Sequence[Sample], advantages: Sequence[float]
-    ) -> Mapping[str, float]: ...
+    Groups come in prompt order, each with at least one sample; `train_step` returns the step's
+    `train/*` metrics (`train/applied_updates` 0: every optimizer update was skipped).
+    """
+
+    async def train_step(self, groups: Sequence[TrainGroup]) -> Mapping[str, float]: ...
 
     def fingerprint(self) -> Mapping[str, int] | None:
         """A checksum per weight tensor of the weights it published with its last step (or
         loaded), in the engine's names; None: none taken."""
         ...
+
+
+class Checkpointable(Protocol):
+    """Backend state that checkpoints carry (a trainer's weights and optimizer, an engine's RNG).
+
+    Called from a worker thread, never on the event loop. `save` writes the object's own files
+    (names of its choosing, none of the pipeline's: see `stages.checkpoint`) into a step
+    directory that is then committed by an atomic rename; `load` reads them back on resume;
+    `close` lets go of threads and devices at the run's end (closing twice is harmless).
+    `save` raises `NonFiniteState` (pipeline.errors) rather than write NaN or infinity; `load`
+    raises `DamagedState` for files that are missing, torn or not finite.
+    """
+
+    def save(self, directory: Path) -> None: ...
+
+    def load(self, directory: Path) -> None: ...
+
+    def close(self) -> None: ...

@@ -5,7 +5,7 @@
   so tests with minutes of timeouts finish instantly and never sleep.
 - `FakeEngine`: the `Engine` protocol with programmable latency (on the pipeline clock's time
   source), non-finite logprobs, crashes and configurable capabilities.
-- `FakeTrainer`: the `Trainer` protocol; records what it trained and can be slowed down.
+- `FakeTrainer`: the `Trainer` protocol; records the groups it trained and can be slowed down.
 - `FaultInjector`: raises at a given stage and step.
 
 Every fake appends to an `events` list (shared if you pass one) so tests can assert exact order.
@@ -22,7 +22,7 @@ from typing import Any
 import anyio
 
 from pipeline.errors import RequestRejected, RetryableEngineError
-from pipeline.messages import Completion, Sample
+from pipeline.messages import Completion, TrainGroup
 
 
 class FakeTime:
@@ -185,7 +185,7 @@ class FakeTrainer:
         time: Any = None,
         latency: float = 0.0,
         events: list[str] | None = None,
-        on_step: Callable[[int, Sequence[Sample]], None] | None = None,
+        on_step: Callable[[int, Sequence[TrainGroup]], None] | None = None,
         skipped_steps: Sequence[int] = (),
         nonfinite_state_from: int | None = None,
     ) -> None:
@@ -195,17 +195,17 @@ class FakeTrainer:
         self.nonfinite_state_from = nonfinite_state_from
         self.events = events if events is not None else []
         self.on_step = on_step
-        self.steps: list[list[Sample]] = []
+        self.steps: list[list[TrainGroup]] = []
         self.published: dict[str, int] | None = None  # what `fingerprint()` returns
 
-    async def train_step(self, samples: Sequence[Sample], advantages: Sequence[float]) -> Mapping[str, float]:
+    async def train_step(self, groups: Sequence[TrainGroup]) -> Mapping[str, float]:
         self.events.append("train")
         if self.latency:
             await (self.time.sleep(self.latency) if self.time is not None else anyio.sleep(self.latency))
         if self.on_step is not None:
-            self.on_step(len(self.steps), samples)
+            self.on_step(len(self.steps), groups)
         skipped = len(self.steps) in self.skipped_steps
-        self.steps.append(list(samples))
+        self.steps.append(list(groups))
         if skipped:
             return {"train/loss": math.nan, "train/applied_updates": 0.0}
         return {"train/loss": 0.0, "train/grad_norm": 0.0, "train/applied_updates": 1.0}

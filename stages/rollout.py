@@ -166,7 +166,6 @@ class RolloutStage:
                 sample_index=i,
                 target_step=batch,
                 gen_version=versions,
-                prompt_tokens=prompt.tokens,
                 tokens=c.tokens,
                 logprobs=c.logprobs,
                 finish_reason=c.finish_reason,

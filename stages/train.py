@@ -26,7 +26,7 @@ from pipeline.channel import Channel
 from pipeline.clock import DeadlineClock
 from pipeline.errors import NothingTrained
 from pipeline.gate import EngineGate
-from pipeline.messages import Dropped, Group, Sample
+from pipeline.messages import Dropped, Group, Sample, TrainGroup, TrainSample
 from pipeline.metrics import MetricsLog
 from pipeline.protocols import Trainer
 from pipeline.recipe import NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, Section
@@ -171,12 +171,8 @@ class TrainStage:
         items = sorted(items, key=lambda item: _natural(item.group_id))
         groups = [item for item in items if isinstance(item, Group)]
         dropped = [item for item in items if isinstance(item, Dropped)]
-        samples: list[Sample] = []
-        advantages: list[float] = []
-        for group in groups:
-            usable = [s for s in group.samples if s.usable]
-            samples.extend(usable)
-            advantages.extend(leave_one_out([s.reward for s in usable]))  # type: ignore[misc]
+        train_groups = [g for g in map(train_group, groups) if g.samples]
+        samples = [s for g in groups for s in g.samples if s.usable]
         version = self.gate.engine_version
         record: dict[str, Any] = {
             "batch": batch,
@@ -187,7 +183,7 @@ class TrainStage:
             ),
         }
         stage_timings = self.timings.pop(batch)
-        if not samples:
+        if not train_groups:
             # Not a train step, so no metrics line of its own: the next line's
             # train/empty_batches and the *_total counters include it.
             self.tickets.give_back(Ticket(batch=batch))
@@ -213,11 +209,12 @@ class TrainStage:
         step = self.progress.steps_done + 1
         lags = [version - s.gen_version[0] for s in samples]
         response_tokens = sum(len(s.tokens) for s in samples)
+        rewards = [s.reward for g in train_groups for s in g.samples]
         record.update(
             {
                 "step": step,
-                "reward/mean": fmean(s.reward for s in samples),  # type: ignore[misc]
-                "reward/std": population_std(s.reward for s in samples),  # type: ignore[misc]
+                "reward/mean": fmean(rewards),
+                "reward/std": population_std(rewards),
                 **_info_means(samples),
                 "rollout/max_lag": max(lags),
                 "rollout/mean_lag": fmean(lags),
@@ -231,7 +228,7 @@ class TrainStage:
         )
 
         async def train() -> Mapping[str, float]:
-            result = await self.trainer.train_step(samples, advantages)
+            result = await self.trainer.train_step(train_groups)
             record.update(result)
             return result
 
@@ -311,6 +308,21 @@ class TrainStage:
         clean = self.metrics.write_eval(record)
         if self.on_eval is not None:
             self.on_eval(clean)
+
+
+def train_group(group: Group) -> TrainGroup:
+    """What the trainer gets of a scored group: its prompt once, its usable samples with their
+    GRPO advantages (reward minus the leave-one-out mean, over the group's std)."""
+    scored = [(s, s.reward) for s in group.samples if not s.poisoned and s.reward is not None]
+    advantages = leave_one_out([reward for _, reward in scored])
+    return TrainGroup(
+        group_id=group.group_id,
+        prompt_tokens=group.prompt.tokens,
+        samples=tuple(
+            TrainSample(tokens=s.tokens, logprobs=s.logprobs, reward=reward, advantage=advantage)
+            for (s, reward), advantage in zip(scored, advantages, strict=True)
+        ),
+    )
 
 
 def _natural(group_id: str) -> tuple[int | str, ...]:

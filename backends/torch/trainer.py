@@ -1,9 +1,9 @@
 """The torch GRPO trainer: AdamW, warmup + cosine/constant schedule, clipping, micro-batching.
 
-`train_step(samples, advantages)` runs one pipeline step in a worker thread: it optionally
-recomputes the pre-step logprobs (only needed when a step makes several optimizer updates;
-with one update they equal the detached logprobs of the same forward), splits the samples into
-`updates_per_step` minibatches, accumulates gradients over micro-batches of at most
+`train_step(groups)` runs one pipeline step in a worker thread: it optionally recomputes the
+pre-step logprobs (only needed when a step makes several optimizer updates; with one update they
+equal the detached logprobs of the same forward), splits the groups into `updates_per_step`
+minibatches, accumulates gradients over micro-batches of at most
 `micro_batch_samples` (and `micro_batch_tokens`), and steps the optimizer once per minibatch.
 A non-finite loss or gradient norm skips that update (counted in `train/skipped_steps`), so no
 NaN reaches the weights.
@@ -24,7 +24,7 @@ from backends.torch.grouped import response_logprobs
 from backends.torch.grpo_loss import LossConfig, grpo_token_loss, mismatch_metrics
 from backends.torch.model import Decoder
 from backends.torch.precision import MasterWeights, StreamedParking
-from pipeline.messages import Sample
+from pipeline.messages import TrainGroup
 
 
 @dataclass
@@ -116,24 +116,23 @@ class TorchTrainer:
         self.skipped_steps = 0
         self.completed_steps = 0
 
-    async def train_step(self, samples: Sequence[Sample], advantages: Sequence[float]) -> dict[str, float]:
-        return await self.compute.run(self._train_step, list(samples), list(advantages))
+    async def train_step(self, groups: Sequence[TrainGroup]) -> dict[str, float]:
+        return await self.compute.run(self._train_step, list(groups))
 
-    def _chunk(self, samples: list[Sample], advantages: list[float]) -> _Chunk:
-        """One micro-batch: whole groups, each distinct prompt stored once."""
-        prompt_index: dict[tuple[int, ...], int] = {}
-        owner = [prompt_index.setdefault(s.prompt_tokens, len(prompt_index)) for s in samples]
+    def _chunk(self, groups: list[TrainGroup]) -> _Chunk:
+        """One micro-batch: whole groups, each group's prompt stored once."""
+        samples = [s for group in groups for s in group.samples]
         longest = max(len(s.tokens) for s in samples)
         gen = [list(s.logprobs) + [0.0] * (longest - len(s.logprobs)) for s in samples]
         return _Chunk(
-            prompts=list(prompt_index),
-            owner=owner,
+            prompts=[group.prompt_tokens for group in groups],
+            owner=[i for i, group in enumerate(groups) for _ in group.samples],
             responses=[s.tokens for s in samples],
             gen=torch.tensor(gen, device=self.device),
-            advantages=torch.tensor(advantages, dtype=torch.float32, device=self.device),
+            advantages=torch.tensor([s.advantage for s in samples], dtype=torch.float32, device=self.device),
         )
 
-    def _chunks(self, samples: list[Sample], advantages: list[float]) -> list[list[_Chunk]]:
+    def _chunks(self, groups: list[TrainGroup]) -> list[list[_Chunk]]:
         """Minibatches (one per optimizer update) of micro-batches, split between groups.
 
         Groups are shuffled with the trainer's generator and never split, so each micro-batch
@@ -144,31 +143,27 @@ class TorchTrainer:
         `micro_batch_tokens` is set, at most that many computed tokens (padding included); a
         group over the token budget alone still makes a micro-batch of its own.
         """
-        groups: dict[str, list[int]] = {}
-        for i, sample in enumerate(samples):
-            groups.setdefault(sample.group_id, []).append(i)
-        members = list(groups.values())
-        order = torch.randperm(len(members), generator=self.generator).tolist()
+        order = torch.randperm(len(groups), generator=self.generator).tolist()
         minibatches = []
-        for part in torch.tensor(order).tensor_split(min(self.updates_per_step, len(members))):
-            chunks, current, prompts, width = [], [], 0, 0
-            longest = {g: max(len(samples[i].tokens) for i in members[g]) for g in part.tolist()}
+        for part in torch.tensor(order).tensor_split(min(self.updates_per_step, len(groups))):
+            chunks: list[list[TrainGroup]] = []
+            current: list[TrainGroup] = []
+            rows, width = 0, 0
+            longest = {g: max(len(s.tokens) for s in groups[g].samples) for g in part.tolist()}
             for g in sorted(longest, key=longest.__getitem__):
-                rows = len(current) + len(members[g])
-                prompt = len(samples[members[g][0]].prompt_tokens)
+                group = groups[g]
+                prompt = len(group.prompt_tokens)
                 # Tokens the pass computes: each prompt once, padded to the widest, and every
                 # response padded to the longest (this group's: they come in length order).
-                tokens = (prompts + 1) * max(width, prompt) + rows * longest[g]
+                tokens = (len(current) + 1) * max(width, prompt) + (rows + len(group.samples)) * longest[g]
                 over_tokens = self.micro_batch_tokens and tokens > self.micro_batch_tokens
-                if current and (rows > self.micro_batch_samples or over_tokens):
+                if current and (rows + len(group.samples) > self.micro_batch_samples or over_tokens):
                     chunks.append(current)
-                    current, prompts, width = [], 0, 0
-                current = current + members[g]
-                prompts, width = prompts + 1, max(width, prompt)
+                    current, rows, width = [], 0, 0
+                current = [*current, group]
+                rows, width = rows + len(group.samples), max(width, prompt)
             chunks.append(current)
-            minibatches.append(
-                [self._chunk([samples[i] for i in c], [advantages[i] for i in c]) for c in chunks]
-            )
+            minibatches.append([self._chunk(c) for c in chunks])
         return minibatches
 
     def _logprobs(self, model: Decoder, chunk: _Chunk) -> tuple[torch.Tensor, torch.Tensor]:
@@ -182,9 +177,9 @@ class TorchTrainer:
             checkpointed=self.checkpointed,
         )
 
-    def _train_step(self, samples: list[Sample], advantages: list[float]) -> dict[str, float]:
+    def _train_step(self, groups: list[TrainGroup]) -> dict[str, float]:
         self.model.train()
-        minibatches = self._chunks(samples, advantages)
+        minibatches = self._chunks(groups)
         chunks = [c for minibatch in minibatches for c in minibatch]
         with torch.no_grad():
             if self.updates_per_step > 1:  # later updates compare against the pre-step policy

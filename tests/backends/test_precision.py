@@ -13,7 +13,7 @@ from backends.torch.grpo_loss import LossConfig
 from backends.torch.model import Decoder
 from backends.torch.precision import HostParking, StreamedParking
 from backends.torch.trainer import TorchTrainer
-from pipeline.messages import Sample
+from pipeline.messages import TrainGroup, TrainSample
 
 
 def _model(dtype: torch.dtype = torch.bfloat16) -> Decoder:
@@ -41,23 +41,18 @@ def _trainer(model: Decoder, *, lr: float = 1e-6, **options: bool) -> TorchTrain
     )
 
 
-def _sample(group: int, index: int, prompt: tuple[int, ...], tokens: tuple[int, ...]) -> Sample:
-    return Sample(
-        prompt_id=f"p{group}",
-        group_id=f"g{group}",
-        sample_index=index,
-        target_step=0,
-        gen_version=(0, 0),
-        prompt_tokens=prompt,
-        tokens=tokens,
-        logprobs=(-2.0,) * len(tokens),
-        finish_reason="length",
-    )
-
-
-def _batch() -> tuple[list[Sample], list[float]]:
-    samples = [_sample(g, i, (2, 3 + g, 4), (5 + i, 6, 7 + g)) for g in range(2) for i in range(4)]
-    return samples, [1.0, -1.0, 0.5, -0.5] * 2
+def _batch() -> list[TrainGroup]:
+    return [
+        TrainGroup(
+            group_id=f"0-{g}",
+            prompt_tokens=(2, 3 + g, 4),
+            samples=tuple(
+                TrainSample(tokens=(5 + i, 6, 7 + g), logprobs=(-2.0,) * 3, reward=0.0, advantage=advantage)
+                for i, advantage in enumerate([1.0, -1.0, 0.5, -0.5])
+            ),
+        )
+        for g in range(2)
+    ]
 
 
 def test_small_updates_reach_a_bf16_model_only_through_master_weights() -> None:
@@ -65,8 +60,8 @@ def test_small_updates_reach_a_bf16_model_only_through_master_weights() -> None:
     before = copy.deepcopy(plain.state_dict())
     plain_trainer, trainer = _trainer(plain, master_weights=False), _trainer(mastered)
     for _ in range(20):
-        plain_trainer._train_step(*_batch())
-        trainer._train_step(*_batch())
+        plain_trainer._train_step(_batch())
+        trainer._train_step(_batch())
     name = "model.layers.0.mlp.up_proj.weight"
     start = before[name].float()
     # Adam moves each weight by about lr = 1e-6 an update, far below half a bf16 spacing for
@@ -105,8 +100,8 @@ def test_offloaded_optimizer_trains_identically_and_checkpoints_its_parked_state
     plain = _trainer(reference, lr=1e-3)
     parked = _trainer(offloaded, lr=1e-3, offload_optimizer=True)
     for _ in range(3):
-        expected = plain._train_step(*_batch())
-        got = parked._train_step(*_batch())
+        expected = plain._train_step(_batch())
+        got = parked._train_step(_batch())
         assert got["train/loss"] == expected["train/loss"]
         assert got["timing/optimizer_offload_s"] >= 0 and got["train/offloaded_gb"] > 0
     assert parked.parking is not None and parked.parking.parked
@@ -118,7 +113,7 @@ def test_offloaded_optimizer_trains_identically_and_checkpoints_its_parked_state
         torch.testing.assert_close(mine, theirs)
     resumed = _trainer(_model(), lr=1e-3, offload_optimizer=True)
     resumed.load_state(copy.deepcopy(state))
-    assert resumed._train_step(*_batch())["train/loss"] == plain._train_step(*_batch())["train/loss"]
+    assert resumed._train_step(_batch())["train/loss"] == plain._train_step(_batch())["train/loss"]
 
 
 def test_stepping_master_weights_chunk_by_chunk_equals_one_step() -> None:
@@ -127,7 +122,7 @@ def test_stepping_master_weights_chunk_by_chunk_equals_one_step() -> None:
     assert len(whole.master.chunks) == 1
     chunked.master.chunks = [[i] for i in range(len(chunked.master.params))]
     for _ in range(3):
-        assert whole._train_step(*_batch()) == chunked._train_step(*_batch())
+        assert whole._train_step(_batch()) == chunked._train_step(_batch())
     for a, b in zip(whole.model.parameters(), chunked.model.parameters(), strict=True):
         assert torch.equal(a, b)
 
@@ -148,7 +143,7 @@ def test_parked_state_streams_through_the_device_one_chunk_at_a_time() -> None:
         lambda *_: resident.append(sum(m.untyped_storage().nbytes() > 0 for m in masters))
     )
     for _ in range(2):
-        assert streamed._train_step(*_batch())["train/loss"] == plain._train_step(*_batch())["train/loss"]
+        assert streamed._train_step(_batch())["train/loss"] == plain._train_step(_batch())["train/loss"]
     assert resident and max(resident) == 1
     assert streamed.parking.parked
     for a, b in zip(plain.model.parameters(), streamed.model.parameters(), strict=True):
@@ -160,7 +155,7 @@ def test_parking_starts_at_construction_and_after_loading_a_checkpoint() -> None
     assert trainer.parking is not None and trainer.parking.parked
     assert trainer.master is not None
     assert all(m.untyped_storage().nbytes() == 0 for m in trainer.master.master)
-    trainer._train_step(*_batch())
+    trainer._train_step(_batch())
     state = copy.deepcopy(trainer.state())
     trainer.load_state(state)
     assert trainer.parking.parked
@@ -180,13 +175,13 @@ def test_parking_on_a_gpu_frees_its_memory_and_leaves_training_unchanged() -> No
     parked = _trainer(model(), lr=1e-4, offload_optimizer=True)
     assert parked.parking is not None
     for _ in range(3):
-        expected = plain._train_step(*_batch())
+        expected = plain._train_step(_batch())
         torch.cuda.synchronize()
         before = torch.cuda.memory_allocated()
         parked.parking.restore_all()
         restored = torch.cuda.memory_allocated()
         parked.parking.park_all()
-        got = parked._train_step(*_batch())
+        got = parked._train_step(_batch())
         assert got["train/loss"] == pytest.approx(expected["train/loss"], rel=1e-6)
     assert parked.parking.parked and parked.parking.parkings[0].host[0].is_pinned()
     # Master weights (4 bytes a parameter) and the two Adam moments (8) left the device.
@@ -195,35 +190,3 @@ def test_parking_on_a_gpu_frees_its_memory_and_leaves_training_unchanged() -> No
     assert restored - before >= 0.99 * parked.parking.bytes
     seconds = got["timing/optimizer_offload_s"]
     print(f"parked {parked.parking.bytes / 1e9:.2f} GB in {seconds:.3f} s")
-
-
-def test_micro_batches_bucket_groups_by_response_length() -> None:
-    """One update's micro-batches take groups in order of their longest response, so a
-    micro-batch pads short responses only to similar lengths."""
-    torch.manual_seed(0)
-    trainer = _trainer(Decoder(ModelConfig(vocab_size=23, hidden_size=32, intermediate_size=64)))
-    trainer.micro_batch_samples = 4
-    samples = [
-        _sample(g, i, (2, 3), (5,) * (length - i))
-        for g, length in enumerate([9, 2, 7, 3, 8, 1])
-        for i in range(2 if length > 1 else 1)
-    ]
-    (minibatch,) = trainer._chunks(samples, [0.0] * len(samples))
-    assert [max(len(r) for r in chunk.responses) for chunk in minibatch] == [2, 7, 9]
-    assert sorted(len(r) for chunk in minibatch for r in chunk.responses) == sorted(
-        len(s.tokens) for s in samples
-    )
-
-
-def test_micro_batches_keep_to_a_token_budget() -> None:
-    """With `micro_batch_tokens`, a micro-batch closes before its prompts (once each) and
-    padded responses would pass the budget; a group over it alone still gets one."""
-    torch.manual_seed(0)
-    trainer = _trainer(Decoder(ModelConfig(vocab_size=23, hidden_size=32, intermediate_size=64)))
-    trainer.micro_batch_tokens = 30
-    samples = [
-        _sample(g, i, (2,) * 3, (5,) * length) for g, length in enumerate([2, 4, 5, 20]) for i in range(2)
-    ]
-    (minibatch,) = trainer._chunks(samples, [0.0] * len(samples))
-    # lengths 2, 4: 2 x 3 + 4 x 4 = 22; adding 5s: 3 x 3 + 6 x 5 = 39 > 30; 5 then 20 alone.
-    assert [sorted({len(r) for r in chunk.responses}) for chunk in minibatch] == [[2, 4], [5], [20]]

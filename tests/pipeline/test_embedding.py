@@ -12,7 +12,7 @@ from typing import Any
 import anyio
 
 import pipeline
-from pipeline.messages import Sample
+from pipeline.messages import TrainGroup
 from pipeline.recipe import convert
 from pipeline.testing import FakeEngine, FakeTime, FakeTrainer
 
@@ -78,7 +78,7 @@ async def test_cancelling_the_awaiting_task_leaves_no_task_running(tmp_path: Pat
     fake = FakeTime()
     two_steps = anyio.Event()
 
-    def on_step(step: int, samples: Sequence[Sample]) -> None:
+    def on_step(step: int, groups: Sequence[TrainGroup]) -> None:
         if step == 2:
             two_steps.set()
 
@@ -107,8 +107,8 @@ async def test_stop_request_stops_admission_and_drains(tmp_path: Path) -> None:
     stop = pipeline.StopRequest()
     trained_batches: list[int] = []
 
-    def on_step(step: int, samples: Sequence[Sample]) -> None:
-        trained_batches.append(samples[0].target_step)
+    def on_step(step: int, groups: Sequence[TrainGroup]) -> None:
+        trained_batches.append(int(groups[0].group_id.split("-")[0]))  # "batch-index"
         if step == 1:
             stop.request("host asked to stop")
 

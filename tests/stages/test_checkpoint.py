@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +15,8 @@ import anyio
 import pytest
 
 import pipeline
+from pipeline.channel import Channel
+from pipeline.messages import Group, TrainGroup
 from pipeline.metrics import read
 from pipeline.runner import StopRequest
 from pipeline.testing import FakeEngine, FakeTrainer
@@ -117,11 +120,22 @@ def test_a_kill_during_a_save_leaves_the_previous_checkpoint_intact(tmp_path: Pa
     assert [r["step"] for r in read(run_dir / "metrics.jsonl") if "train/loss" in r] == [1, 2, 3, 4]
 
 
-def test_every_prompt_is_trained_exactly_once_across_stop_and_resume(tmp_path: Path) -> None:
+def test_every_prompt_is_trained_exactly_once_across_stop_and_resume(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     trained: list[str] = []
+    scored: dict[str, Group] = {}  # the latest group sent under each id (a resume regenerates some)
+    original_send = Channel.send
 
-    def record(step: int, samples: Any) -> None:
-        trained.extend(sorted({s.prompt_id for s in samples}))
+    async def spy(self: Channel[Any], item: Any) -> None:
+        if self.name == "scored" and isinstance(item, Group):
+            scored[item.group_id] = item
+        await original_send(self, item)
+
+    monkeypatch.setattr(Channel, "send", spy)
+
+    def record(step: int, groups: Sequence[TrainGroup]) -> None:
+        trained.extend(sorted({scored[g.group_id].prompt.prompt_id for g in groups}))
 
     overrides = ["async_rl.max_lookahead_versions=2", "run.steps=8", "prompts.prompts_per_step=3"]
     recipe = pipeline.load_recipe(

@@ -19,7 +19,7 @@ import pytest
 import stages.program
 from pipeline.channel import Channel
 from pipeline.errors import DropBudgetExceeded, NothingTrained, StageFailed
-from pipeline.messages import Batch, Dropped, Sample
+from pipeline.messages import Batch, Dropped, Group, TrainGroup
 from pipeline.metrics import REQUIRED_KEYS
 from pipeline.recipe import convert
 from pipeline.testing import EngineCrash, FakeEngine, FakeTime, FakeTrainer, FaultInjector, InjectedFault
@@ -115,6 +115,21 @@ def tickets(monkeypatch: pytest.MonkeyPatch) -> list[TicketBox]:
     return made
 
 
+@pytest.fixture
+def scored(monkeypatch: pytest.MonkeyPatch) -> dict[str, Group]:
+    """Every scored group sent to the train stage, by group id: what a trainer's groups came from."""
+    sent: dict[str, Group] = {}
+    original_send = Channel.send
+
+    async def spy(self: Channel[Any], item: Any) -> None:
+        if self.name == "scored" and isinstance(item, Group):
+            sent[item.group_id] = item
+        await original_send(self, item)
+
+    monkeypatch.setattr(Channel, "send", spy)
+    return sent
+
+
 class RecordingEngine(FakeEngine):
     """Adds a `generate` event, so the exact interleaving with train/refit/wake can be asserted."""
 
@@ -128,12 +143,12 @@ class RecordingEngine(FakeEngine):
 
 @pytest.mark.parametrize("lookahead", [1, 2])
 async def test_lag_reaches_but_never_exceeds_lookahead(
-    tmp_path: Path, fake: FakeTime, lookahead: int
+    tmp_path: Path, fake: FakeTime, scored: dict[str, Group], lookahead: int
 ) -> None:
     lags: list[int] = []
 
-    def on_step(version: int, samples: Sequence[Sample]) -> None:
-        lags.extend(version - s.gen_version[0] for s in samples)
+    def on_step(version: int, groups: Sequence[TrainGroup]) -> None:
+        lags.extend(version - s.gen_version[0] for g in groups for s in scored[g.group_id].samples)
 
     recipe = make_recipe(tmp_path, steps=5, lookahead=lookahead)
     # Separate engine (keeps serving while training), fast generation, slow trainer.
@@ -178,7 +193,7 @@ async def test_slow_trainer_fills_no_channel_past_capacity_and_admission_blocks(
     waiting_for_tickets: list[int] = []
     outstanding: list[int] = []
 
-    def on_step(version: int, samples: Sequence[Sample]) -> None:
+    def on_step(version: int, groups: Sequence[TrainGroup]) -> None:
         (box,) = tickets
         waiting_for_tickets.append(box.statistics().waiters)
         outstanding.append(box.statistics().outstanding)
@@ -242,13 +257,17 @@ async def test_every_admitted_prompt_ends_trained_dropped_or_poisoned(
 ) -> None:
     admitted: list[str] = []
     dropped: list[Dropped] = []
+    scored: dict[str, Group] = {}
     original_send = Channel.send
 
     async def spy(self: Channel[Any], item: Any) -> None:
         if self.name == "batches":
             admitted.extend(p.prompt_id for p in item.prompts)
-        if self.name == "scored" and isinstance(item, Dropped):
-            dropped.append(item)
+        if self.name == "scored":
+            if isinstance(item, Dropped):
+                dropped.append(item)
+            else:
+                scored[item.group_id] = item
         await original_send(self, item)
 
     monkeypatch.setattr(Channel, "send", spy)
@@ -266,7 +285,7 @@ async def test_every_admitted_prompt_ends_trained_dropped_or_poisoned(
     )
     trainer = FakeTrainer(time=fake, latency=5.0)
     summary = await drive(recipe, engine, trainer, fake)
-    trained = {s.prompt_id for step in trainer.steps for s in step}
+    trained = {scored[g.group_id].prompt.prompt_id for step in trainer.steps for g in step}
     dropped_ids = {d.prompt_id for d in dropped}
     assert sorted(d.reason.split(":")[0] for d in dropped) == [
         "engine_error",
@@ -278,7 +297,7 @@ async def test_every_admitted_prompt_ends_trained_dropped_or_poisoned(
     assert len(poisoned) == 2  # each nonfinite call poisons a whole group: counted, never trained
     assert trained.isdisjoint(dropped_ids)
     assert len(admitted) == len(set(admitted))
-    assert all(not s.poisoned and math.isfinite(sum(s.logprobs)) for step in trainer.steps for s in step)
+    assert all(math.isfinite(sum(s.logprobs)) for step in trainer.steps for g in step for s in g.samples)
     lines = metrics(recipe)
     assert sum(m["rollout/dropped_groups"] for m in lines) == 3 == summary.dropped_groups
     assert sum(m["rollout/poisoned_samples"] for m in lines) == 2 * 2
@@ -397,15 +416,15 @@ def nan_for_odd_prompts(prompt: Any, completion: str) -> float:
 
 
 async def test_a_non_finite_reward_is_a_counted_failure_and_never_trained(
-    tmp_path: Path, fake: FakeTime
+    tmp_path: Path, fake: FakeTime, scored: dict[str, Group]
 ) -> None:
     recipe = make_recipe(tmp_path, steps=3, reward={"function": "test_flow:nan_for_odd_prompts"})
     trainer = FakeTrainer(time=fake, latency=5.0)
     summary = await drive(recipe, FakeEngine(time=fake, latency=1.0), trainer, fake)
     assert summary.steps_done == 3
-    trained = {s.prompt_id for step in trainer.steps for s in step}
+    trained = {scored[g.group_id].prompt.prompt_id for step in trainer.steps for g in step}
     assert trained == {"train-0", "train-2", "train-4"}
-    assert all(s.reward == 1.0 for step in trainer.steps for s in step)
+    assert all(s.reward == 1.0 for step in trainer.steps for g in step for s in g.samples)
     lines = metrics(recipe)
     assert [m["reward/mean"] for m in lines] == [1.0, 1.0, 1.0]
     assert lines[-1]["reward/failures"] == 3 * 2  # one prompt a step, two samples each

@@ -1,0 +1,117 @@
+"""The torch trainer's step on groups: micro-batching, and figures pinned from before groups
+crossed the trainer boundary (tests/backends/trainer_steps.json: each step's metrics as the
+trainer computed them from flattened samples, regrouped by group id)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from backends.torch.config import ModelConfig
+from backends.torch.grpo_loss import LossConfig
+from backends.torch.model import Decoder
+from backends.torch.trainer import TorchTrainer
+from pipeline.messages import TrainGroup, TrainSample
+
+PINNED = json.loads((Path(__file__).parent / "trainer_steps.json").read_text())
+OPTIONS = {
+    "one": {"micro_batch_samples": 256, "updates_per_step": 1},
+    "micro": {"micro_batch_samples": 4, "updates_per_step": 2},
+    "tokens": {"micro_batch_samples": 256, "micro_batch_tokens": 20, "updates_per_step": 1},
+}
+
+
+def _trainer(*, vocab_size: int = 16, **options: int) -> TorchTrainer:
+    torch.manual_seed(0)
+    model = Decoder(
+        ModelConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2)
+    )
+    return TorchTrainer(
+        model,
+        loss=LossConfig(clip_low=0.2, clip_high=0.28, kl_coef=0.0, is_correction="tis", is_cap=2.0),
+        lr=1e-3,
+        betas=(0.9, 0.999),
+        weight_decay=0.0,
+        warmup_steps=0,
+        schedule="constant",
+        min_lr_ratio=0.1,
+        total_steps=10,
+        grad_clip=1.0,
+        temperature=1.0,
+        seed=3,
+        **options,  # type: ignore[arg-type]
+    )
+
+
+def _groups() -> list[TrainGroup]:
+    """Four groups of three with uneven prompts and responses (the pinned figures' input)."""
+    lengths = [[3, 5, 2], [4, 4, 1], [6, 2, 3], [1, 5, 5]]
+    return [
+        TrainGroup(
+            group_id=f"0-{g}",
+            prompt_tokens=(1, 2 + g, 3, 4)[: 2 + g % 3],
+            samples=tuple(
+                TrainSample(
+                    tokens=tuple((5 + g + i + j) % 16 for j in range(n)),
+                    logprobs=tuple(-1.5 - 0.1 * j - 0.05 * i for j in range(n)),
+                    reward=0.0,
+                    advantage=[1.0, -0.5, -0.5][i] * (1 + 0.1 * g),
+                )
+                for i, n in enumerate(group)
+            ),
+        )
+        for g, group in enumerate(lengths)
+    ]
+
+
+@pytest.mark.parametrize("name", sorted(OPTIONS))
+def test_a_step_on_groups_computes_the_figures_it_computed_on_flat_samples(name: str) -> None:
+    """Catches a regrouping that pairs a response with another group's prompt or advantage, or
+    that changes the shuffle, the micro-batch split or the token mean."""
+    trainer = _trainer(**OPTIONS[name])
+    for pinned in PINNED[name]:
+        got = trainer._train_step(_groups())
+        assert got.keys() == pinned.keys()
+        # rel: the same arithmetic; only a fused kernel's rounding may differ.
+        assert got == pytest.approx(pinned, rel=1e-5), name
+
+
+def _group(g: int, prompt: tuple[int, ...], lengths: list[int]) -> TrainGroup:
+    return TrainGroup(
+        group_id=f"0-{g}",
+        prompt_tokens=prompt,
+        samples=tuple(
+            TrainSample(tokens=(5,) * n, logprobs=(-2.0,) * n, reward=0.0, advantage=0.0) for n in lengths
+        ),
+    )
+
+
+def test_micro_batches_bucket_groups_by_response_length() -> None:
+    """One update's micro-batches take groups in order of their longest response, so a
+    micro-batch pads short responses only to similar lengths."""
+    trainer = _trainer(vocab_size=23, micro_batch_samples=4, updates_per_step=1)
+    groups = [
+        _group(g, (2, 3), [length - i for i in range(2 if length > 1 else 1)])
+        for g, length in enumerate([9, 2, 7, 3, 8, 1])
+    ]
+    (minibatch,) = trainer._chunks(groups)
+    assert [max(len(r) for r in chunk.responses) for chunk in minibatch] == [2, 7, 9]
+    assert sorted(len(r) for chunk in minibatch for r in chunk.responses) == sorted(
+        len(s.tokens) for g in groups for s in g.samples
+    )
+    # Each micro-batch holds each of its groups' prompts once, owned by that group's samples.
+    for chunk in minibatch:
+        assert len(chunk.prompts) == len(set(chunk.owner))
+
+
+def test_micro_batches_keep_to_a_token_budget() -> None:
+    """With `micro_batch_tokens`, a micro-batch closes before its prompts (once each) and
+    padded responses would pass the budget; a group over it alone still gets one."""
+    trainer = _trainer(vocab_size=23, micro_batch_samples=256, micro_batch_tokens=30, updates_per_step=1)
+    groups = [_group(g, (2,) * 3, [length, length]) for g, length in enumerate([2, 4, 5, 20])]
+    (minibatch,) = trainer._chunks(groups)
+    # lengths 2, 4: 2 x 3 + 4 x 4 = 22; adding 5s: 3 x 3 + 6 x 5 = 39 > 30; 5 then 20 alone.
+    assert [sorted({len(r) for r in chunk.responses}) for chunk in minibatch] == [[2, 4], [5], [20]]
