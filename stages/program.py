@@ -13,10 +13,11 @@ from typing import Any
 import anyio
 import msgspec
 
+from backends.registry import build_backend
 from pipeline.channel import Channel
 from pipeline.clock import DeadlineClock, TimeSource
 from pipeline.console import Console
-from pipeline.errors import PipelineError, RecipeError
+from pipeline.errors import PipelineError
 from pipeline.gate import EngineGate
 from pipeline.logs import reset_warnings
 from pipeline.messages import Batch, Dropped, Group
@@ -469,18 +470,12 @@ def _both(*hooks: Callable[[dict[str, Any]], None] | None) -> Callable[[dict[str
 
 
 def _start(recipe: Recipe, build: bool) -> tuple[Checked, tuple[Engine, Trainer] | None]:
-    """The recipe's checks, then (with `build`) the torch backend; on a worker thread."""
+    """The recipe's checks, then (with `build`) the recipe's backend; on a worker thread."""
     checked = preflight(recipe, model=build, resume=False)  # open_resume read it whole
     if not build:
         return checked, None
-    from backends.torch.build import build_backend
-    from backends.torch.errors import ModelLoadError
-
     tokenizer = checked.prompts.tokenizer
-    try:
-        return checked, build_backend(recipe, vocab_size=tokenizer.vocab_size, stop_ids=tokenizer.stop_ids)
-    except ModelLoadError as error:  # a missing file or an unsupported model: the user's to fix
-        raise RecipeError(f"model.path: {error}") from None
+    return checked, build_backend(recipe, vocab_size=tokenizer.vocab_size, stop_ids=tokenizer.stop_ids)
 
 
 def _torch_writer(state: Any) -> Callable[[Path], None]:

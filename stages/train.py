@@ -22,6 +22,7 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
+from backends.registry import BackendName
 from pipeline.channel import Channel
 from pipeline.clock import DeadlineClock
 from pipeline.errors import NothingTrained
@@ -42,6 +43,7 @@ log = logging.getLogger("stages.train")
 
 
 class TrainSection(Section):
+    backend: BackendName = "torch"  # the trainer's (and engine's) compute: backends/registry.py
     lr: PositiveFloat = 3.0e-4
     weight_decay: NonNegativeFloat = 0.0
     beta1: Annotated[float, msgspec.Meta(ge=0, lt=1)] = 0.9

@@ -1,4 +1,5 @@
-"""Builds the torch engine and trainer for a recipe (colocated or not)."""
+"""The torch backend (`train.backend: torch`): builds its engine and trainer for a recipe,
+colocated (one model, one compute thread) or not."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch
 
 from backends.torch.compute import ComputeThread
 from backends.torch.engine import Sampler
+from backends.torch.errors import ModelLoadError
 from backends.torch.grpo_loss import LossConfig
 from backends.torch.model import Decoder
 from backends.torch.section import ModelSection
@@ -50,7 +52,10 @@ def build_backend(
     """(engine, trainer) sharing one model when `recipe.colocated`, else two copies."""
     section: ModelSection = recipe.model
     seed = recipe.run.seed
-    model = build_model(section, vocab_size=vocab_size, seed=seed)
+    try:
+        model = build_model(section, vocab_size=vocab_size, seed=seed)
+    except ModelLoadError as error:  # a missing file or an unsupported model: the user's to fix
+        raise RecipeError(f"model.path: {error}") from None
     engine_model = model if recipe.colocated else copy.deepcopy(model)
     rollout, train = recipe.rollout, recipe.train
     sampler: BatchSampler

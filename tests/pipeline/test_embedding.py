@@ -131,7 +131,7 @@ async def test_stop_request_stops_admission_and_drains(tmp_path: Path) -> None:
 
 def test_import_pipeline_loads_no_heavy_framework() -> None:
     code = (
-        "import sys, pipeline, pipeline.testing, pipeline.cli\n"
+        "import sys, pipeline, pipeline.testing, pipeline.cli, backends.registry, stages.program\n"
         "heavy = sorted(m for m in sys.modules if m.split('.')[0] in {'torch', 'ray', 'megatron'})\n"
         "print(heavy)\n"
     )

@@ -80,6 +80,11 @@ VALID_RUN_FIELDS = "dir, steps, seed, stop_grace_s, progress, log_every_steps, p
             id="bad-literal",
         ),
         pytest.param(
+            "train:\n  backend: jax\n",
+            "train.backend: Invalid enum value 'jax'; expected one of: torch",
+            id="unknown-backend",
+        ),
+        pytest.param(
             "prompts:\n  source:\n    kind: csv\n",
             "prompts.source.kind: Invalid value 'csv'; expected one of: "
             "jsonl, parquet, reasoning_gym, synthetic",

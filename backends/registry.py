@@ -1,0 +1,32 @@
+"""Compute backends by the name `train.backend` gives them, each module imported only when chosen.
+
+A backend is a module with
+
+    build_backend(recipe, *, vocab_size: int, stop_ids: Sequence[int]) -> tuple[Engine, Trainer]
+
+that builds the run's engine and trainer from the recipe (the trainer, and an engine with state,
+also `Checkpointable`); a bad recipe raises `RecipeError` naming the field. Its recipe sections
+live beside it (`backends/torch/section.py`). Importing this module imports no backend, so
+`pipeline/` and `stages/` stay free of torch until a run builds one. To add a backend, add its
+name to `BackendName` and its module to `BACKENDS`.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Sequence
+from typing import Any, Literal, get_args
+
+from pipeline.protocols import Engine, Trainer
+
+BackendName = Literal["torch"]  # what the recipe's `train.backend` accepts
+
+BACKENDS: dict[str, str] = {"torch": "backends.torch.build"}
+assert set(BACKENDS) == set(get_args(BackendName)), "a backend named in one place only"
+
+
+def build_backend(recipe: Any, *, vocab_size: int, stop_ids: Sequence[int]) -> tuple[Engine, Trainer]:
+    """The (engine, trainer) pair of the backend `recipe.train.backend` names."""
+    module = importlib.import_module(BACKENDS[recipe.train.backend])
+    engine, trainer = module.build_backend(recipe, vocab_size=vocab_size, stop_ids=stop_ids)
+    return engine, trainer
