@@ -63,3 +63,13 @@ class StageFailed(PipelineError):
         super().__init__(f"stage {stage!r} failed: {type(error).__name__}: {error}")
         self.stage = stage
         self.error = error
+
+
+class NonFiniteState(Exception):
+    """What a `Checkpointable.save` raises for a state holding NaN or infinity, naming its file
+    and where: such a state is never saved (the save fails, the committed checkpoints stay)."""
+
+
+class DamagedState(Exception):
+    """What a `Checkpointable.load` raises for its files missing, torn or not finite, naming the
+    file and the problem: the checkpoint is damaged (an automatic resume tries the one before)."""

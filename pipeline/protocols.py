@@ -1,7 +1,8 @@
 """What the pipeline needs from compute backends.
 
 Backends implement these with plain synchronous code wrapped in worker threads (torch) or as
-awaited remote calls (Ray); the pipeline only ever awaits them.
+awaited remote calls (Ray); the pipeline only ever awaits them. Engines and trainers are both
+`Checkpointable`: a checkpoint holds what they save, a resume loads it, the run's end closes them.
 """
 
 from __future__ import annotations
@@ -13,7 +14,26 @@ from typing import Protocol
 from pipeline.messages import Completion, TrainGroup
 
 
-class Engine(Protocol):
+class Checkpointable(Protocol):
+    """Backend state that checkpoints carry (a trainer's weights and optimizer, an engine's RNG).
+
+    Called from a worker thread, never on the event loop. `save` writes the object's own files
+    (names of its choosing, none of the pipeline's: see `stages.checkpoint`; an object without
+    state writes none) into a step directory that is then committed by an atomic rename; `load`
+    reads them back on resume; `close` lets go of threads and devices at the run's end (closing
+    twice is harmless). `save` raises `NonFiniteState` (pipeline.errors) rather than write NaN
+    or infinity; `load` raises `DamagedState` for files that are missing, torn or not finite,
+    before it changes any state.
+    """
+
+    def save(self, directory: Path) -> None: ...
+
+    def load(self, directory: Path) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class Engine(Checkpointable, Protocol):
     """A generation engine.
 
     `blocks_training`: it shares the trainer's devices and must stand down for each train step.
@@ -41,12 +61,17 @@ class Engine(Protocol):
         ...
 
 
-class Trainer(Protocol):
+class Trainer(Checkpointable, Protocol):
     """Turns a batch of scored groups into one optimizer step (policy version + 1).
 
     Groups come in prompt order, each with at least one sample; `train_step` returns the step's
     `train/*` metrics (`train/applied_updates` 0: every optimizer update was skipped).
+    `completed_steps` counts the steps it has finished, loaded ones included: a step cancelled
+    after its worker finished changed the weights unpublished, and must not be saved as the last.
     """
+
+    @property
+    def completed_steps(self) -> int: ...
 
     async def train_step(self, groups: Sequence[TrainGroup]) -> Mapping[str, float]: ...
 
@@ -54,21 +79,3 @@ class Trainer(Protocol):
         """A checksum per weight tensor of the weights it published with its last step (or
         loaded), in the engine's names; None: none taken."""
         ...
-
-
-class Checkpointable(Protocol):
-    """Backend state that checkpoints carry (a trainer's weights and optimizer, an engine's RNG).
-
-    Called from a worker thread, never on the event loop. `save` writes the object's own files
-    (names of its choosing, none of the pipeline's: see `stages.checkpoint`) into a step
-    directory that is then committed by an atomic rename; `load` reads them back on resume;
-    `close` lets go of threads and devices at the run's end (closing twice is harmless).
-    `save` raises `NonFiniteState` (pipeline.errors) rather than write NaN or infinity; `load`
-    raises `DamagedState` for files that are missing, torn or not finite.
-    """
-
-    def save(self, directory: Path) -> None: ...
-
-    def load(self, directory: Path) -> None: ...
-
-    def close(self) -> None: ...

@@ -15,13 +15,15 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import json
 import math
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import anyio
 
-from pipeline.errors import RequestRejected, RetryableEngineError
+from pipeline.errors import DamagedState, NonFiniteState, RequestRejected, RetryableEngineError
 from pipeline.messages import Completion, TrainGroup
 
 
@@ -170,6 +172,15 @@ class FakeEngine:
     def memory_in_use(self) -> int | None:
         return self.held_when_down if self.down else None
 
+    def save(self, directory: Path) -> None:
+        """No state of its own: checkpoints hold nothing of it."""
+
+    def load(self, directory: Path) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
     def fingerprint(self) -> Mapping[str, int] | None:
         return self.served
 
@@ -177,7 +188,10 @@ class FakeEngine:
 class FakeTrainer:
     """Records every train step; `latency` slows it down on the given time source;
     `skipped_steps` (step indices, from 0) report a non-finite loss and no applied update;
-    from `nonfinite_state_from` steps on, `state()` holds a NaN (weights gone bad)."""
+    from `nonfinite_state_from` steps on, its state holds a NaN (weights gone bad: `save`
+    raises `NonFiniteState`). Checkpoints hold its step count in `trainer.json`."""
+
+    FILE = "trainer.json"
 
     def __init__(
         self,
@@ -210,12 +224,31 @@ class FakeTrainer:
             return {"train/loss": math.nan, "train/applied_updates": 0.0}
         return {"train/loss": 0.0, "train/grad_norm": 0.0, "train/applied_updates": 1.0}
 
-    def state(self) -> Mapping[str, Any]:
-        bad = self.nonfinite_state_from is not None and len(self.steps) >= self.nonfinite_state_from
-        return {"steps": len(self.steps), "scale": math.nan if bad else 1.0}
+    @property
+    def completed_steps(self) -> int:
+        return len(self.steps)
 
-    def load_state(self, state: Mapping[str, Any]) -> None:
+    def save(self, directory: Path) -> None:
+        bad = self.nonfinite_state_from is not None and len(self.steps) >= self.nonfinite_state_from
+        if bad:
+            raise NonFiniteState(f"{self.FILE} would hold non-finite values at scale")
+        (directory / self.FILE).write_text(json.dumps({"steps": len(self.steps), "scale": 1.0}))
+
+    def load(self, directory: Path) -> None:
+        """Restores the number of steps (as empty ones); `DamagedState` for a file missing, not
+        JSON, or with a non-finite `scale`."""
+        try:
+            state = json.loads((directory / self.FILE).read_text())
+        except FileNotFoundError:
+            raise DamagedState(f"{self.FILE} is missing") from None
+        except (OSError, ValueError) as error:
+            raise DamagedState(f"{self.FILE} does not load: {type(error).__name__}: {error}") from None
+        if not math.isfinite(state["scale"]):
+            raise DamagedState(f"{self.FILE} holds non-finite values at scale")
         self.steps = [[] for _ in range(int(state["steps"]))]
+
+    def close(self) -> None:
+        pass
 
     def fingerprint(self) -> Mapping[str, int] | None:
         return self.published

@@ -1,50 +1,64 @@
-"""Checkpoints: atomic saves, retention and resume.
+"""Checkpoints and resume: atomic saves, retention, verified resume, `inspect`.
 
-Layout under `run.dir/checkpoints/`:
+Layout under `run.dir/checkpoints/` (the pipeline's own file names are the constants below; each
+backend part names its own, e.g. the torch backend's `trainer.pt` and `engine.pt`):
 
     step-000010/            a committed checkpoint
-        trainer.pt          model, optimizer, scheduler and trainer RNG (torch.save)
-        engine.pt           the engine's sampling RNG (when the engine has one)
+        <backend files>     what each `Checkpointable` part (trainer, engine) saved
         state.msgpack       policy version, step, batch and prompt cursors, counters, Python RNG
         recipe.yaml         the resolved recipe it was written with
-        COMMITTED           written last, listing the step and the files: a directory without
+        COMMITTED           written last, listing the step and every file: a directory without
                             it is not a checkpoint
     .tmp-step-000012-*      a save in progress (or an orphan of a killed one, removed at start)
+    damaged-step-000009/    a committed checkpoint that did not load, set aside by a resume
 
-Save: write each file into a temporary directory and fsync it, write the marker and fsync it,
-fsync the directory, rename it into place, fsync `checkpoints/`. A kill at any point leaves
-either the previous committed checkpoints untouched or the new one complete. A state holding
-NaN or infinity is never written (`NonFiniteState`), so retention never drops a good
-checkpoint for a bad one; a failed save raises `CheckpointError` naming its cause. Resume
-verifies what it reads (`stages.resume`). After a save only
-the newest `keep_last` committed checkpoints are kept; a failed purge is logged, never fatal.
+Save: each part writes its files into a temporary directory, then the pipeline's; each is
+fsynced, the marker written and fsynced, the directory renamed into place, `checkpoints/`
+fsynced. A kill at any point leaves either the previous committed checkpoints untouched or the
+new one complete. A part whose state holds NaN or infinity refuses to write it
+(`NonFiniteState`), so retention never drops a good checkpoint for a bad one; a failed save
+raises `CheckpointError` naming its cause. After a save only the newest `keep_last` committed
+checkpoints are kept; a failed purge is logged, never fatal.
 
-Resume reads committed checkpoints only. Work admitted after the checkpoint's step (batches
-still generating, or generated and not yet trained) is not saved: the prompt cursor points
-just past the last trained batch, so those prompts are drawn and generated again after a
-resume and every prompt is trained exactly once.
+Resume reads committed checkpoints only. A checkpoint is usable when every file its marker lists
+(for markers that list none: `state.msgpack` and `recipe.yaml`) is present and reads, and every
+part loads its own (`DamagedState` otherwise). With `checkpoint.resume: auto` a damaged newest
+checkpoint is reported in one line and the previous one is tried; the damaged ones are renamed
+`damaged-step-NNNNNN` once the run holds the run directory, so neither a later resume nor
+retention counts them. A checkpoint named by path must itself be usable. Work admitted after the
+checkpoint's step is not saved: the prompt cursor points just past the last trained batch, so
+those prompts are drawn and generated again and every prompt is trained exactly once.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import random
 import shutil
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import msgspec
+import yaml
 
-from pipeline.errors import PipelineError, RecipeError
+from pipeline.errors import DamagedState, NonFiniteState, PipelineError, RecipeError
+from pipeline.metrics import EVAL_FILE, STEPS_FILE, finite, read
+from pipeline.protocols import Checkpointable
 from pipeline.recipe import dump, lookup
+from stages.run_dir import LOCK_FILE
 
 log = logging.getLogger("stages.checkpoint")
 
 MARKER = "COMMITTED"
+STATE_FILE = "state.msgpack"
+RECIPE_FILE = "recipe.yaml"
 PREFIX = "step-"
 TMP_PREFIX = ".tmp-"
+DAMAGED_PREFIX = "damaged-"
 
 
 class PipelineState(msgspec.Struct, kw_only=True):
@@ -62,17 +76,8 @@ class PipelineState(msgspec.Struct, kw_only=True):
     python_rng: list[Any]
 
 
-def _fsync_file(path: Path) -> None:
-    with path.open("rb+") as handle:
-        os.fsync(handle.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+class CheckpointError(PipelineError):
+    """A checkpoint could not be written (the run stops; the committed ones are intact)."""
 
 
 def committed(root: Path) -> list[Path]:
@@ -81,6 +86,11 @@ def committed(root: Path) -> list[Path]:
         return []
     found = [p for p in root.iterdir() if p.name.startswith(PREFIX) and (p / MARKER).is_file()]
     return sorted(found, key=lambda p: int(p.name[len(PREFIX) :]))
+
+
+def newest(root: Path) -> Path | None:
+    found = committed(root)
+    return found[-1] if found else None
 
 
 def clean_orphans(root: Path) -> None:
@@ -95,19 +105,10 @@ def clean_orphans(root: Path) -> None:
             shutil.rmtree(path, ignore_errors=True)
 
 
-Writer = Callable[[Path], None]
-
-
-class NonFiniteState(Exception):
-    """What a writer raises for a state holding NaN or infinity: such a state is never saved."""
-
-
-class CheckpointError(PipelineError):
-    """A checkpoint could not be written (the run stops; the committed ones are intact)."""
-
-
 class Checkpointer:
-    """Writes committed checkpoints; `hook(stage_name)` lets tests kill the process mid-save."""
+    """Writes committed checkpoints; `hook(point)` lets tests kill the process mid-save
+    (`before_files`, `after:<file>` for each file, `before_marker`, `before_rename`,
+    `after_rename`)."""
 
     def __init__(self, root: Path, *, keep_last: int, hook: Callable[[str], None] | None = None) -> None:
         self.root = root
@@ -128,13 +129,16 @@ class Checkpointer:
                 "make it writable or choose another run.dir"
             ) from None
 
-    def save(self, step: int, files: dict[str, Writer], recipe: msgspec.Struct) -> Path:
-        """Write and commit step `step`'s checkpoint; a failure (a full disk, a state that is not
-        finite) raises `CheckpointError`, leaving the committed checkpoints as they were."""
+    def save(
+        self, step: int, parts: Sequence[Checkpointable], state: PipelineState, recipe: msgspec.Struct
+    ) -> Path:
+        """Write and commit step `step`'s checkpoint (on a worker thread); a failure (a full disk,
+        a state that is not finite) raises `CheckpointError`, leaving the committed ones as
+        they were."""
         final = self.root / f"{PREFIX}{step:06d}"
         tmp = self.root / f"{TMP_PREFIX}{PREFIX}{step:06d}-{os.getpid()}"
         try:
-            self._write(tmp, files, recipe, step)
+            self._write(tmp, parts, state, recipe)
         except (OSError, NonFiniteState) as error:
             shutil.rmtree(tmp, ignore_errors=True)
             kept = committed(self.root)
@@ -152,22 +156,34 @@ class Checkpointer:
         self.last_step = step
         return final
 
-    def _write(self, tmp: Path, files: dict[str, Writer], recipe: msgspec.Struct, step: int) -> None:
+    def _write(
+        self, tmp: Path, parts: Sequence[Checkpointable], state: PipelineState, recipe: msgspec.Struct
+    ) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
         self.hook("before_files")
-        for name, write in files.items():
-            write(tmp / name)
-            _fsync_file(tmp / name)
-            self.hook(f"after:{name}")
-        (tmp / "recipe.yaml").write_text(dump(recipe))
-        _fsync_file(tmp / "recipe.yaml")
+        written: list[str] = []
+
+        def wrote_since() -> None:
+            for name in sorted(set(_files(tmp)) - set(written)):
+                _fsync_file(tmp / name)
+                written.append(name)
+                self.hook(f"after:{name}")
+
+        for part in parts:
+            part.save(tmp)
+            wrote_since()
+        (tmp / STATE_FILE).write_bytes(msgspec.msgpack.encode(state))
+        wrote_since()
+        (tmp / RECIPE_FILE).write_text(dump(recipe))
+        wrote_since()
         self.hook("before_marker")
         # The marker lists the files, so a resume can tell a complete checkpoint from a damaged one.
-        (tmp / MARKER).write_text("".join(f"{line}\n" for line in (step, *files, "recipe.yaml")))
+        (tmp / MARKER).write_text("".join(f"{line}\n" for line in (state.step, *written)))
         _fsync_file(tmp / MARKER)
-        _fsync_dir(tmp)
+        for directory in sorted({(tmp / name).parent for name in written}, reverse=True):
+            _fsync_dir(directory)
 
     def _purge(self) -> None:
         for old in committed(self.root)[: -self.keep_last]:
@@ -175,6 +191,170 @@ class Checkpointer:
                 shutil.rmtree(old)
             except OSError as error:
                 log.warning("could not remove old checkpoint %s: %s", old, error)
+
+
+def _files(directory: Path) -> list[str]:
+    """The files under `directory` (a part may write a folder of its own), as relative paths."""
+    return sorted(p.relative_to(directory).as_posix() for p in directory.rglob("*") if p.is_file())
+
+
+def _fsync_file(path: Path) -> None:
+    with path.open("rb+") as handle:
+        os.fsync(handle.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# -- resume -----------------------------------------------------------------------------------
+
+
+class Saved(msgspec.Struct, frozen=True, kw_only=True):
+    """A committed checkpoint's own files, read and decoded."""
+
+    path: Path
+    state: PipelineState
+    recipe: dict[str, Any]
+
+
+def read_saved(path: Path) -> Saved:
+    """`path`'s marker-listed files present, its state and recipe decoded; `DamagedState` if not."""
+    try:
+        listed = (path / MARKER).read_text().split()[1:]
+        for name in listed or (STATE_FILE, RECIPE_FILE):
+            if not (path / name).is_file():
+                raise DamagedState(f"{name} is missing")
+        state = msgspec.msgpack.decode((path / STATE_FILE).read_bytes(), type=PipelineState)
+        recipe = yaml.safe_load((path / RECIPE_FILE).read_text())
+    except (OSError, msgspec.DecodeError, yaml.YAMLError) as error:
+        raise DamagedState(f"{type(error).__name__}: {error}") from None
+    if not isinstance(recipe, dict):
+        raise DamagedState(f"{RECIPE_FILE} is not a recipe")
+    return Saved(path=path, state=state, recipe=recipe)
+
+
+class Resumed(msgspec.Struct, frozen=True, kw_only=True):
+    saved: Saved
+    load_s: float  # reading, verifying and loading it
+    damaged: tuple[Path, ...]  # newer committed checkpoints that did not load
+
+    @property
+    def state(self) -> PipelineState:
+        return self.saved.state
+
+
+class Resume:
+    """The committed checkpoints a run may resume from, tried newest first.
+
+    `open_resume` builds it and finds the newest checkpoint whose own files read, checked
+    against the recipe by `check` (before the backend is built: a refused resume costs no model
+    load); `load(parts)` then loads every part from it, moving on to the one before while a
+    part finds its files damaged. `newest` is the newest committed checkpoint when it looked,
+    damaged or not (a run that finds another one after taking the lock was raced).
+    """
+
+    def __init__(self, candidates: list[Path], *, named: bool, check: Callable[[Saved], None]) -> None:
+        self._candidates = candidates
+        self.named = named
+        self.check = check
+        self.newest = None if named or not candidates else candidates[0]
+        self.damaged: list[Path] = []
+        self.read_s = 0.0
+        self.current = self._next()
+
+    def _next(self) -> Saved | None:
+        start = time.perf_counter()
+        try:
+            while self._candidates:
+                path = self._candidates.pop(0)
+                try:
+                    found = read_saved(path)
+                except DamagedState as error:
+                    self._damaged(path, error)
+                    continue
+                self.check(found)
+                return found
+            if self.damaged:
+                raise PipelineError(
+                    f"no usable checkpoint in {self.damaged[0].parent}: every committed one is damaged "
+                    "(see the warnings above); move checkpoints/ away to start afresh"
+                )
+            return None
+        finally:
+            self.read_s += time.perf_counter() - start
+
+    def _damaged(self, path: Path, error: DamagedState) -> None:
+        if self.named:
+            raise RecipeError(f"checkpoint.resume: {path} cannot be used: {error}")
+        self.damaged.append(path)
+        log.warning("checkpoint %s is damaged (%s); trying the one before it", path, error)
+
+    def load(self, parts: Sequence[Checkpointable]) -> Resumed | None:
+        """Load `parts` from the newest usable checkpoint (on a worker thread); None: none to
+        resume from, start fresh."""
+        start = time.perf_counter()
+        while self.current is not None:
+            try:
+                for part in parts:
+                    part.load(self.current.path)
+            except DamagedState as error:
+                self._damaged(self.current.path, error)
+                self.current = self._next()
+                continue
+            load_s = self.read_s + time.perf_counter() - start
+            return Resumed(saved=self.current, load_s=load_s, damaged=tuple(self.damaged))
+        return None
+
+
+def open_resume(run_dir: Path, recipe: Any) -> Resume | None:
+    """What `checkpoint.resume` asks for: None to start fresh (`never`, or nothing committed)."""
+    resume = recipe.checkpoint.resume
+    if resume == "never":
+        if run_dir.exists() and any(p.name != LOCK_FILE for p in run_dir.iterdir()):
+            raise RecipeError(
+                f"checkpoint.resume: run.dir {run_dir} is not empty and resume is 'never'; "
+                "choose another run.dir or set checkpoint.resume: auto"
+            )
+        return None
+    if resume == "auto":
+        candidates = list(reversed(committed(run_dir / "checkpoints")))
+        if not candidates:
+            return None
+    else:
+        path = Path(resume)
+        if not (path / MARKER).is_file():
+            raise RecipeError(f"checkpoint.resume: {path} is not a committed checkpoint (no {MARKER} file)")
+        candidates = [path]
+    return Resume(candidates, named=resume != "auto", check=lambda saved: check_resume(recipe, saved))
+
+
+def set_aside(damaged: Sequence[Path]) -> None:
+    for path in damaged:
+        os.replace(path, path.with_name(DAMAGED_PREFIX + path.name))
+
+
+def restore_metrics(run_dir: Path, state: PipelineState) -> None:
+    """Make the metrics files end at the checkpoint's step.
+
+    Drops records of later steps (logged by the interrupted run) and a line cut short by a
+    kill; if the run was killed between the checkpoint and its step's line, writes that line
+    back from the checkpoint, marked `metrics/recovered` (without the save's and the wake's
+    timings).
+    """
+    for name, recover in ((STEPS_FILE, True), (EVAL_FILE, False)):
+        path = run_dir / name
+        records = read(path) if path.exists() else []  # read skips a line a kill cut short
+        keep = [r for r in records if r.get("step", 0) <= state.step]
+        if recover and state.last_record is not None and not any(r.get("step") == state.step for r in keep):
+            keep.append(finite({**state.last_record, "metrics/recovered": 1}))
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in keep))
+        tmp.replace(path)
 
 
 # Recipe fields a checkpoint cannot survive changing, or that a resume would silently ignore:
@@ -186,11 +366,18 @@ BINDING_FIELDS = (
     "prompts.source",
     "rollout.samples_per_prompt",
     "run.seed",
+    "train.backend",
     "train.lr",
     "train.weight_decay",
     "train.beta1",
     "train.beta2",
 )
+
+
+def check_resume(recipe: Any, saved: Saved) -> None:
+    """`RecipeError` when `recipe` cannot continue the run `saved` checkpointed."""
+    check_compatible(with_defaults(saved.recipe, type(recipe)), msgspec.to_builtins(recipe), saved.path)
+    check_steps_left(recipe.run.steps, saved.state, saved.path)
 
 
 def with_defaults(saved: dict[str, Any], recipe_type: type) -> dict[str, Any]:
@@ -235,26 +422,27 @@ def set_python_rng_state(state: list[Any]) -> None:
     random.setstate((state[0], tuple(state[1]), state[2]))
 
 
+# -- inspect ----------------------------------------------------------------------------------
+
+
 def describe(checkpoint: Path, against: dict[str, Any] | None = None) -> str:
     """What `python -m pipeline inspect` prints: step, version, files, recipe differences."""
-    import yaml
-
     if not (checkpoint / MARKER).is_file():
         raise RecipeError(f"{checkpoint}: not a committed checkpoint (no {MARKER} file)")
-    state = msgspec.msgpack.decode((checkpoint / "state.msgpack").read_bytes(), type=PipelineState)
+    state = msgspec.msgpack.decode((checkpoint / STATE_FILE).read_bytes(), type=PipelineState)
     lines = [
         f"checkpoint {checkpoint}",
         f"  step {state.step}, policy_version {state.policy_version}, next batch {state.next_batch}",
         "  files:",
     ]
-    for path in sorted(checkpoint.iterdir()):
-        lines.append(f"    {path.name:<16} {path.stat().st_size:>12,} bytes")
+    for name in _files(checkpoint):
+        lines.append(f"    {name:<16} {(checkpoint / name).stat().st_size:>12,} bytes")
     counters = {f"rollout/{k}": v for k, v in state.rollout_counts.items()}
     counters |= {f"reward/{k}": v for k, v in state.reward_counts.items()}
     if counters:
         lines.append("  counters: " + ", ".join(f"{k}={v}" for k, v in sorted(counters.items())))
     if against is not None:
-        saved = yaml.safe_load((checkpoint / "recipe.yaml").read_text())
+        saved = yaml.safe_load((checkpoint / RECIPE_FILE).read_text())
         diffs = list(_diff(saved, against, ""))
         lines.append(
             "  recipe: same as given" if not diffs else "  recipe differences (checkpoint -> given):"

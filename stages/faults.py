@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Annotated
 
 import msgspec
@@ -76,3 +77,12 @@ class FaultyEngine:
 
     def fingerprint(self) -> Mapping[str, int] | None:
         return self.engine.fingerprint()
+
+    def save(self, directory: Path) -> None:
+        self.engine.save(directory)
+
+    def load(self, directory: Path) -> None:
+        self.engine.load(directory)
+
+    def close(self) -> None:
+        self.engine.close()

@@ -25,15 +25,14 @@ from backends.torch.config import ModelConfig
 from backends.torch.errors import ModelLoadError
 from backends.torch.hf import CONFIG_FILE, load_pretrained, read_config, save_pretrained
 from backends.torch.model import Decoder
-from pipeline.errors import RecipeError
+from backends.torch.state_file import TRAINER_FILE, load_state
+from pipeline.errors import DamagedState, RecipeError
 from pipeline.recipe import convert
+from stages.checkpoint import RECIPE_FILE
 from stages.hf_tokenizer import GENERATION_CONFIG_FILE, TOKENIZER_FILE, TOKENIZER_FILES, HFTokenizer
 from stages.prompts import build_tokenizer
 from stages.recipe import Recipe
 from stages.tokenizer import CHAR_TOKENIZER_FILE, CharTokenizer, Tokenizer
-
-TRAINER_FILE = "trainer.pt"
-RECIPE_FILE = "recipe.yaml"
 
 
 @dataclass
@@ -100,8 +99,10 @@ def _open_checkpoint(path: Path, device: str) -> OpenedModel:
     else:
         assert section.config is not None
         config = section.config
-    # mmap: the optimizer state beside the weights is never read into memory.
-    state = torch.load(path / TRAINER_FILE, map_location="cpu", mmap=True, weights_only=False)
+    try:  # mmap: the optimizer state beside the weights is never read into memory
+        state = load_state(path / TRAINER_FILE, mmap=True)
+    except DamagedState as error:
+        raise RecipeError(f"{path}: {error}") from None
     if "model" not in state:
         raise RecipeError(f"{path / TRAINER_FILE}: no 'model' entry (not a trainer checkpoint)")
     weights = state["model"]

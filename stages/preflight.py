@@ -13,18 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-import msgspec
-import yaml
-
 from pipeline.errors import RecipeError
-from stages.checkpoint import (
-    MARKER,
-    PipelineState,
-    check_compatible,
-    check_steps_left,
-    committed,
-    with_defaults,
-)
+from stages.checkpoint import open_resume
 from stages.prompts import PromptSet, build_prompts
 from stages.recipe import Recipe
 from stages.reward import RewardFn, resolve
@@ -57,24 +47,8 @@ def preflight(recipe: Recipe, *, model: bool = True, resume: bool = True) -> Che
 
 def _check_resume(recipe: Recipe) -> None:
     """The checkpoint a run would resume from, against this recipe, read without its weights."""
-    if recipe.checkpoint.resume == "never":
-        return  # whether run.dir is empty is the run's to say, when it starts
-    if recipe.checkpoint.resume == "auto":
-        found = committed(Path(recipe.run.dir) / "checkpoints")
-        if not found:
-            return
-        path = found[-1]
-    else:
-        path = Path(recipe.checkpoint.resume)
-        if not (path / MARKER).is_file():
-            raise RecipeError(f"checkpoint.resume: {path} is not a committed checkpoint (no {MARKER} file)")
-    try:
-        saved = yaml.safe_load((path / "recipe.yaml").read_text())
-        state = msgspec.msgpack.decode((path / "state.msgpack").read_bytes(), type=PipelineState)
-    except (OSError, msgspec.DecodeError, yaml.YAMLError):
-        return  # a damaged checkpoint: the run reports it and resumes from the one before
-    check_compatible(with_defaults(saved, type(recipe)), msgspec.to_builtins(recipe), path)
-    check_steps_left(recipe.run.steps, state, path)
+    if recipe.checkpoint.resume != "never":  # whether run.dir is empty is the run's to say
+        open_resume(Path(recipe.run.dir), recipe)
 
 
 def _check_model(recipe: Recipe) -> int | None:

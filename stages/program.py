@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import random
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -21,7 +19,7 @@ from pipeline.errors import PipelineError
 from pipeline.gate import EngineGate
 from pipeline.logs import reset_warnings
 from pipeline.messages import Batch, Dropped, Group
-from pipeline.metrics import EVAL_FILE, STEPS_FILE, MetricsLog, finite, read
+from pipeline.metrics import MetricsLog
 from pipeline.plot import draw_apart
 from pipeline.protocols import Engine, Trainer
 from pipeline.recipe import dump
@@ -33,17 +31,18 @@ from pipeline.trace import Trace
 from pipeline.watchdog import Watchdog
 from stages.admission import PromptStage
 from stages.checkpoint import (
+    RECIPE_FILE,
     Checkpointer,
     CheckpointError,
-    NonFiniteState,
     PipelineState,
-    check_compatible,
-    check_steps_left,
+    Resumed,
     clean_orphans,
-    committed,
+    newest,
+    open_resume,
     python_rng_state,
+    restore_metrics,
+    set_aside,
     set_python_rng_state,
-    with_defaults,
 )
 from stages.evaluation import Evaluation
 from stages.faults import FaultyEngine
@@ -52,7 +51,6 @@ from stages.preflight import Checked, preflight
 from stages.progress import Progress
 from stages.prompts import PromptSet
 from stages.recipe import Recipe
-from stages.resume import Resumed, nonfinite, open_resume, set_aside
 from stages.reward import RewardFn, RewardStage
 from stages.rollout import RolloutStage
 from stages.run_dir import RunDirLock, keep_earlier_runs
@@ -103,19 +101,19 @@ async def run_program(
     # off the event loop, so a host application embedding the pipeline keeps its turns; and
     # without the garbage collector's full passes, which hold the GIL 100-300 ms each.
     with start_up():
-        resumed = await anyio.to_thread.run_sync(open_resume, run_dir, recipe.checkpoint.resume)
-        if resumed is not None:
-            saved = with_defaults(resumed.recipe, type(recipe))
-            check_compatible(saved, msgspec.to_builtins(recipe), resumed.path)
-            check_steps_left(recipe.run.steps, resumed.state, resumed.path)
+        resume = await anyio.to_thread.run_sync(open_resume, run_dir, recipe)
         checked, backend = await anyio.to_thread.run_sync(_start, recipe, built)
     prompts, reward_fn = checked.prompts, checked.reward_fn
     if backend is not None:
         engine, trainer = backend
     assert engine is not None and trainer is not None
     try:
+        resumed = None
+        if resume is not None:
+            resumed = await anyio.to_thread.run_sync(resume.load, (trainer, engine))
         lock.acquire()
-        if recipe.checkpoint.resume == "auto" and _newest(run_dir) != _newest_at_start(resumed):
+        seen = resume.newest if resume is not None else None  # the newest when it looked
+        if recipe.checkpoint.resume == "auto" and newest(run_dir / "checkpoints") != seen:
             raise PipelineError(
                 f"run.dir: another run wrote a checkpoint to {run_dir} while this one loaded; start again"
             )
@@ -147,11 +145,11 @@ async def run_program(
         lock.release()
 
 
-def _close(engine: Any, trainer: Any, built: bool) -> None:
+def _close(engine: Engine, trainer: Trainer, built: bool) -> None:
     """Stop the threads of a backend this run built (closing twice is harmless)."""
     if built:
-        for part in (engine, trainer):
-            getattr(part, "close", lambda: None)()
+        engine.close()
+        trainer.close()
 
 
 async def _run_locked(
@@ -174,7 +172,7 @@ async def _run_locked(
     """The run, once run.dir is locked and everything it needs has loaded."""
     seed = recipe.run.seed
     keep_earlier_runs(run_dir, fresh=resumed is None)
-    (run_dir / "recipe.yaml").write_text(dump(recipe))
+    (run_dir / RECIPE_FILE).write_text(dump(recipe))
     checkpoints = Checkpointer(
         run_dir / "checkpoints", keep_last=recipe.checkpoint.keep_last, hook=checkpoint_hook
     )
@@ -182,14 +180,11 @@ async def _run_locked(
     checkpoints.check_writable()
     if resumed is not None:
         set_aside(resumed.damaged)
-        start = time.perf_counter()
-        await anyio.to_thread.run_sync(_load_backend_state, resumed, trainer, engine)
-        load_s = resumed.load_s + time.perf_counter() - start
         prompts.train.skip(resumed.state.next_batch * recipe.prompts.prompts_per_step)
         set_python_rng_state(resumed.state.python_rng)
-        _restore_metrics(run_dir / STEPS_FILE, resumed.state)
-        _restore_metrics(run_dir / EVAL_FILE, resumed.state, recover=False)
-        log.info("resumed from %s (step %d) in %.3f s", resumed.path, resumed.state.step, load_s)
+        restore_metrics(run_dir, resumed.state)
+        saved = resumed.saved
+        log.info("resumed from %s (step %d) in %.3f s", saved.path, saved.state.step, resumed.load_s)
     clock = DeadlineClock(time_source)
     backend_engine = engine  # checkpoints hold its state; the fault wrapper has none of its own
     if recipe.faults.enabled:
@@ -271,12 +266,7 @@ async def _run_locked(
             python_rng=python_rng_state(),
             last_record=record,
         )
-        files = {"trainer.pt": _torch_writer(trainer.state())}  # type: ignore[attr-defined]
-        engine_state = getattr(backend_engine, "state", None)
-        if engine_state is not None:
-            files["engine.pt"] = _torch_writer(engine_state())
-        files["state.msgpack"] = lambda path: path.write_bytes(msgspec.msgpack.encode(state))
-        await anyio.to_thread.run_sync(checkpoints.save, step, files, recipe)
+        await anyio.to_thread.run_sync(checkpoints.save, step, (trainer, backend_engine), state, recipe)
         # The trace so far, so a run killed later still leaves one.
         await anyio.to_thread.run_sync(trace.write, run_dir / "trace.json", trace.snapshot())
 
@@ -321,7 +311,7 @@ async def _run_locked(
         save_due=lambda step: (
             bool(recipe.checkpoint.every_steps) and step % recipe.checkpoint.every_steps == 0
         ),
-        save=save if hasattr(trainer, "state") else None,
+        save=save,
         evaluation=evaluation,
         echo=_both(echo, console.record if console else None),
         on_eval=_both(on_eval, console.evaluation if console else None),
@@ -351,11 +341,11 @@ async def _run_locked(
     def consistent() -> bool:
         # A step cancelled after its worker thread finished has changed the weights without
         # being published: saving then would label step k+1's weights as step k.
-        return getattr(trainer, "completed_steps", progress.steps_done) == progress.steps_done
+        return trainer.completed_steps == progress.steps_done
 
     async def final_save() -> None:
         """The save of a clean stop; in-step saves go through the gate (which traces them)."""
-        if hasattr(trainer, "state") and progress.steps_done > checkpoints.last_step and consistent():
+        if progress.steps_done > checkpoints.last_step and consistent():
             start = clock.source.now()
             await save(progress.steps_done, train.next_batch, None)
             trace.span("save", start, clock.source.now(), track="train")
@@ -478,58 +468,7 @@ def _start(recipe: Recipe, build: bool) -> tuple[Checked, tuple[Engine, Trainer]
     return checked, build_backend(recipe, vocab_size=tokenizer.vocab_size, stop_ids=tokenizer.stop_ids)
 
 
-def _torch_writer(state: Any) -> Callable[[Path], None]:
-    def write(path: Path) -> None:
-        import torch
-
-        where = nonfinite(state)
-        if where is not None:
-            raise NonFiniteState(f"{path.name} would hold non-finite values at {where}")
-        torch.save(state, path)
-
-    return write
-
-
 def _fingerprints(engine: Any, trainer: Any) -> bool:
     """Whether both sides take weight fingerprints (an engine or trainer passed in by an
     embedding application may predate `fingerprint` in the protocols: its run goes unchecked)."""
     return all(callable(getattr(part, "fingerprint", None)) for part in (engine, trainer))
-
-
-def _load_backend_state(resumed: Resumed, trainer: Any, engine: Any) -> None:
-    """Load the checkpoint's states into the backend and let go of them (on a GPU run they are
-    device tensors as large as the model and its optimizer)."""
-    trainer.load_state(resumed.states.pop("trainer.pt"))
-    engine_state = resumed.states.pop("engine.pt", None)
-    if engine_state is not None and hasattr(engine, "load_state"):
-        engine.load_state(engine_state)
-
-
-def _newest(run_dir: Path) -> Path | None:
-    found = committed(run_dir / "checkpoints")
-    return found[-1] if found else None
-
-
-def _newest_at_start(resumed: Resumed | None) -> Path | None:
-    """The newest committed checkpoint when this run looked: the resumed one, or the newest of
-    the damaged ones it skipped (still in place: they are set aside later)."""
-    if resumed is None:
-        return None
-    return resumed.damaged[0] if resumed.damaged else resumed.path
-
-
-def _restore_metrics(path: Path, state: PipelineState, *, recover: bool = True) -> None:
-    """Make a metrics file end at the checkpoint's step.
-
-    Drops records of later steps (logged by the interrupted run) and a line cut short by a
-    kill; if the run was killed between the checkpoint and its step's line, writes that line
-    back from the checkpoint (with `recover`), marked `metrics/recovered` (without the save's
-    and the wake's timings).
-    """
-    records = read(path) if path.exists() else []  # read skips a line a kill cut short
-    keep = [r for r in records if r.get("step", 0) <= state.step]
-    if recover and state.last_record is not None and not any(r.get("step") == state.step for r in keep):
-        keep.append(finite({**state.last_record, "metrics/recovered": 1}))
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in keep))
-    tmp.replace(path)

@@ -21,6 +21,7 @@ instead of failing the batched call of every request gathered with it.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, Protocol
 
 import anyio
@@ -30,6 +31,7 @@ from backends.torch.compute import ComputeThread
 from backends.torch.fingerprint import Fingerprinter, Probe
 from backends.torch.model import Decoder
 from backends.torch.sampling import check_arguments, check_prompts
+from backends.torch.state_file import ENGINE_FILE, load_state, save_state
 from pipeline.errors import RequestRejected
 from pipeline.messages import Completion
 
@@ -226,6 +228,12 @@ class TorchEngine:
 
     def fingerprint(self) -> dict[str, int] | None:
         return self._served
+
+    def save(self, directory: Path) -> None:
+        save_state(directory / ENGINE_FILE, self.state())
+
+    def load(self, directory: Path) -> None:
+        self.load_state(load_state(directory / ENGINE_FILE))
 
     def state(self) -> dict[str, Any]:
         return {"generator": self.generator.get_state()}

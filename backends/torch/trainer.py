@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -24,6 +25,7 @@ from backends.torch.grouped import response_logprobs
 from backends.torch.grpo_loss import LossConfig, grpo_token_loss, mismatch_metrics
 from backends.torch.model import Decoder
 from backends.torch.precision import MasterWeights, StreamedParking
+from backends.torch.state_file import TRAINER_FILE, load_state, save_state
 from pipeline.messages import TrainGroup
 
 
@@ -299,6 +301,12 @@ class TorchTrainer:
     def close(self) -> None:
         """Stop the compute thread (after its current call)."""
         self.compute.close()
+
+    def save(self, directory: Path) -> None:
+        save_state(directory / TRAINER_FILE, self.state())
+
+    def load(self, directory: Path) -> None:
+        self.load_state(load_state(directory / TRAINER_FILE))
 
     def state(self) -> dict[str, Any]:
         optimizer = self.optimizer.state_dict()

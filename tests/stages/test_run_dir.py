@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import subprocess
 import sys
@@ -13,7 +14,6 @@ from typing import Any
 
 import anyio
 import pytest
-import torch
 from test_flow import drive, make_recipe, metrics
 
 from pipeline.errors import PipelineError, RecipeError, StageFailed
@@ -157,15 +157,16 @@ def _truncate(path: Path) -> None:
     path.write_bytes(path.read_bytes()[:10])
 
 
-def _nan_optimizer(path: Path) -> None:
-    torch.save({"steps": 2, "moment": torch.tensor([1.0, float("nan")])}, path)
+def _nan_scale(path: Path) -> None:
+    path.write_text(json.dumps({"steps": 2, "scale": math.nan}))
 
 
 @pytest.mark.parametrize(
     ("name", "damage", "reason"),
     [
-        ("trainer.pt", _truncate, "trainer.pt does not load: "),
-        ("trainer.pt", _nan_optimizer, "trainer.pt holds non-finite values at moment"),
+        ("trainer.json", _truncate, "trainer.json does not load: "),
+        ("trainer.json", _nan_scale, "trainer.json holds non-finite values at scale"),
+        ("trainer.json", Path.unlink, "trainer.json is missing"),
         (
             "state.msgpack",
             lambda p: p.write_bytes(b"\x93garbled"),
@@ -173,7 +174,7 @@ def _nan_optimizer(path: Path) -> None:
         ),
         ("recipe.yaml", Path.unlink, "recipe.yaml is missing"),
     ],
-    ids=["truncated-trainer", "nan-optimizer", "garbled-state", "missing-recipe"],
+    ids=["truncated-trainer", "nan-trainer", "missing-trainer", "garbled-state", "missing-recipe"],
 )
 async def test_a_damaged_newest_checkpoint_is_reported_and_the_previous_one_resumed(
     tmp_path: Path, fake: FakeTime, caplog: pytest.LogCaptureFixture, name: str, damage: Any, reason: str
@@ -187,7 +188,7 @@ async def test_a_damaged_newest_checkpoint_is_reported_and_the_previous_one_resu
     assert summary.steps_done == 3
     assert len(trainer.steps) == 3  # one restored from step 1, two trained again
     assert [m["step"] for m in metrics(make_recipe(tmp_path))] == [1, 2, 3]
-    (warning,) = [r.getMessage() for r in caplog.records if r.name == "stages.resume"]
+    (warning,) = [r.getMessage() for r in caplog.records if r.name == "stages.checkpoint"]
     assert warning.startswith(f"checkpoint {root / 'step-000002'} is damaged ({reason}")
     assert warning.endswith("; trying the one before it")
     assert (root / "damaged-step-000002").is_dir()
@@ -198,7 +199,7 @@ async def test_when_every_checkpoint_is_damaged_the_run_says_so(tmp_path: Path, 
     await run(make_recipe(tmp_path, steps=2, checkpoint={"every_steps": 1}), fake)
     root = tmp_path / "run/checkpoints"
     for checkpoint in committed(root):
-        _truncate(checkpoint / "trainer.pt")
+        _truncate(checkpoint / "trainer.json")
     with pytest.raises(PipelineError) as raised:
         await run(make_recipe(tmp_path, steps=3), fake)
     assert str(raised.value) == (
@@ -216,7 +217,7 @@ async def test_a_non_finite_state_is_never_saved_over_the_last_good_one(
         await run(recipe, fake, trainer)
     root = tmp_path / "run/checkpoints"
     assert str(raised.value) == (
-        f"checkpoint: saving step 3 to {root / 'step-000003'} failed: trainer.pt would hold non-finite "
+        f"checkpoint: saving step 3 to {root / 'step-000003'} failed: trainer.json would hold non-finite "
         f"values at scale; the last good checkpoint is {root / 'step-000002'}"
     )
     assert [p.name for p in committed(root)] == ["step-000001", "step-000002"]
@@ -296,5 +297,5 @@ async def test_a_save_that_fails_on_cancellation_does_not_replace_the_cancellati
         "the save on cancellation failed too, after the run's error: CheckpointError: checkpoint: saving "
     )
     assert error.endswith(
-        "failed: trainer.pt would hold non-finite values at scale; the last good checkpoint is none"
+        "failed: trainer.json would hold non-finite values at scale; the last good checkpoint is none"
     )
