@@ -7,10 +7,8 @@ from collections.abc import Iterator
 from pipeline.channel import Channel
 from pipeline.messages import Batch, Prompt
 from pipeline.tickets import TicketBox
-from pipeline.trace import Trace
-from pipeline.watchdog import Watchdog
+from stages.context import RunContext
 from stages.progress import Progress
-from stages.timings import BatchTimings
 
 
 class PromptStage:
@@ -26,18 +24,16 @@ class PromptStage:
         tickets: TicketBox,
         out: Channel[Batch],
         progress: Progress,
-        watchdog: Watchdog,
-        trace: Trace,
-        timings: BatchTimings,
+        context: RunContext,
     ) -> None:
         self.prompts = prompts
         self.prompts_per_step = prompts_per_step
         self.tickets = tickets
         self.out = out
         self.progress = progress
-        self.watchdog = watchdog
-        self.trace = trace
-        self.timings = timings
+        self.watchdog = context.watchdog
+        self.trace = context.trace
+        self.timings = context.timings
 
     async def run(self) -> None:
         try:

@@ -1,4 +1,18 @@
-"""Assembles and runs the GRPO pipeline for a recipe: the one place that wires stages together."""
+"""Assembles and runs the GRPO pipeline for a recipe: the one place that wires stages together.
+
+    PromptStage --batches--> RolloutStage --generated--> RewardStage --scored--> TrainStage
+    (admission)  (L+1 deep)  (engine, via   (groups,     (reward fn)  (groups,   (BatchAssembler ->
+         ^                    the gate)      drops)                    drops)     step -> StepRecorder)
+         |                                                                          |  weights: refit,
+         +---------------------- tickets (L+1): back once a step is published -----+  or the wake
+                                                                                    +-> checkpoints/
+
+Channels hold `prompts_per_step * (L+1)` groups (`batches`: L+1 batches), so nothing queues past
+what the tickets admit. Every stage takes the one `RunContext` (clock, trace, watchdog, timings,
+metrics). `run_program` reads the checkpoint to resume from and builds the backend off the event
+loop (`backends.registry`), loads the checkpoint into it, takes the run directory's lock, and
+runs the stages (`_Pipeline`) to the last step or a clean stop, saving on the way out.
+"""
 
 from __future__ import annotations
 
@@ -30,6 +44,7 @@ from pipeline.tickets import TicketBox
 from pipeline.trace import Trace
 from pipeline.watchdog import Watchdog
 from stages.admission import PromptStage
+from stages.batch_assembly import BatchAssembler
 from stages.checkpoint import (
     RECIPE_FILE,
     Checkpointer,
@@ -44,6 +59,7 @@ from stages.checkpoint import (
     set_aside,
     set_python_rng_state,
 )
+from stages.context import RunContext
 from stages.evaluation import Evaluation
 from stages.faults import FaultyEngine
 from stages.gates import Verdict, give_verdict
@@ -54,6 +70,7 @@ from stages.recipe import Recipe
 from stages.reward import RewardFn, RewardStage
 from stages.rollout import RolloutStage
 from stages.run_dir import RunDirLock, keep_earlier_runs
+from stages.step_record import StepRecorder
 from stages.timings import BatchTimings
 from stages.train import TrainStage
 
@@ -170,7 +187,6 @@ async def _run_locked(
     checkpoint_hook: Callable[[str], None] | None,
 ) -> RunSummary:
     """The run, once run.dir is locked and everything it needs has loaded."""
-    seed = recipe.run.seed
     keep_earlier_runs(run_dir, fresh=resumed is None)
     (run_dir / RECIPE_FILE).write_text(dump(recipe))
     checkpoints = Checkpointer(
@@ -178,218 +194,68 @@ async def _run_locked(
     )
     clean_orphans(checkpoints.root)
     checkpoints.check_writable()
+    state = None
     if resumed is not None:
+        state = resumed.state
         set_aside(resumed.damaged)
-        prompts.train.skip(resumed.state.next_batch * recipe.prompts.prompts_per_step)
-        set_python_rng_state(resumed.state.python_rng)
-        restore_metrics(run_dir, resumed.state)
-        saved = resumed.saved
-        log.info("resumed from %s (step %d) in %.3f s", saved.path, saved.state.step, resumed.load_s)
+        prompts.train.skip(state.next_batch * recipe.prompts.prompts_per_step)
+        set_python_rng_state(state.python_rng)
+        restore_metrics(run_dir, state)
+        checkpoints.last_step = state.step
+        log.info("resumed from %s (step %d) in %.3f s", resumed.saved.path, state.step, resumed.load_s)
     clock = DeadlineClock(time_source)
-    backend_engine = engine  # checkpoints hold its state; the fault wrapper has none of its own
-    if recipe.faults.enabled:
-        engine = FaultyEngine(engine, recipe.faults, time=clock.source, seed=seed)
-    stop = stop or StopRequest()
-    trace = Trace(clock.source.now)
-    timings = BatchTimings()
-    version = resumed.state.policy_version if resumed else 0
-    first_batch = resumed.state.next_batch if resumed else 0
-    gate = EngineGate(
-        engine,
-        clock,
-        version=version,
-        # On the train track, so the transitions nest inside their step's span.
-        on_transition=lambda name, start, end: trace.span(name, start, end, track="train"),
-        checks=trainer if recipe.async_rl.handoff_checks and _fingerprints(backend_engine, trainer) else None,
-    )
-    lookahead = recipe.async_rl.max_lookahead_versions
-    tickets = TicketBox(lookahead, first_batch=first_batch)
-    progress = Progress(
-        steps=recipe.run.steps,
-        steps_done=resumed.state.step if resumed else 0,
-        empty_batches=resumed.state.empty_batches if resumed else 0,
-    )
-    per_step = recipe.prompts.prompts_per_step
-    batches: Channel[Batch] = Channel("batches", lookahead + 1)
-    generated: Channel[Group | Dropped] = Channel("generated", per_step * (lookahead + 1))
-    scored: Channel[Group | Dropped] = Channel("scored", per_step * (lookahead + 1))
-    watchdog = Watchdog(clock.source, stall_s=recipe.watchdog.stall_s, fail=recipe.watchdog.fail)
-    metrics = MetricsLog(
-        run_dir,
-        open_sinks(
-            recipe.wandb,
-            recipe.tensorboard,
+    context = RunContext(
+        clock=clock,
+        trace=Trace(clock.source.now),
+        watchdog=Watchdog(clock.source, stall_s=recipe.watchdog.stall_s, fail=recipe.watchdog.fail),
+        timings=BatchTimings(),
+        metrics=MetricsLog(
             run_dir,
-            msgspec.to_builtins(recipe),
-            resume_step=resumed.state.step if resumed else None,
+            open_sinks(
+                recipe.wandb,
+                recipe.tensorboard,
+                run_dir,
+                msgspec.to_builtins(recipe),
+                resume_step=state.step if state is not None else None,
+            ),
         ),
     )
-    queues = (batches, generated, scored)
-
-    def depths() -> dict[str, int]:
-        return {q.name: q.statistics().depth for q in queues}
-
-    rollout = RolloutStage(
-        recipe.rollout,
-        gate=gate,
-        clock=clock,
-        inp=batches,
-        out=generated,
-        watchdog=watchdog,
-        trace=trace,
-        timings=timings,
-    )
-    reward = RewardStage(
-        recipe.reward,
-        fn=reward_fn,
-        tokenizer=prompts.tokenizer,
-        clock=clock,
-        inp=generated,
-        out=scored,
-        watchdog=watchdog,
-        trace=trace,
-        timings=timings,
-    )
-    if resumed is not None:
-        rollout.counts.update(resumed.state.rollout_counts)
-        reward.counts.update(resumed.state.reward_counts)
-        checkpoints.last_step = resumed.state.step
-
-    async def save(step: int, next_batch: int, record: dict[str, Any] | None) -> None:
-        state = PipelineState(
-            step=step,
-            policy_version=gate.engine_version,
-            next_batch=next_batch,
-            rollout_counts=dict(rollout.counts),
-            reward_counts=dict(reward.counts),
-            empty_batches=progress.empty_batches,
-            python_rng=python_rng_state(),
-            last_record=record,
-        )
-        await anyio.to_thread.run_sync(checkpoints.save, step, (trainer, backend_engine), state, recipe)
-        # The trace so far, so a run killed later still leaves one.
-        await anyio.to_thread.run_sync(trace.write, run_dir / "trace.json", trace.snapshot())
-
-    def counters() -> dict[str, float]:
-        return {
-            "rollout/timeouts": rollout.counts["timeouts"],
-            "rollout/retries": rollout.counts["retries"],
-            "rollout/engine_errors": rollout.counts["engine_errors"],
-            "rollout/dropped_groups_total": rollout.counts["dropped_groups"],
-            "rollout/poisoned_samples_total": rollout.counts["poisoned_samples"],
-            "reward/failures": reward.counts["failures"],
-            **({"eval/skipped": evaluation.counts["skipped"]} if evaluation is not None else {}),
-        }
-
-    evaluation = None
-    if recipe.eval.every_steps:
-        evaluation = Evaluation(
-            recipe.eval,
-            prompts=prompts.heldout,
-            fn=reward_fn,
-            decode=prompts.tokenizer.decode,
-            rollout=recipe.rollout,
-            reward_s=recipe.reward.reward_s,
-            clock=clock,
-        )
-    train = TrainStage(
+    wired = _Pipeline(
+        recipe,
+        context,
+        state=state,
+        prompts=prompts,
+        reward_fn=reward_fn,
+        engine=engine,
         trainer=trainer,
-        gate=gate,
-        tickets=tickets,
-        progress=progress,
-        inp=scored,
-        metrics=metrics,
-        trace=trace,
-        clock=clock,
-        watchdog=watchdog,
-        prompts_per_step=per_step,
-        first_batch=first_batch,
-        counters=counters,
-        timings=timings,
-        max_lag=lookahead,
-        queues=depths,
-        save_due=lambda step: (
-            bool(recipe.checkpoint.every_steps) and step % recipe.checkpoint.every_steps == 0
-        ),
-        save=save,
-        evaluation=evaluation,
+        checkpoints=checkpoints,
         echo=_both(echo, console.record if console else None),
         on_eval=_both(on_eval, console.evaluation if console else None),
-        max_empty_in_row=recipe.train.max_consecutive_empty_batches,
-        max_skipped_in_row=recipe.train.max_consecutive_skipped_steps,
     )
-    stages = [
-        PromptStage(
-            prompts.train,
-            prompts_per_step=per_step,
-            tickets=tickets,
-            out=batches,
-            progress=progress,
-            watchdog=watchdog,
-            trace=trace,
-            timings=timings,
-        ),
-        rollout,
-        reward,
-        train,
-    ]
-
-    def on_stop() -> None:
-        progress.stop()
-        tickets.close()
-
-    def consistent() -> bool:
-        # A step cancelled after its worker thread finished has changed the weights without
-        # being published: saving then would label step k+1's weights as step k.
-        return trainer.completed_steps == progress.steps_done
-
-    async def final_save() -> None:
-        """The save of a clean stop; in-step saves go through the gate (which traces them)."""
-        if progress.steps_done > checkpoints.last_step and consistent():
-            start = clock.source.now()
-            await save(progress.steps_done, train.next_batch, None)
-            trace.span("save", start, clock.source.now(), track="train")
-
-    def snapshot() -> dict[str, Any]:
-        return {"gate": gate.state.value, "queues": depths()}
-
-    async def run_all() -> Any:
-        return await run_stages(
-            stages,
-            clock=clock,
-            watchdog=watchdog,
-            stop=stop,
-            on_stop=on_stop,
-            grace_s=recipe.run.stop_grace_s,
-        )
-
-    def close_backend() -> None:
-        _close(backend_engine, trainer, built)
-
     failing = False
     try:
         if console is not None and console.live:
-            outcome = await _beside(run_all, console.refresh, snapshot)
+            outcome = await _beside(lambda: wired.run(stop), console.refresh, wired.snapshot)
         else:
-            outcome = await run_all()
+            outcome = await wired.run(stop)
         if outcome.stopped:
-            await final_save()
+            await wired.final_save()
     except anyio.get_cancelled_exc_class():
         failing = True
         with anyio.CancelScope(shield=True):
-            await _never_masking(final_save, "the save on cancellation")
+            await _never_masking(wired.final_save, "the save on cancellation")
         raise
     except Exception as error:
         failing = True
         if not isinstance(error, CheckpointError):  # a last save, when the state allows one
             with anyio.CancelScope(shield=True):
-                await _never_masking(final_save, "the last save")
+                await _never_masking(wired.final_save, "the last save")
         raise
     finally:
         steps = [
-            ("closing the metrics", metrics.close),
-            ("closing the backend", close_backend),
-            ("writing trace.json", lambda: trace.write(run_dir / "trace.json")),
+            ("closing the metrics", context.metrics.close),
+            ("closing the backend", lambda: _close(wired.backend_engine, trainer, built)),
+            ("writing trace.json", lambda: context.trace.write(run_dir / "trace.json")),
             ("closing the console", console.close if console is not None else lambda: None),
         ]
         # On a worker thread: closing the sinks (wandb) and writing the trace take a while.
@@ -402,14 +268,182 @@ async def _run_locked(
     verdict = await anyio.to_thread.run_sync(give_verdict, run_dir, recipe.gates, recipe.run.steps)
     return RunSummary(
         run_dir=str(run_dir),
-        steps_done=progress.steps_done,
-        policy_version=gate.engine_version,
+        steps_done=wired.progress.steps_done,
+        policy_version=wired.gate.engine_version,
         stopped=outcome.stopped,
-        dropped_groups=rollout.counts["dropped_groups"],
-        last_metrics=metrics.last,
+        dropped_groups=wired.rollout.counts["dropped_groups"],
+        last_metrics=context.metrics.last,
         passed=verdict.passed,
         verdict=verdict,
     )
+
+
+class _Pipeline:
+    """The stages of one run and the channels between them (the map at the top of this module),
+    built from the run context; `run` runs them to the end or a clean stop."""
+
+    def __init__(
+        self,
+        recipe: Recipe,
+        context: RunContext,
+        *,
+        state: PipelineState | None,
+        prompts: PromptSet,
+        reward_fn: RewardFn,
+        engine: Engine,
+        trainer: Trainer,
+        checkpoints: Checkpointer,
+        echo: Callable[[dict[str, Any]], None],
+        on_eval: Callable[[dict[str, Any]], None],
+    ) -> None:
+        self.recipe = recipe
+        self.context = context
+        self.trainer = trainer
+        self.checkpoints = checkpoints
+        self.backend_engine = engine  # checkpoints hold its state; the fault wrapper has none
+        if recipe.faults.enabled:
+            engine = FaultyEngine(engine, recipe.faults, time=context.clock.source, seed=recipe.run.seed)
+        trace = context.trace
+        self.gate = EngineGate(
+            engine,
+            context.clock,
+            version=state.policy_version if state else 0,
+            # On the train track, so the transitions nest inside their step's span.
+            on_transition=lambda name, start, end: trace.span(name, start, end, track="train"),
+            checks=trainer
+            if recipe.async_rl.handoff_checks and _fingerprints(self.backend_engine, trainer)
+            else None,
+        )
+        lookahead = recipe.async_rl.max_lookahead_versions
+        first_batch = state.next_batch if state else 0
+        self.tickets = TicketBox(lookahead, first_batch=first_batch)
+        self.progress = Progress(
+            steps=recipe.run.steps,
+            steps_done=state.step if state else 0,
+            empty_batches=state.empty_batches if state else 0,
+        )
+        per_step = recipe.prompts.prompts_per_step
+        batches: Channel[Batch] = Channel("batches", lookahead + 1)
+        generated: Channel[Group | Dropped] = Channel("generated", per_step * (lookahead + 1))
+        scored: Channel[Group | Dropped] = Channel("scored", per_step * (lookahead + 1))
+        self.channels = (batches, generated, scored)
+        self.rollout = RolloutStage(
+            recipe.rollout, gate=self.gate, inp=batches, out=generated, context=context
+        )
+        self.reward = RewardStage(
+            recipe.reward,
+            fn=reward_fn,
+            tokenizer=prompts.tokenizer,
+            inp=generated,
+            out=scored,
+            context=context,
+        )
+        if state is not None:
+            self.rollout.counts.update(state.rollout_counts)
+            self.reward.counts.update(state.reward_counts)
+        self.evaluation = None
+        if recipe.eval.every_steps:
+            self.evaluation = Evaluation(
+                recipe.eval,
+                prompts=prompts.heldout,
+                fn=reward_fn,
+                decode=prompts.tokenizer.decode,
+                rollout=recipe.rollout,
+                reward_s=recipe.reward.reward_s,
+                clock=context.clock,
+            )
+        every = recipe.checkpoint.every_steps
+        self.assembler = BatchAssembler(scored, prompts_per_step=per_step, first_batch=first_batch)
+        self.train = TrainStage(
+            trainer=trainer,
+            gate=self.gate,
+            tickets=self.tickets,
+            progress=self.progress,
+            batches=self.assembler,
+            records=StepRecorder(context, max_lag=lookahead, counters=self.counters, queues=self.depths),
+            context=context,
+            save=self.save,
+            save_due=lambda step: bool(every) and step % every == 0,
+            limits=recipe.train,
+            evaluation=self.evaluation,
+            echo=echo,
+            on_eval=on_eval,
+        )
+        self.stages = [
+            PromptStage(
+                prompts.train,
+                prompts_per_step=per_step,
+                tickets=self.tickets,
+                out=batches,
+                progress=self.progress,
+                context=context,
+            ),
+            self.rollout,
+            self.reward,
+            self.train,
+        ]
+
+    async def run(self, stop: StopRequest | None) -> Any:
+        def on_stop() -> None:
+            self.progress.stop()
+            self.tickets.close()
+
+        return await run_stages(
+            self.stages,
+            clock=self.context.clock,
+            watchdog=self.context.watchdog,
+            stop=stop or StopRequest(),
+            on_stop=on_stop,
+            grace_s=self.recipe.run.stop_grace_s,
+        )
+
+    def depths(self) -> dict[str, int]:
+        return {channel.name: channel.statistics().depth for channel in self.channels}
+
+    def snapshot(self) -> dict[str, Any]:
+        return {"gate": self.gate.state.value, "queues": self.depths()}
+
+    def counters(self) -> dict[str, float]:
+        rollout, reward = self.rollout.counts, self.reward.counts
+        return {
+            "rollout/timeouts": rollout["timeouts"],
+            "rollout/retries": rollout["retries"],
+            "rollout/engine_errors": rollout["engine_errors"],
+            "rollout/dropped_groups_total": rollout["dropped_groups"],
+            "rollout/poisoned_samples_total": rollout["poisoned_samples"],
+            "reward/failures": reward["failures"],
+            **({"eval/skipped": self.evaluation.counts["skipped"]} if self.evaluation is not None else {}),
+        }
+
+    async def save(self, step: int, next_batch: int, record: dict[str, Any] | None) -> None:
+        state = PipelineState(
+            step=step,
+            policy_version=self.gate.engine_version,
+            next_batch=next_batch,
+            rollout_counts=dict(self.rollout.counts),
+            reward_counts=dict(self.reward.counts),
+            empty_batches=self.progress.empty_batches,
+            python_rng=python_rng_state(),
+            last_record=record,
+        )
+        parts = (self.trainer, self.backend_engine)
+        await anyio.to_thread.run_sync(self.checkpoints.save, step, parts, state, self.recipe)
+        # The trace so far, so a run killed later still leaves one.
+        trace = self.context.trace
+        await anyio.to_thread.run_sync(
+            trace.write, Path(self.recipe.run.dir) / "trace.json", trace.snapshot()
+        )
+
+    async def final_save(self) -> None:
+        """The save of a clean stop; in-step saves go through the gate (which traces them)."""
+        # A step cancelled after its worker thread finished has changed the weights without
+        # being published: saving then would label step k+1's weights as step k.
+        consistent = self.trainer.completed_steps == self.progress.steps_done
+        if self.progress.steps_done > self.checkpoints.last_step and consistent:
+            clock = self.context.clock
+            start = clock.source.now()
+            await self.save(self.progress.steps_done, self.assembler.next_batch, None)
+            self.context.trace.span("save", start, clock.source.now(), track="train")
 
 
 async def _never_masking(action: Callable[[], Any], what: str) -> None:

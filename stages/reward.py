@@ -30,15 +30,12 @@ import anyio
 import msgspec
 
 from pipeline.channel import Channel
-from pipeline.clock import DeadlineClock
 from pipeline.errors import DeadlineExceeded, DropBudgetExceeded, RecipeError
 from pipeline.logs import warn_once
 from pipeline.messages import Dropped, Group, Prompt, Sample
 from pipeline.recipe import NonNegativeInt, PositiveFloat, PositiveInt, Section
-from pipeline.trace import Trace
-from pipeline.watchdog import Watchdog
+from stages.context import RunContext
 from stages.reward_threads import blocking_note, run_abandonable, run_async
-from stages.timings import BatchTimings
 from stages.tokenizer import Tokenizer
 
 log = logging.getLogger("stages.reward")
@@ -207,23 +204,20 @@ class RewardStage:
         *,
         fn: RewardFn,
         tokenizer: Tokenizer,
-        clock: DeadlineClock,
         inp: Channel[Group | Dropped],
         out: Channel[Group | Dropped],
-        watchdog: Watchdog,
-        trace: Trace | None = None,
-        timings: BatchTimings | None = None,
+        context: RunContext,
     ) -> None:
         self.section = section
-        self.trace = trace or Trace(clock.source.now)
-        self.timings = timings or BatchTimings()
+        self.trace = context.trace
+        self.timings = context.timings
         self.fn = fn
         self.cheap = is_cheap(fn)
         self.tokenizer = tokenizer
-        self.clock = clock
+        self.clock = context.clock
         self.inp = inp
         self.out = out
-        self.watchdog = watchdog
+        self.watchdog = context.watchdog
         self.counts: Counter[str] = Counter()
 
     async def run(self) -> None:

@@ -29,9 +29,7 @@ from pipeline.gate import EngineGate
 from pipeline.logs import warn_once
 from pipeline.messages import Batch, Completion, Dropped, Group, Prompt, Sample
 from pipeline.recipe import NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, Section
-from pipeline.trace import Trace
-from pipeline.watchdog import Watchdog
-from stages.timings import BatchTimings
+from stages.context import RunContext
 
 log = logging.getLogger("stages.rollout")
 
@@ -108,21 +106,18 @@ class RolloutStage:
         section: RolloutSection,
         *,
         gate: EngineGate,
-        clock: DeadlineClock,
         inp: Channel[Batch],
         out: Channel[Group | Dropped],
-        watchdog: Watchdog,
-        trace: Trace | None = None,
-        timings: BatchTimings | None = None,
+        context: RunContext,
     ) -> None:
         self.section = section
         self.gate = gate
-        self.clock = clock
+        self.clock = context.clock
         self.inp = inp
         self.out = out
-        self.watchdog = watchdog
-        self.trace = trace or Trace(clock.source.now)
-        self.timings = timings or BatchTimings()
+        self.watchdog = context.watchdog
+        self.trace = context.trace
+        self.timings = context.timings
         self.counts: Counter[str] = Counter()
 
     async def run(self) -> None:

@@ -1,43 +1,39 @@
-"""Train: collects each batch's groups, computes GRPO advantages and runs one train step.
+"""Train: each whole batch's groups, with their GRPO advantages, trained in one step.
 
-A batch is complete when each of its `prompts_per_step` prompts has arrived as a scored group or
-a drop. The step runs through the engine gate (stand-down/train/[save]/wake when colocated,
-train/refit/[save] otherwise); only after it has published the new weights does the batch's
-ticket go back, so generation never runs more than L versions ahead. A batch with nothing
-trainable (all dropped, poisoned or unscored) trains nothing, gives its ticket back and is
-counted; another batch takes its place. A run never ends looking fine while it trains nothing:
-more than `max_consecutive_empty_batches` empty batches in a row, more than
-`max_consecutive_skipped_steps` steps in a row whose optimizer updates were all skipped
-(`train/applied_updates` 0), or a run whose every step was skipped, stops with `NothingTrained`.
+The batch assembler (`stages.batch_assembly`) hands out a batch once each of its
+`prompts_per_step` prompts has arrived as a scored group or a drop; the step record
+(`stages.step_record`) builds its metrics line. The step runs through the engine gate
+(stand-down/train/[save]/wake when colocated, train/refit/[save] otherwise); only after it has
+published the new weights does the batch's ticket go back, so generation never runs more than L
+versions ahead. A batch with nothing trainable (all dropped, poisoned or unscored) trains
+nothing, gives its ticket back and is counted; another batch takes its place. A run never ends
+looking fine while it trains nothing: more than `max_consecutive_empty_batches` empty batches in
+a row, more than `max_consecutive_skipped_steps` steps in a row whose optimizer updates were all
+skipped (`train/applied_updates` 0), or a run whose every step was skipped, stops with
+`NothingTrained`.
 """
 
 from __future__ import annotations
 
 import logging
-import math
-from collections import defaultdict
-from collections.abc import Awaitable, Callable, Mapping, Sequence
-from statistics import fmean
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Annotated, Any, Literal
 
 import msgspec
 
 from backends.registry import BackendName
-from pipeline.channel import Channel
-from pipeline.clock import DeadlineClock
 from pipeline.errors import NothingTrained
 from pipeline.gate import EngineGate
-from pipeline.messages import Dropped, Group, Sample, TrainGroup, TrainSample
-from pipeline.metrics import MetricsLog
+from pipeline.messages import Dropped, Group, TrainGroup, TrainSample
 from pipeline.protocols import Trainer
 from pipeline.recipe import NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, Section
 from pipeline.tickets import Ticket, TicketBox
-from pipeline.trace import Trace
-from pipeline.watchdog import Watchdog
-from stages.advantages import leave_one_out, population_std
+from stages.advantages import leave_one_out
+from stages.batch_assembly import BatchAssembler
+from stages.context import RunContext
 from stages.evaluation import Evaluation, EvaluationSkipped
 from stages.progress import Progress
-from stages.timings import BatchTimings
+from stages.step_record import StepRecorder
 
 log = logging.getLogger("stages.train")
 
@@ -83,6 +79,13 @@ Saver = Callable[[int, int, dict[str, Any] | None], Awaitable[None]]
 
 
 class TrainStage:
+    """The step: trains each whole batch through the gate, gives its ticket back, writes its line.
+
+    Batches come from the `BatchAssembler`, their lines from the `StepRecorder`; `save(step,
+    next_batch, record)` runs inside the step where `save_due(step)` says (and at the last step);
+    `echo` and `on_eval` see each line written.
+    """
+
     name = "train"
 
     def __init__(
@@ -92,72 +95,54 @@ class TrainStage:
         gate: EngineGate,
         tickets: TicketBox,
         progress: Progress,
-        inp: Channel[Group | Dropped],
-        metrics: MetricsLog,
-        trace: Trace,
-        clock: DeadlineClock,
-        watchdog: Watchdog,
-        prompts_per_step: int,
-        first_batch: int,
-        counters: Callable[[], dict[str, float]],
-        timings: BatchTimings | None = None,
-        max_lag: int = 0,
-        queues: Callable[[], dict[str, int]] = dict,
-        save_due: Callable[[int], bool] = lambda step: False,
-        save: Saver | None = None,
+        batches: BatchAssembler,
+        records: StepRecorder,
+        context: RunContext,
+        save: Saver,
+        save_due: Callable[[int], bool],
+        limits: TrainSection,
         evaluation: Evaluation | None = None,
-        echo: Callable[[dict[str, Any]], None] | None = None,
-        on_eval: Callable[[dict[str, Any]], None] | None = None,
-        max_empty_in_row: int = 8,
-        max_skipped_in_row: int = 8,
+        echo: Callable[[dict[str, Any]], None] = lambda record: None,
+        on_eval: Callable[[dict[str, Any]], None] = lambda record: None,
     ) -> None:
         self.trainer = trainer
         self.gate = gate
         self.tickets = tickets
         self.progress = progress
-        self.inp = inp
-        self.metrics = metrics
-        self.trace = trace
-        self.clock = clock
-        self.watchdog = watchdog
-        self.prompts_per_step = prompts_per_step
-        self.next_batch = first_batch
-        self.counters = counters
-        self.save_due = save_due
+        self.batches = batches
+        self.records = records
+        self.context = context
+        self.clock = context.clock
         self.save = save
+        self.save_due = save_due
+        self.max_empty_in_row = limits.max_consecutive_empty_batches
+        self.max_skipped_in_row = limits.max_consecutive_skipped_steps
         self.evaluation = evaluation
         self.echo = echo
         self.on_eval = on_eval
-        self.timings = timings or BatchTimings()
-        self.max_lag = max_lag
-        self.queues = queues
-        self._last_step_end = clock.source.now()
-        self.pending: dict[int, list[Group | Dropped]] = defaultdict(list)
-        self.max_empty_in_row = max_empty_in_row
-        self.max_skipped_in_row = max_skipped_in_row
         self.empty_in_row = 0
         self.skipped_in_row = 0
         self.steps_trained = 0  # this run's steps, and those of them that applied an update
         self.steps_applied = 0
 
     async def run(self) -> None:
+        watchdog, trace = self.context.watchdog, self.context.trace
         try:
             if self.evaluation is not None and self.progress.steps_done == 0:
                 await self._evaluate(0)
-            waiting_since = self.clock.source.now()
-            with self.watchdog.waiting(self.name, f"groups of batch {self.next_batch}"):
-                async for item in self.inp:
-                    self.pending[item.target_step].append(item)
-                    while len(self.pending.get(self.next_batch, ())) == self.prompts_per_step:
-                        now = self.clock.source.now()
-                        self.trace.span(f"wait batch {self.next_batch}", waiting_since, now, track="train")
-                        await self._step(
-                            self.next_batch, self.pending.pop(self.next_batch), wait_s=now - waiting_since
-                        )
-                        waiting_since = self.clock.source.now()
-                        self.next_batch += 1
-                        if self.progress.done:
-                            self.tickets.close()
+            while True:
+                waiting_since = self.clock.source.now()
+                batch = self.batches.next_batch
+                with watchdog.waiting(self.name, f"groups of batch {batch}"):
+                    items = await self.batches.next()
+                if items is None:
+                    break
+                now = self.clock.source.now()
+                trace.span(f"wait batch {batch}", waiting_since, now, track="train")
+                await self._step(batch, items, wait_s=now - waiting_since)
+                self.batches.done()
+                if self.progress.done:
+                    self.tickets.close()
             if self.progress.done and self.steps_trained and not self.steps_applied:
                 raise NothingTrained(
                     f"all {self.steps_trained} train steps of this run skipped their optimizer "
@@ -165,69 +150,19 @@ class TrainStage:
                 )
         finally:
             self.tickets.close()
-            self.watchdog.done(self.name)
+            watchdog.done(self.name)
 
     async def _step(self, batch: int, items: list[Group | Dropped], *, wait_s: float) -> None:
-        # In prompt order, not arrival order (rewards are scored concurrently): the step's
-        # figures then do not depend on thread timing, and a resumed run repeats them exactly.
-        items = sorted(items, key=lambda item: _natural(item.group_id))
         groups = [item for item in items if isinstance(item, Group)]
         dropped = [item for item in items if isinstance(item, Dropped)]
         train_groups = [g for g in map(train_group, groups) if g.samples]
-        samples = [s for g in groups for s in g.samples if s.usable]
-        version = self.gate.engine_version
-        record: dict[str, Any] = {
-            "batch": batch,
-            "rollout/dropped_groups": len(dropped),
-            "rollout/poisoned_samples": sum(s.poisoned for g in groups for s in g.samples),
-            "rollout/unscored_samples": sum(
-                not s.poisoned and s.reward is None for g in groups for s in g.samples
-            ),
-        }
-        stage_timings = self.timings.pop(batch)
+        record = self.records.rollout(batch, groups, dropped)
         if not train_groups:
-            # Not a train step, so no metrics line of its own: the next line's
-            # train/empty_batches and the *_total counters include it.
-            self.tickets.give_back(Ticket(batch=batch))
-            self.progress.batch_finished(trained=False)
-            self.empty_in_row += 1
-            if self.empty_in_row > self.max_empty_in_row:
-                raise NothingTrained(
-                    f"{self.empty_in_row} batches in a row had nothing to train on (the last: "
-                    f"{record['rollout/dropped_groups']} groups dropped, "
-                    f"{record['rollout/poisoned_samples']} samples poisoned, "
-                    f"{record['rollout/unscored_samples']} unscored), over "
-                    f"train.max_consecutive_empty_batches={self.max_empty_in_row}"
-                )
-            log.warning(
-                "batch %d had nothing to train on (%d groups dropped, %d samples poisoned); "
-                "another batch takes its place",
-                batch,
-                record["rollout/dropped_groups"],
-                record["rollout/poisoned_samples"],
-            )
+            self._empty(batch, record)
             return
         self.empty_in_row = 0
         step = self.progress.steps_done + 1
-        lags = [version - s.gen_version[0] for s in samples]
-        response_tokens = sum(len(s.tokens) for s in samples)
-        rewards = [s.reward for g in train_groups for s in g.samples]
-        record.update(
-            {
-                "step": step,
-                "reward/mean": fmean(rewards),
-                "reward/std": population_std(rewards),
-                **_info_means(samples),
-                "rollout/max_lag": max(lags),
-                "rollout/mean_lag": fmean(lags),
-                **{
-                    f"rollout/lag_hist/{lag}": sum(x == lag for x in lags) / len(lags)
-                    for lag in range(max(self.max_lag, *lags) + 1)
-                },
-                "rollout/samples": len(samples),
-                "rollout/response_len": response_tokens / len(samples),
-            }
-        )
+        record.update(self.records.trained(step, groups, self.gate.engine_version))
 
         async def train() -> Mapping[str, float]:
             result = await self.trainer.train_step(train_groups)
@@ -237,42 +172,51 @@ class TrainStage:
         async def save() -> None:
             # The checkpoint carries the step's record as known now, so a kill between the
             # save and the metrics line below cannot lose the line (resume writes it back).
-            assert self.save is not None
             await self.save(step, batch + 1, {**record, "policy_version": self.gate.engine_version})
 
-        saving = self.save is not None and (self.save_due(step) or step == self.progress.steps)
+        saving = self.save_due(step) or step == self.progress.steps
         start = self.clock.source.now()
-        with self.watchdog.waiting(self.name, f"train step {step}"):
+        with self.context.watchdog.waiting(self.name, f"train step {step}"):
             _, timings = await self.gate.step(train, save=save if saving else None)
         end = self.clock.source.now()
-        self.trace.span(f"step {step}", start, end, track="train", batch=batch)
+        self.context.trace.span(f"step {step}", start, end, track="train", batch=batch)
         # Weights are published: only now may the ticket admit another batch.
         self.tickets.give_back(Ticket(batch=batch))
         self.progress.batch_finished(trained=True)
-        step_s = end - self._last_step_end
-        queue_depths = {f"queue/{name}": depth for name, depth in self.queues().items()}
-        self._last_step_end = end
-        record.update(
-            {
-                "policy_version": self.gate.engine_version,
-                **stage_timings,
-                "timing/wait_s": wait_s,
-                **{f"timing/{name}_s": seconds for name, seconds in timings.items()},
-                "timing/step_s": step_s,
-                "throughput/tokens_per_s_per_gpu": response_tokens / step_s if step_s > 0 else math.nan,
-                **queue_depths,
-                "train/empty_batches": self.progress.empty_batches,
-                **self.counters(),
-            }
+        self.records.finish(
+            record,
+            end=end,
+            gate=timings,
+            wait_s=wait_s,
+            policy_version=self.gate.engine_version,
+            **{"train/empty_batches": self.progress.empty_batches},
         )
-        self.trace.counters("queues", queue_depths)
-        self.trace.counters("lag", {"mean": record["rollout/mean_lag"], "max": record["rollout/max_lag"]})
-        clean = self.metrics.write(record)
-        if self.echo is not None:
-            self.echo(clean)
+        self.echo(self.context.metrics.write(record))
         self._count_update(step, record)
         if self.evaluation is not None and self.evaluation.due(step, self.progress.steps):
             await self._evaluate(step)
+
+    def _empty(self, batch: int, record: dict[str, Any]) -> None:
+        """A batch with nothing to train on: not a train step, so no metrics line of its own
+        (the next line's train/empty_batches and the *_total counters include it)."""
+        self.tickets.give_back(Ticket(batch=batch))
+        self.progress.batch_finished(trained=False)
+        self.empty_in_row += 1
+        if self.empty_in_row > self.max_empty_in_row:
+            raise NothingTrained(
+                f"{self.empty_in_row} batches in a row had nothing to train on (the last: "
+                f"{record['rollout/dropped_groups']} groups dropped, "
+                f"{record['rollout/poisoned_samples']} samples poisoned, "
+                f"{record['rollout/unscored_samples']} unscored), over "
+                f"train.max_consecutive_empty_batches={self.max_empty_in_row}"
+            )
+        log.warning(
+            "batch %d had nothing to train on (%d groups dropped, %d samples poisoned); "
+            "another batch takes its place",
+            batch,
+            record["rollout/dropped_groups"],
+            record["rollout/poisoned_samples"],
+        )
 
     def _count_update(self, step: int, record: dict[str, Any]) -> None:
         self.steps_trained += 1
@@ -299,17 +243,15 @@ class TrainStage:
             return
         finally:
             end = self.clock.source.now()
-            self.trace.span("eval", start, end, track="train")
-            self._last_step_end = end  # evaluation time is not charged to the next step
+            self.context.trace.span("eval", start, end, track="train")
+            self.records.last_step_end = end  # evaluation time is not charged to the next step
         record = {
             "step": step,
             "policy_version": self.gate.engine_version,
             **result,
             "timing/eval_s": end - start,
         }
-        clean = self.metrics.write_eval(record)
-        if self.on_eval is not None:
-            self.on_eval(clean)
+        self.on_eval(self.context.metrics.write_eval(record))
 
 
 def train_group(group: Group) -> TrainGroup:
@@ -325,13 +267,3 @@ def train_group(group: Group) -> TrainGroup:
             for (s, reward), advantage in zip(scored, advantages, strict=True)
         ),
     )
-
-
-def _natural(group_id: str) -> tuple[int | str, ...]:
-    """ "12-3" -> (12, 3): group ids in numeric order."""
-    return tuple(int(part) if part.isdigit() else part for part in group_id.split("-"))
-
-
-def _info_means(samples: Sequence[Sample]) -> dict[str, float]:
-    keys = {key for s in samples for key in s.reward_info}
-    return {f"reward/{key}": fmean(s.reward_info.get(key, 0.0) for s in samples) for key in sorted(keys)}

@@ -215,24 +215,34 @@ async def test_slow_trainer_fills_no_channel_past_capacity_and_admission_blocks(
     assert max(outstanding) == lookahead + 1
 
 
-async def test_a_full_channel_blocks_the_rollout_producer(fake: FakeTime) -> None:
+async def test_a_full_channel_blocks_the_rollout_producer(fake: FakeTime, tmp_path: Path) -> None:
     from pipeline.clock import DeadlineClock
     from pipeline.gate import EngineGate
     from pipeline.messages import Prompt
+    from pipeline.metrics import MetricsLog
+    from pipeline.trace import Trace
     from pipeline.watchdog import Watchdog
+    from stages.context import RunContext
     from stages.rollout import RolloutSection, RolloutStage
+    from stages.timings import BatchTimings
 
     clock = DeadlineClock(source=fake)
     inp: Channel[Batch] = Channel("batches", 1)
     out: Channel[Any] = Channel("generated", 1)
     engine = FakeEngine(time=fake)
+    context = RunContext(
+        clock=clock,
+        trace=Trace(fake.now),
+        watchdog=Watchdog(fake, stall_s=1e9, fail=False),
+        timings=BatchTimings(),
+        metrics=MetricsLog(tmp_path),
+    )
     stage = RolloutStage(
         RolloutSection(samples_per_prompt=2),
         gate=EngineGate(engine, clock),
-        clock=clock,
         inp=inp,
         out=out,
-        watchdog=Watchdog(fake, stall_s=1e9, fail=False),
+        context=context,
     )
     prompts = tuple(Prompt(prompt_id=f"p{i}", text="1=", tokens=(3, 12)) for i in range(4))
     async with anyio.create_task_group() as tg:
@@ -246,6 +256,7 @@ async def test_a_full_channel_blocks_the_rollout_producer(fake: FakeTime) -> Non
         inp.close()
         received = [await out.receive() for _ in range(4)]
         tg.cancel_scope.cancel()
+    context.metrics.close()
     assert sorted(g.prompt.prompt_id for g in received) == ["p0", "p1", "p2", "p3"]
 
 

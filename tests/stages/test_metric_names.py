@@ -53,7 +53,8 @@ def real_run(tmp_path: Path) -> tuple[Recipe, Path]:
 
 
 def fake_run(tmp_path: Path) -> tuple[Recipe, Path]:
-    """Colocated (stand-down and wake) on fakes, with poisoned samples."""
+    """Colocated (stand-down and wake) on fakes, with poisoned samples and a skipped update (its
+    NaN loss dropped from the line: `metrics/nonfinite_dropped`)."""
     recipe = convert(
         {
             "run": {"dir": str(tmp_path / "fake"), "steps": 2, "progress": False},
@@ -71,7 +72,8 @@ def fake_run(tmp_path: Path) -> tuple[Recipe, Path]:
         async with anyio.create_task_group() as tg:
             tg.start_soon(fake.autojump)
             engine = FakeEngine(time=fake, latency=1.0, nonfinite_calls=[0])
-            await run_program(recipe, engine=engine, trainer=FakeTrainer(time=fake), time_source=fake)
+            trainer = FakeTrainer(time=fake, skipped_steps=[1])
+            await run_program(recipe, engine=engine, trainer=trainer, time_source=fake)
             tg.cancel_scope.cancel()
 
     anyio.run(drive)

@@ -1,0 +1,107 @@
+"""The step record: one train step's metrics line, built before and after the step.
+
+`rollout(batch, groups, dropped, version)` gives what the batch itself says (drops, poisoned and
+unscored samples, rewards, lag against the engine's `version`, response lengths); `finish`
+adds, once the step's weights are published, the gate's and the stages' timings, the step's
+seconds (from the previous step's end, evaluations not charged), throughput, queue depths and
+the run's counters. Metric names are listed in `stages.metric_names`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from statistics import fmean
+from typing import Any
+
+from pipeline.messages import Dropped, Group, Sample
+from stages.advantages import population_std
+from stages.context import RunContext
+
+
+class StepRecorder:
+    def __init__(
+        self,
+        context: RunContext,
+        *,
+        max_lag: int,
+        counters: Callable[[], dict[str, float]],
+        queues: Callable[[], dict[str, int]],
+    ) -> None:
+        self.context = context
+        self.max_lag = max_lag
+        self.counters = counters
+        self.queues = queues
+        self.last_step_end = context.clock.source.now()
+        self._response_tokens = 0  # of the batch being trained
+        self._stage_timings: dict[str, float] = {}
+
+    def rollout(self, batch: int, groups: Sequence[Group], dropped: Sequence[Dropped]) -> dict[str, Any]:
+        """The batch's own counts (its line's first fields, and an empty batch's warning); takes
+        the stages' timings of the batch."""
+        self._stage_timings = self.context.timings.pop(batch)
+        return {
+            "batch": batch,
+            "rollout/dropped_groups": len(dropped),
+            "rollout/poisoned_samples": sum(s.poisoned for g in groups for s in g.samples),
+            "rollout/unscored_samples": sum(
+                not s.poisoned and s.reward is None for g in groups for s in g.samples
+            ),
+        }
+
+    def trained(self, step: int, groups: Sequence[Group], version: int) -> dict[str, Any]:
+        """What the step trains on: rewards, reward parts, lag against `version`, lengths."""
+        samples = [s for g in groups for s in g.samples if s.usable]
+        rewards = [s.reward for s in samples if s.reward is not None]
+        lags = [version - s.gen_version[0] for s in samples]
+        self._response_tokens = sum(len(s.tokens) for s in samples)
+        return {
+            "step": step,
+            "reward/mean": fmean(rewards),
+            "reward/std": population_std(rewards),
+            **_info_means(samples),
+            "rollout/max_lag": max(lags),
+            "rollout/mean_lag": fmean(lags),
+            **{
+                f"rollout/lag_hist/{lag}": sum(x == lag for x in lags) / len(lags)
+                for lag in range(max(self.max_lag, *lags) + 1)
+            },
+            "rollout/samples": len(samples),
+            "rollout/response_len": self._response_tokens / len(samples),
+        }
+
+    def finish(
+        self,
+        record: dict[str, Any],
+        *,
+        end: float,
+        gate: Mapping[str, float],
+        wait_s: float,
+        **figures: Any,
+    ) -> None:
+        """Add the step's timings (`gate`: the gate's transitions; `wait_s`: waiting for the
+        batch), throughput, queue depths, `figures` and the counters."""
+        step_s = end - self.last_step_end
+        self.last_step_end = end
+        queue_depths = {f"queue/{name}": depth for name, depth in self.queues().items()}
+        tokens = self._response_tokens
+        record.update(
+            {
+                **self._stage_timings,
+                "timing/wait_s": wait_s,
+                **{f"timing/{name}_s": seconds for name, seconds in gate.items()},
+                "timing/step_s": step_s,
+                "throughput/tokens_per_s_per_gpu": tokens / step_s if step_s > 0 else math.nan,
+                **queue_depths,
+                **figures,
+                **self.counters(),
+            }
+        )
+        trace = self.context.trace
+        trace.counters("queues", queue_depths)
+        trace.counters("lag", {"mean": record["rollout/mean_lag"], "max": record["rollout/max_lag"]})
+
+
+def _info_means(samples: Sequence[Sample]) -> dict[str, float]:
+    keys = {key for s in samples for key in s.reward_info}
+    return {f"reward/{key}": fmean(s.reward_info.get(key, 0.0) for s in samples) for key in sorted(keys)}
