@@ -37,7 +37,7 @@ from pipeline.metrics import MetricsLog
 from pipeline.plot import draw_apart
 from pipeline.protocols import Engine, Trainer
 from pipeline.recipe import dump
-from pipeline.runner import StopRequest, first_error, run_stages
+from pipeline.runner import Stage, StopRequest, first_error, run_stages
 from pipeline.sinks import open_sinks
 from pipeline.startup import start_up, thaws_after
 from pipeline.tickets import TicketBox
@@ -369,7 +369,7 @@ class _Pipeline:
             echo=echo,
             on_eval=on_eval,
         )
-        self.stages = [
+        self.stages: list[Stage] = [
             PromptStage(
                 prompts.train,
                 prompts_per_step=per_step,

@@ -83,7 +83,7 @@ class StepRecorder:
         batch), throughput, queue depths, `figures` and the counters."""
         step_s = end - self.last_step_end
         self.last_step_end = end
-        queue_depths = {f"queue/{name}": depth for name, depth in self.queues().items()}
+        queue_depths = {f"queue/{name}": float(depth) for name, depth in self.queues().items()}
         tokens = self._response_tokens
         record.update(
             {

@@ -33,9 +33,10 @@ def load_state(path: Path, *, mmap: bool = False) -> Any:
     if not path.is_file():
         raise DamagedState(f"{path.name} is missing")
     try:
-        state = torch.load(
-            path, weights_only=False, **({"map_location": "cpu", "mmap": True} if mmap else {})
-        )
+        if mmap:
+            state = torch.load(path, map_location="cpu", mmap=True, weights_only=False)
+        else:
+            state = torch.load(path, weights_only=False)
     except Exception as error:  # torch reports a torn or garbled file many ways
         raise DamagedState(f"{path.name} does not load: {type(error).__name__}: {error}") from None
     where = None if mmap else nonfinite(state)
