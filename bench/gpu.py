@@ -108,7 +108,7 @@ def bench_generate(model: Decoder, args: argparse.Namespace) -> dict[str, Any]:
             "tokens_per_s": tokens / best,
             "prefill_s": prefill,
             "ms_per_decode_step": 1000 * (best - prefill) / (args.new_tokens - 1),
-            "pool_bytes": sampler.cache_bytes(),  # KV cache and packed weights
+            "pool_bytes": sampler.cache_bytes(),  # the KV cache
         }
         print(name, json.dumps(out[name]), flush=True)
         if graphs:
@@ -160,7 +160,7 @@ def bench_handoff(model: Decoder, args: argparse.Namespace) -> dict[str, Any]:
         wake.append(_sync_time() - start)
     after = sampler.generate(prompts, **kw)
     published = Fingerprinter(parameter_probes(model.named_parameters()))
-    served = Fingerprinter(sampler.probes())
+    served = Fingerprinter(parameter_probes(sampler.model.named_parameters()))
     trainer_ms, engine_ms = [], []
     for _ in range(args.repeats + 2):
         start = _sync_time()
@@ -170,7 +170,7 @@ def bench_handoff(model: Decoder, args: argparse.Namespace) -> dict[str, Any]:
         got = served()
         engine_ms.append(1000 * (_sync_time() - start))
     result = {
-        "pool_bytes": sampler.cache_bytes(),  # KV cache and packed weights
+        "pool_bytes": sampler.cache_bytes(),  # the KV cache
         "stable_addresses": sampler.pool.stable,
         "stand_down_ms": [1000 * t for t in stand_down],
         "wake_ms": [1000 * t for t in wake],

@@ -1,15 +1,15 @@
 """A GPU sampler over a `Decoder`: batched prefill, one preallocated KV cache, decode steps
 replayed from CUDA graphs, per-token logprobs. Same contract as `Sampler.generate`.
 
-Layout. The KV cache is one flat buffer from a `KVPool` (after the packed weights, below),
-viewed per layer as keys and values [rows, length, kv_heads, head_dim]. Every row keeps its own
-tokens at positions 0..n-1 (no left padding), so a decode step writes each row at its own
-position and attention reads the first ``position + 1`` keys of each row: on CUDA through
-flash attention's variable-length kernel with ``seqused_k``, so one captured graph serves every
-step of a batch-size bucket (no KV-length buckets, no masks). Grouped-query attention is
-computed with the query heads of one KV head laid out as that KV head's query "sequence"
-(non-causal), so each row's keys and values are read once per step rather than once per query
-head.
+Layout. The KV cache is one flat buffer from a `KVPool`, viewed per layer as keys and values
+[rows, kv_heads, length, head_dim]. Every row keeps its own tokens at positions 0..n-1 (no left
+padding), so a decode step writes each row at its own position and attention reads the first
+``position + 1`` keys of each row: on CUDA through flash attention's variable-length kernel
+with ``seqused_k``, so one captured graph serves every step of a batch-size bucket (no
+KV-length buckets, no masks). For flash, each (row, KV head) is one sequence of its g query
+heads as g query positions (non-causal) over that head's keys, with one head: each row's keys
+and values are read once per step rather than once per query head, and the queries, in the
+model's head order, go into attention and its output into o_proj with no reordering.
 
 Sampling. The graph also samples: with exponential noise E, ``argmax(softmax(logits / T) /
 E)``, computed as ``argmax(logits / T - log E)``, is a draw from softmax(logits / T), and with
@@ -19,18 +19,13 @@ a noise tensor is drawn from it. Logprobs are those of the sampled token under l
 temperature 1 for greedy, before any top-p truncation. With ``top_p < 1`` a second graph
 stops at the logits and the caller draws from them eagerly.
 
-Kernels. Each layer's q/k/v and gate/up projections run as one GEMM each over packed copies of
-their weights, which live in the KV cache's pool (released and restored with it) and are
-copied from the model at every `wake` and `refresh` (and when the pool is laid out anew): whoever
-changes the model's weights calls one of them before the next call (the engine does, at each
-handoff). For flash, the packed copies of q_proj's
-rows and o_proj's columns are in flash's query order ([g, kv_heads] rather than heads), so
-queries go into attention, and its output into o_proj, without a transposing copy. The wider
-GEMMs may round differently from the trainer's separate projections, as any other engine kernel
-may. With ``compiled`` the code between attention calls runs as torch.compile'd kernels (norms,
-rotations with the cache write of the new keys and values, residual adds, SwiGLU fused),
-captured into the graphs like any other kernel, and so does the prefill's
-(`compiled_layer_parts`, which the trainer's `train.compile` shares).
+Kernels. Prefill and decode run the model's own layers (`Decoder.run_layers`) with attention
+objects over the pool (`_Prefill`, `_Decode`), reading the model's parameters where they are
+(its fused q/k/v and gate/up projections: one GEMM each). With ``compiled`` the code between
+attention calls runs as torch.compile'd kernels (norms, rotations with the cache write of the
+new keys and values, residual adds, SwiGLU fused), captured into the graphs like any other
+kernel, and so does the prefill's (`compiled_layer_parts`, which the trainer's `train.compile`
+shares).
 
 Colocation. Graphs read the model's parameter tensors in place: the trainer must update them
 in place (optimizers do), never rebind them. `release` hands the KV cache's memory back to the
@@ -43,16 +38,21 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from backends.torch import race
-from backends.torch.fingerprint import Probe, parameter_probe, sample_rows
+from backends.torch.attention import attend
 from backends.torch.kv_pool import KVPool, make_pool
-from backends.torch.model import Decoder, DecoderLayer, compiled_layer_parts, layer_finish, layer_project
+from backends.torch.model import (
+    PLAIN_PARTS,
+    Decoder,
+    DecoderLayer,
+    compiled_layer_parts,
+    layer_finish,
+    layer_project,
+)
 from backends.torch.sampling import check_arguments, completions_of_rows, draw
 from pipeline.messages import Completion
 
@@ -85,16 +85,6 @@ def _flash_works(device: torch.device) -> bool:
     return _FLASH_WORKS[device]
 
 
-class _Packed(NamedTuple):
-    """One layer's projections that read the same input, concatenated (one GEMM each), and
-    o_proj's weight; query heads in the order `_attend` takes them."""
-
-    qkv_weight: Tensor
-    qkv_bias: Tensor | None
-    o_weight: Tensor
-    gate_up_weight: Tensor
-
-
 class _Step:
     """Static buffers of one decode step over ``rows`` rows, and its captured graph. A step
     that ``draws`` samples in the graph (on CUDA with `race_draw`, from ``seed``, as ``noisy``
@@ -107,6 +97,7 @@ class _Step:
         draws: bool,
         vocab: int,
         length: int,
+        kv_heads: int,
         group: int,
         pool_rows: int,
         device: torch.device,
@@ -124,12 +115,14 @@ class _Step:
         self.inv_temperature = torch.ones((), dtype=torch.float32, device=device)
         self.logprob = torch.empty(rows, dtype=torch.float32, device=device)
         self.graph: torch.cuda.CUDAGraph | None = None
-        # Where each row's keys, then its values, start in a layer's `CudaSampler._kv`.
-        row_base = torch.arange(rows, device=device) * length
-        self.kv_base = torch.cat((row_base, row_base + pool_rows * length))
-        # Flash's variable-length offsets: g query "positions" and `length` keys per row.
-        self.cu_q = torch.arange(0, (rows + 1) * group, group, dtype=torch.int32, device=device)
-        self.cu_k = torch.arange(0, (rows + 1) * length, length, dtype=torch.int32, device=device)
+        # Where each (row, KV head)'s keys, then its values, start in a layer's
+        # `CudaSampler._kv`; flash's variable-length offsets: per (row, KV head) g query
+        # "positions" and `length` keys.
+        sequences = rows * kv_heads
+        base = torch.arange(sequences, device=device) * length
+        self.kv_base = torch.cat((base, base + pool_rows * kv_heads * length))
+        self.cu_q = torch.arange(0, (sequences + 1) * group, group, dtype=torch.int32, device=device)
+        self.cu_k = torch.arange(0, (sequences + 1) * length, length, dtype=torch.int32, device=device)
 
 
 class CudaSampler:
@@ -174,7 +167,7 @@ class CudaSampler:
         self.check_every = check_every
         self.compiled = self.graphs if compiled is None else compiled
         self.eager_rounding = eager_rounding
-        parts = (_prologue, _before_attention, _after_attention, _draw, _scaled_logits, _head)
+        parts = (_prologue, _project, _finish, _draw, _scaled_logits, _head)
         if self.compiled:
             # The first batch-size bucket gets kernels for its shapes, a second one kernels for
             # any number of rows (dynamo's automatic dynamic shapes), so buckets never exhaust
@@ -183,8 +176,8 @@ class CudaSampler:
             parts = tuple(torch.compile(f, options=options) for f in parts)
         (
             self._prologue,
-            self._before_attention,
-            self._after_attention,
+            self._project,
+            self._finish,
             self._draw,
             self._scaled_logits,
             self._head,
@@ -199,19 +192,16 @@ class CudaSampler:
         self._keys: list[Tensor] = []
         self._values: list[Tensor] = []
         self._kv: list[Tensor] = []
-        self._packed: list[_Packed] = []
         self._steps: dict[tuple[int, bool], _Step] = {}
         self._graph_pool = torch.cuda.graph_pool_handle() if self.graphs else None
         self._down = False
-        self._fresh = False  # the packed copies hold the model's current weights
-        self.layout = 0  # counts the pool's layouts (`probes` changes with it)
         self.captures = 0
 
     # ---- memory and handoff -------------------------------------------------------------
 
     def cache_bytes(self) -> int:
-        """Device bytes the pool holds now: the KV cache and the packed weights (0 while stood
-        down or before the first call)."""
+        """Device bytes the pool holds now: the KV cache (0 while stood down or before the
+        first call)."""
         return self.pool.resident_bytes
 
     def release(self) -> None:
@@ -232,14 +222,6 @@ class CudaSampler:
             self._view(buffer)
             self._drop_graphs()
         self._clear_for_masks()
-        self._pack()
-
-    @torch.no_grad()
-    def refresh(self) -> None:
-        """Copy the model's weights into the packed copies now (after they changed without a
-        stand-down: a refit, a loaded checkpoint)."""
-        if self.rows and not self._down:
-            self._pack()
 
     def _ensure(self, rows: int, length: int) -> None:
         if self._down:
@@ -248,18 +230,15 @@ class CudaSampler:
             return
         rows, length = max(rows, self.rows), max(length, self.length)
         self._drop_graphs()
-        self._keys, self._values, self._kv, self._packed = [], [], [], []
-        per = rows * length * self.kv_heads * self.head_dim
-        layers = self.model.config.num_hidden_layers
-        elements = self._packed_elements() + 2 * layers * per
+        self._keys, self._values, self._kv = [], [], []
+        elements = 2 * self.model.config.num_hidden_layers * rows * self.kv_heads * length * self.head_dim
         # Ordinary tensors, though `generate` runs in inference mode: the pool's views outlive
-        # the call, and `wake` and `refresh` update them in place outside it.
+        # the call, and `wake` clears them in place outside it.
         with torch.inference_mode(False):
             buffer = self.pool.allocate(elements * torch.finfo(self.dtype).bits // 8)
             self.rows, self.length = rows, length
             self._view(buffer)
         self._clear_for_masks()
-        self._fresh = False
 
     def _drop_graphs(self) -> None:
         """Forget every step and its graph. The next captures take a new private memory pool:
@@ -278,107 +257,16 @@ class CudaSampler:
             for tensor in (*self._keys, *self._values):
                 tensor.zero_()
 
-    def _packed_shapes(self) -> dict[str, tuple[int, ...]]:
-        """`_Packed`'s tensors and their shapes (no bias without attention_bias)."""
-        c = self.model.config
-        q = c.num_attention_heads * c.head_dim
-        qkv = q + 2 * c.num_key_value_heads * c.head_dim
-        shapes = {"qkv_weight": (qkv, c.hidden_size), "qkv_bias": (qkv,)}
-        if not c.attention_bias:
-            del shapes["qkv_bias"]
-        return shapes | {
-            "o_weight": (c.hidden_size, q),
-            "gate_up_weight": (2 * c.intermediate_size, c.hidden_size),
-        }
-
-    def _packed_elements(self) -> int:
-        per_layer = sum(_aligned(math.prod(shape)) for shape in self._packed_shapes().values())
-        return self.model.config.num_hidden_layers * per_layer
-
-    def _head_order(self) -> Tensor:
-        """Query heads in `_attend`'s order: for flash [g, kv_heads] (head j * g + i at
-        i * kv_heads + j), else the model's."""
-        c = self.model.config
-        heads = torch.arange(c.num_attention_heads, device=self.device)
-        return heads.view(self.kv_heads, self.group).T.reshape(-1) if self.flash else heads
-
     def _view(self, buffer: Tensor) -> None:
-        """Views of the pool's buffer: each layer's packed weights, then keys and values."""
+        """Each layer's keys and values in the pool's buffer, adjacent: one index_copy_ writes
+        both (`layer_project`)."""
+        shape = (self.rows, self.kv_heads, self.length, self.head_dim)
+        per = math.prod(shape)
         flat = buffer.view(self.dtype)
         layers = self.model.config.num_hidden_layers
-        offset = 0
-        self._packed = []
-        for _ in range(layers):
-            views: dict[str, Tensor | None] = {"qkv_bias": None}
-            for name, shape in self._packed_shapes().items():
-                views[name] = flat[offset : offset + math.prod(shape)].view(shape)
-                offset += _aligned(math.prod(shape))
-            self._packed.append(_Packed(**views))
-        shape = (self.rows, self.length, self.kv_heads, self.head_dim)
-        per = math.prod(shape)
-        kv = flat[offset:]
-        # A layer's keys and values are adjacent: one index_copy_ writes both (`_before_attention`).
-        self._kv = [kv[2 * i * per : (2 * i + 2) * per].view(-1, *shape[2:]) for i in range(layers)]
-        self._keys = [both[: self.rows * self.length].view(shape) for both in self._kv]
-        self._values = [both[self.rows * self.length :].view(shape) for both in self._kv]
-        self.layout += 1
-
-    def _pack(self) -> None:
-        """Copy the model's current weights into the packed ones: the trainer changes them
-        while the engine is down, and a woken pool's contents are undefined."""
-        order = self._head_order()
-        d = self.head_dim
-        for layer, packed in zip(self.model.model.layers, self._packed, strict=True):
-            attn, mlp = layer.self_attn, layer.mlp
-            q = attn.q_proj.weight.view(-1, d, attn.q_proj.in_features)[order].flatten(0, 1)
-            torch.cat((q, attn.k_proj.weight, attn.v_proj.weight), out=packed.qkv_weight)
-            if packed.qkv_bias is not None:
-                q_bias = attn.q_proj.bias.view(-1, d)[order].flatten()
-                torch.cat((q_bias, attn.k_proj.bias, attn.v_proj.bias), out=packed.qkv_bias)
-            o = attn.o_proj.weight
-            packed.o_weight.copy_(o.view(o.shape[0], -1, d)[:, order].flatten(1))
-            torch.cat((mlp.gate_proj.weight, mlp.up_proj.weight), out=packed.gate_up_weight)
-        self._fresh = True
-
-    def probes(self) -> list[Probe]:
-        """Where the weights this sampler serves live (`fingerprint`): each layer's packed
-        copies for its projections (in `_pack`'s layout), the model's own tensors for the rest."""
-        if not self._packed:
-            return [parameter_probe(name, p) for name, p in self.model.named_parameters()]
-        c = self.model.config
-        d, hidden = self.head_dim, c.hidden_size
-        q_size, kv_size = c.num_attention_heads * d, self.kv_heads * d
-        place = torch.argsort(self._head_order())  # packed position of each query head
-
-        def q_index(index: Tensor) -> Tensor:  # a q_proj row (o_proj column) in the packed order
-            return place[index // d] * d + index % d
-
-        probes = []
-        for name, param in self.model.named_parameters():
-            parts = name.split(".")
-            if parts[:2] != ["model", "layers"] or ".".join(parts[4:]) not in _PACKED_PARTS:
-                probes.append(parameter_probe(name, param))
-                continue
-            packed, part = self._packed[int(parts[2])], ".".join(parts[4:])
-            rows, cols = sample_rows(param.shape, self.device)
-            if part == "o_proj.weight":
-                base, index = packed.o_weight, rows * q_size + q_index(cols)
-            elif part.endswith(".bias"):
-                first = {"q_proj.bias": 0, "k_proj.bias": q_size, "v_proj.bias": q_size + kv_size}[part]
-                assert packed.qkv_bias is not None
-                base, index = packed.qkv_bias, first + (q_index(rows) if first == 0 else rows)
-            else:
-                first, base = {
-                    "q_proj.weight": (0, packed.qkv_weight),
-                    "k_proj.weight": (q_size, packed.qkv_weight),
-                    "v_proj.weight": (q_size + kv_size, packed.qkv_weight),
-                    "gate_proj.weight": (0, packed.gate_up_weight),
-                    "up_proj.weight": (c.intermediate_size, packed.gate_up_weight),
-                }[part]
-                row = first + (q_index(rows) if part == "q_proj.weight" else rows)
-                index = row * hidden + cols
-            probes.append(Probe(name, base.view(-1), index))
-        return probes
+        self._kv = [flat[2 * i * per : (2 * i + 2) * per].view(-1, self.head_dim) for i in range(layers)]
+        self._keys = [both[: per // self.head_dim].view(shape) for both in self._kv]
+        self._values = [both[per // self.head_dim :].view(shape) for both in self._kv]
 
     # ---- generation ---------------------------------------------------------------------
 
@@ -403,8 +291,6 @@ class CudaSampler:
         batch = len(prompts)
         rows = _bucket(batch)
         self._ensure(rows, max(lengths) + max_new_tokens)
-        if not self._fresh:
-            self._pack()
         dev = self.device
         greedy = temperature == 0
         step = self._step(rows, draws=greedy or top_p == 1)
@@ -510,25 +396,12 @@ class CudaSampler:
         ``src[i]`` into cache row ``dest[i]``. Padding comes after the real tokens, so causal
         attention keeps it out of their reach and decode overwrites it."""
         m = self.model
-        u, t = ids.shape
-        positions = torch.arange(t, device=ids.device)
+        positions = torch.arange(ids.shape[1], device=ids.device)
         cos, sin = m.rotary(positions)  # [T, 1, D]
-        x = m.embed(ids, positions)
         compiled = self.compiled and not self.eager_rounding
-        project, finish = compiled_layer_parts() if compiled else (layer_project, layer_finish)
-        for i, layer in enumerate(m.model.layers):
-            q, k, v = project(layer, x, cos, sin)  # [U, T, heads or kv_heads, D]
-            self._keys[i][dest, :t] = k[src]
-            self._values[i][dest, :t] = v[src]
-            out = F.scaled_dot_product_attention(
-                q.transpose(1, 2),
-                k.transpose(1, 2),
-                v.transpose(1, 2),
-                is_causal=True,
-                enable_gqa=self.group > 1,
-            )
-            x = finish(layer, x, out.transpose(1, 2).reshape(u, t, -1))
-        return m.model.norm(x)
+        parts = compiled_layer_parts() if compiled else PLAIN_PARTS
+        attention = _Prefill(self._keys, self._values, dest, src)
+        return m.model.norm(m.run_layers(m.embed(ids, positions), cos, sin, attention, parts))
 
     # ---- decode -------------------------------------------------------------------------
 
@@ -536,7 +409,9 @@ class CudaSampler:
         step = self._steps.get((rows, draws))
         if step is None:
             with torch.inference_mode(False):  # kept between calls, as the pool's views are
-                step = _Step(rows, draws, self.vocab, self.length, self.group, self.rows, self.device)
+                step = _Step(
+                    rows, draws, self.vocab, self.length, self.kv_heads, self.group, self.rows, self.device
+                )
             self._steps[rows, draws] = step
         return step
 
@@ -573,12 +448,9 @@ class CudaSampler:
         each row's position, and leaves the sampled token and its logprob in
         ``step.token``/``step.logprob`` (a step that draws) or logits / T in ``step.logits``."""
         m = self.model
-        x, cos, sin, write, used = self._prologue(m, step.token, step.position, step.kv_base)
-        rows = step.rows
-        for i, (layer, packed) in enumerate(zip(m.model.layers, self._packed, strict=True)):
-            q = self._before_attention(layer, packed, x, cos, sin, self._kv[i], write)
-            out = self._attend(q, self._keys[i][:rows], self._values[i][:rows], used, step)
-            x = self._after_attention(layer, packed, x, out)
+        x, cos, sin, write, used = self._prologue(m, step.token, step.position, step.kv_base, self.kv_heads)
+        attention = _Decode(self, step, write, used)
+        x = m.run_layers(x, cos, sin, attention, (self._project, self._finish))
         if step.race:
             race.race_draw(
                 self._head(m, x), step.inv_temperature, step.seed, step.noisy, out=(step.token, step.logprob)
@@ -590,38 +462,59 @@ class CudaSampler:
         else:
             self._scaled_logits(m, x, step.inv_temperature, step.logits)
 
-    def _attend(self, q: Tensor, keys: Tensor, values: Tensor, used: Tensor, step: _Step) -> Tensor:
-        """Attention of one new query per row over its first ``used`` keys: queries [rows,
-        heads, D] in `_head_order`, the output in the same layout. Grouped-query attention as
-        in the module docstring: for flash, the g query heads of a KV head are g query
-        positions of its variable-length sequence; for SDPA, a batch of g heads."""
-        kvh, d, g, rows = self.kv_heads, self.head_dim, self.group, step.rows
-        if self.flash:
+
+
+class _Prefill:
+    """The prefill's `LayerAttention`: causal over each row of the batch [U, T], writing row
+    ``src[i]``'s keys and values into the pool's row ``dest[i]``."""
+
+    def __init__(self, keys: list[Tensor], values: list[Tensor], dest: Tensor, src: Tensor) -> None:
+        self.keys, self.values, self.dest, self.src = keys, values, dest, src
+
+    def writes(self, layer: int) -> None:
+        return None
+
+    def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        u, t = q.shape[:2]
+        k, v = k.transpose(1, 2), v.transpose(1, 2)  # [U, kv_heads, T, D], the pool's layout
+        self.keys[layer][self.dest, :, :t] = k[self.src]
+        self.values[layer][self.dest, :, :t] = v[self.src]
+        return attend(q.transpose(1, 2), k, v, None, True).transpose(1, 2).reshape(u, t, -1)
+
+
+class _Decode:
+    """A decode step's `LayerAttention`: one new query per row over its first ``position + 1``
+    keys in the pool; `layer_project` writes the new keys and values at ``write`` (`_prologue`).
+    Grouped-query attention as in the module docstring: for flash, each (row, KV head) is a
+    sequence of g query positions; elsewhere `attend` with a length mask."""
+
+    def __init__(self, sampler: CudaSampler, step: _Step, write: Tensor, used: Tensor) -> None:
+        self.sampler, self.step, self.write, self.used = sampler, step, write, used
+
+    def writes(self, layer: int) -> tuple[Tensor, Tensor]:
+        return self.sampler._kv[layer], self.write
+
+    def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        sampler, step = self.sampler, self.step
+        rows, length, d = step.rows, sampler.length, sampler.head_dim
+        keys, values = sampler._keys[layer][:rows], sampler._values[layer][:rows]
+        if sampler.flash:
             return torch.ops.aten._flash_attention_forward(
-                q.view(rows * g, kvh, d),
-                keys.view(rows * self.length, kvh, d),
-                values.view(rows * self.length, kvh, d),
+                q.view(-1, 1, d),
+                keys.view(-1, 1, d),
+                values.view(-1, 1, d),
                 step.cu_q,
                 step.cu_k,
-                g,
-                self.length,
+                sampler.group,
+                length,
                 0.0,
                 False,
                 False,
-                seqused_k=used,
-            )[0]
-        mask = torch.arange(self.length, device=q.device) < used.unsqueeze(-1)
-        return F.scaled_dot_product_attention(
-            q.view(rows, kvh, g, d),
-            keys.transpose(1, 2),
-            values.transpose(1, 2),
-            attn_mask=mask[:, None, None, :],
-        )
+                seqused_k=self.used,
+            )[0].view(rows, -1)
+        mask = torch.arange(length, device=q.device) < self.used.view(rows, -1)[:, :1]
+        return attend(q.unsqueeze(2), keys, values, mask[:, None, None, :], False).view(rows, -1)
 
-
-# A layer's parameters (after its ``model.layers.N.<module>.``) that `_pack` copies.
-_PACKED_PARTS = {"q_proj.weight", "k_proj.weight", "v_proj.weight", "q_proj.bias", "k_proj.bias"}
-_PACKED_PARTS |= {"v_proj.bias", "o_proj.weight", "gate_proj.weight", "up_proj.weight"}
 
 # Decode steps left when the tokens so far start their copy to the host (`_HostColumns`).
 _HOST_TAIL = 64
@@ -645,48 +538,35 @@ class _HostColumns:
         return self.tokens.tolist(), self.logprobs.tolist()
 
 
-def _aligned(elements: int) -> int:
-    """Elements rounded up to 128 (256 bytes in bf16: aligned for any GEMM kernel)."""
-    return -(-elements // 128) * 128
-
-
-# The parts of a decode step between attention calls. They are plain functions of a layer (not
-# methods) so that one torch.compile'd version serves every layer: dynamo lifts the layer's
-# parameters to inputs instead of recompiling per layer.
+# The parts of a decode step around the layers, as plain functions (not methods) so that one
+# torch.compile'd version serves every call.
 
 
 def _prologue(
-    model: Decoder, token: Tensor, position: Tensor, kv_base: Tensor
+    model: Decoder, token: Tensor, position: Tensor, kv_base: Tensor, kv_heads: int
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """A step's inputs to every layer: embeddings, rotary cos/sin [rows, 1, D], where each row's
-    new key and value go in a layer's flat keys-then-values (``kv_base`` + position, keys
-    then values), and how many keys each row attends over (int32)."""
+    """A step's inputs to every layer: embeddings, rotary cos/sin [rows, 1, D], where each
+    (row, KV head)'s new key and value go in a layer's flat keys-then-values (``kv_base`` +
+    position, keys then values), and how many keys each (row, KV head) attends over (int32)."""
     cos, sin = model.rotary(position)
-    write = kv_base + torch.cat((position, position))
-    return model.embed(token, position), cos, sin, write, (position + 1).to(torch.int32)
+    per_head = position.unsqueeze(1).expand(-1, kv_heads).reshape(-1)
+    write = kv_base + torch.cat((per_head, per_head))
+    return model.embed(token, position), cos, sin, write, (per_head + 1).to(torch.int32)
 
 
-def _before_attention(
-    layer: DecoderLayer, packed: _Packed, x: Tensor, cos: Tensor, sin: Tensor, kv: Tensor, write: Tensor
-) -> Tensor:
-    """Input norm, projections, rotation: writes the rows' new keys, then values, into the
-    layer's cache ``kv`` [2 * rows * length, kv_heads, D] at ``write`` (`_prologue`; in the
-    compiled step, in the same kernel as their rotation), and returns the queries [rows,
-    heads, D] (in the packed weights' head order)."""
-    attn = layer.self_attn
-    qkv = F.linear(layer.input_layernorm(x), packed.qkv_weight, packed.qkv_bias)
-    kv_size = attn.kv_heads * attn.head_dim
-    q, k, v = attn.rotated(*qkv.split((attn.heads * attn.head_dim, kv_size, kv_size), dim=-1), cos, sin)
-    kv.index_copy_(0, write, torch.cat((k, v)))
-    return q
+# The layers' parts in their own code objects, so that torch.compile's versions of them for the
+# decode step (other options, other shapes) never count against the recompile limit of the
+# trainer's `compiled_layer_parts`.
 
 
-def _after_attention(layer: DecoderLayer, packed: _Packed, x: Tensor, out: Tensor) -> Tensor:
-    """Output projection, residual, MLP, residual, from `_attend`'s output (query heads in
-    the packed weights' order, as o_weight's columns)."""
-    x = x + F.linear(out.reshape(x.shape[0], -1), packed.o_weight)
-    gate, up = F.linear(layer.post_attention_layernorm(x), packed.gate_up_weight).chunk(2, dim=-1)
-    return x + layer.mlp.combine(gate, up)
+def _project(
+    layer: DecoderLayer, x: Tensor, cos: Tensor, sin: Tensor, writes: tuple[Tensor, Tensor]
+) -> tuple[Tensor, Tensor, Tensor]:
+    return layer_project(layer, x, cos, sin, writes)
+
+
+def _finish(layer: DecoderLayer, x: Tensor, out: Tensor) -> Tensor:
+    return layer_finish(layer, x, out)
 
 
 def _draw(model: Decoder, x: Tensor, inv_temperature: Tensor, noise: Tensor) -> tuple[Tensor, Tensor]:

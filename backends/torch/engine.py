@@ -10,7 +10,6 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from backends.torch.fingerprint import Probe, parameter_probes
 from backends.torch.model import Decoder, KVCache
 from backends.torch.sampling import check_arguments, completions, draw
 from pipeline.messages import Completion
@@ -51,14 +50,6 @@ class Sampler:
 
     def wake(self) -> None:
         """Nothing to map back: the next `generate` allocates the cache it needs."""
-
-    def refresh(self) -> None:
-        """Nothing to copy: every call reads the model's weights."""
-
-    layout = 0  # `probes` never changes
-
-    def probes(self) -> list[Probe]:
-        return parameter_probes(self.model.named_parameters())
 
     @torch.inference_mode()
     def generate(

@@ -27,7 +27,7 @@ import anyio
 import torch
 
 from backends.torch.compute import ComputeThread
-from backends.torch.fingerprint import Fingerprinter, Probe
+from backends.torch.fingerprint import Fingerprinter, parameter_probes
 from backends.torch.model import Decoder
 from backends.torch.sampling import check_arguments, check_prompts
 from pipeline.errors import RequestRejected
@@ -56,12 +56,6 @@ class BatchSampler(Protocol):
     def wake(self) -> None: ...
 
     def cache_bytes(self) -> int: ...
-
-    def refresh(self) -> None: ...
-
-    layout: int
-
-    def probes(self) -> list[Probe]: ...
 
 
 class _Request:
@@ -93,7 +87,6 @@ class TorchEngine:
         self.sampler = sampler
         self.fingerprints = fingerprints
         self._fingerprinter: Fingerprinter | None = None
-        self._layout = -1
         self._served: dict[str, int] | None = None
         self.compute = compute or ComputeThread("engine")
         self.blocks_training = shared
@@ -212,16 +205,15 @@ class TorchEngine:
         if self.sampler.model is not self.source:
             for target, value in zip(self.sampler.model.parameters(), self.source.parameters(), strict=True):
                 target.copy_(value)
-        self.sampler.refresh()
         self._take_fingerprint()
 
     def _take_fingerprint(self) -> None:
-        """What the sampler serves now (`fingerprint`), when asked for at construction."""
+        """What the sampler serves now (`fingerprint`), when asked for at construction: the
+        parameters of its model, which it reads where they are."""
         if not self.fingerprints:
             return
-        if self._fingerprinter is None or self._layout != self.sampler.layout:
-            self._fingerprinter = Fingerprinter(self.sampler.probes())
-            self._layout = self.sampler.layout
+        if self._fingerprinter is None:
+            self._fingerprinter = Fingerprinter(parameter_probes(self.sampler.model.named_parameters()))
         self._served = self._fingerprinter()
 
     def fingerprint(self) -> dict[str, int] | None:

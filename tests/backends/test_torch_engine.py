@@ -213,7 +213,7 @@ async def test_engine_rejects_a_request_the_model_cannot_serve_without_failing_i
 def test_compiled_cuda_sampler_serves_every_batch_bucket_and_new_weights() -> None:
     """Compiled decode parts: no graph breaks, any number of batch-size buckets (dynamo's
     recompile limit is 8), and weights changed in place between calls (as the trainer changes
-    them) are served through the packed copies, also after a stand-down and wake."""
+    them) are served, also after a stand-down and wake."""
     from torch._dynamo.utils import counters
 
     from backends.torch.cuda_sampler import CudaSampler
@@ -226,9 +226,9 @@ def test_compiled_cuda_sampler_serves_every_batch_bucket_and_new_weights() -> No
     assert not counters["graph_break"]
     with torch.no_grad():
         for layer in plain.model.model.layers:
-            layer.self_attn.k_proj.weight.mul_(3)
-            layer.self_attn.v_proj.bias.add_(0.5)
-            layer.mlp.up_proj.weight.mul_(-2)
+            layer.self_attn.qkv_proj.weight[-12:].mul_(3)  # rows of v_proj's
+            layer.self_attn.qkv_proj.bias.add_(0.5)
+            layer.mlp.gate_up_proj.weight.mul_(-2)
     cuda.release()
     cuda.wake()
     got = _generate(cuda, PROMPTS, temperature=0.0)

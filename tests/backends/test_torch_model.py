@@ -128,6 +128,32 @@ def test_state_dict_names_follow_hugging_face() -> None:
     }
 
 
+def test_fused_projections_are_parameters_and_state_dicts_round_trip_exactly() -> None:
+    """q/k/v and gate/up are one Parameter each (one GEMM on every path, what the optimizer
+    steps), stored under Hugging Face's names: a state dict loads back bit for bit, into a
+    model whose fused tensors are the parts stacked in order."""
+    config = msgspec.structs.replace(CONFIG, num_hidden_layers=1, attention_bias=True)
+    source, target = _model(config, seed=0), _model(config, seed=1)
+    assert {n for n, _ in source.named_parameters() if ".layers." in n} == {
+        "model.layers.0.self_attn.qkv_proj.weight",
+        "model.layers.0.self_attn.qkv_proj.bias",
+        "model.layers.0.self_attn.o_proj.weight",
+        "model.layers.0.mlp.gate_up_proj.weight",
+        "model.layers.0.mlp.down_proj.weight",
+        "model.layers.0.input_layernorm.weight",
+        "model.layers.0.post_attention_layernorm.weight",
+    }
+    state = source.state_dict()
+    target.load_state_dict(state)
+    for name, tensor in target.state_dict().items():
+        assert torch.equal(tensor, state[name]), name
+    attn, mlp = "model.layers.0.self_attn", "model.layers.0.mlp"
+    qkv = torch.cat([state[f"{attn}.{p}_proj.weight"] for p in "qkv"])
+    assert torch.equal(target.model.layers[0].self_attn.qkv_proj.weight, qkv)
+    gate_up = torch.cat([state[f"{mlp}.{p}_proj.weight"] for p in ("gate", "up")])
+    assert torch.equal(target.model.layers[0].mlp.gate_up_proj.weight, gate_up)
+
+
 def test_config_decodes_from_recipe_with_tiny_defaults() -> None:
     config = msgspec.json.decode(b'{"vocab_size": 16}', type=ModelConfig)
     assert (config.hidden_size, config.num_hidden_layers, config.head_dim) == (128, 2, 32)

@@ -143,11 +143,11 @@ def test_graphs_stay_valid_across_stand_down_and_wake() -> None:
     flipped = sampler.generate(prompts, **kw)
     assert sampler.captures == 1
     assert [o.tokens for o in flipped] != [o.tokens for o in before]
-    # So are new projection weights, which the graphs read through packed copies.
+    # So are new projection weights (the fused ones), after a stand-down and wake too.
     with torch.no_grad():
         for layer in model.model.layers:
-            layer.self_attn.k_proj.weight.mul_(3)
-            layer.mlp.up_proj.weight.mul_(-2)
+            layer.self_attn.qkv_proj.weight.mul_(3)
+            layer.mlp.gate_up_proj.weight.mul_(-2)
     sampler.release()
     sampler.wake()
     changed = sampler.generate(prompts, **kw)
