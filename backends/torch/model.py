@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from backends.torch.attention import CausalAttention, LayerAttention, attend, attention_mask
+from backends.torch.attention import CausalAttention, LayerAttention
 from backends.torch.config import ModelConfig
 from backends.torch.logprobs import picked_logprobs
 
@@ -63,60 +63,6 @@ def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     a + (-b) is a - b exactly."""
     half = x.shape[-1] // 2
     return x * cos + torch.cat((x[..., half:], x[..., :half]), dim=-1) * sin
-
-
-class KVCache:
-    """Preallocated key/value buffers, one pair per layer, each [batch, kv_heads, length, head_dim].
-
-    A forward call with ``cache_start=s`` and T new tokens writes positions [s, s + T) of
-    every row and attends over positions [0, s + T); positions beyond are never read.
-    """
-
-    def __init__(self, keys: list[Tensor], values: list[Tensor]) -> None:
-        self.keys = keys
-        self.values = values
-
-    @classmethod
-    def allocate(
-        cls, config: ModelConfig, batch: int, length: int, *, dtype: torch.dtype, device: torch.device
-    ) -> "KVCache":
-        shape = (batch, config.num_key_value_heads, length, config.head_dim)
-        layers = range(config.num_hidden_layers)
-        return cls(
-            [torch.empty(shape, dtype=dtype, device=device) for _ in layers],
-            [torch.empty(shape, dtype=dtype, device=device) for _ in layers],
-        )
-
-    @property
-    def batch(self) -> int:
-        return self.keys[0].shape[0]
-
-    @property
-    def length(self) -> int:
-        return self.keys[0].shape[2]
-
-    def rows(self, n: int) -> "KVCache":
-        """A cache over the first ``n`` rows, sharing storage with this one."""
-        return KVCache([k[:n] for k in self.keys], [v[:n] for v in self.values])
-
-
-class _CachedAttention(CausalAttention):
-    """`CausalAttention` over a `KVCache`: writes the T new keys/values at [start, start + T)
-    and attends over [0, start + T)."""
-
-    def __init__(self, mask: Tensor | None, is_causal: bool, cache: KVCache, start: int) -> None:
-        super().__init__(mask, is_causal)
-        self.cache = cache
-        self.start = start
-
-    def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        b, t = q.shape[:2]
-        keys, values = self.cache.keys[layer], self.cache.values[layer]
-        end = self.start + t
-        keys[:, :, self.start : end] = k.transpose(1, 2)
-        values[:, :, self.start : end] = v.transpose(1, 2)
-        out = attend(q.transpose(1, 2), keys[:, :, :end], values[:, :, :end], self.mask, self.is_causal)
-        return out.transpose(1, 2).reshape(b, t, -1)
 
 
 class RMSNorm(nn.Module):
@@ -318,36 +264,11 @@ class Decoder(nn.Module):
                 x = layer(x, cos, sin, attention, index, parts)
         return x
 
-    def hidden_states(
-        self,
-        input_ids: Tensor,
-        position_ids: Tensor,
-        attn_mask: Tensor | None = None,
-        kv_cache: KVCache | None = None,
-        cache_start: int = 0,
-    ) -> Tensor:
-        """Final-norm hidden states [B, T, hidden_size] in the model dtype.
-
-        ``input_ids``/``position_ids``: [B, T] integer tensors. Attention is always causal.
-        ``attn_mask``: None (every key is a real token) or bool [B, S] over all keys so far,
-        S = cache_start + T, True = real token. A query whose own key is masked (a padding
-        query) still attends to itself, so padding never produces NaN.
-        ``kv_cache``: when given, the new keys/values are written at [cache_start,
-        cache_start + T) and attention covers the cached prefix as well.
-        """
-        b, t = input_ids.shape
-        s = cache_start + t
-        if kv_cache is not None and s > kv_cache.length:
-            raise ValueError(f"KV cache holds {kv_cache.length} positions, need {s}")
-        if attn_mask is not None and attn_mask.shape != (b, s):
-            raise ValueError(f"attn_mask must be [{b}, {s}], got {list(attn_mask.shape)}")
-        mask, is_causal = attention_mask(attn_mask, t, cache_start, input_ids.device)
-        attention = (
-            CausalAttention(mask, is_causal)
-            if kv_cache is None
-            else _CachedAttention(mask, is_causal, kv_cache, cache_start)
-        )
+    def hidden_states(self, input_ids: Tensor, position_ids: Tensor) -> Tensor:
+        """Final-norm hidden states [B, T, hidden_size] in the model dtype, causal over each row
+        of ``input_ids``/``position_ids`` ([B, T] integer tensors)."""
         cos, sin = self.rotary(position_ids)
+        attention = CausalAttention(None, input_ids.shape[1] > 1)
         return self.model.norm(self.run_layers(self.embed(input_ids, position_ids), cos, sin, attention))
 
     def embed(self, input_ids: Tensor, position_ids: Tensor) -> Tensor:
@@ -369,18 +290,9 @@ class Decoder(nn.Module):
             torch.cat((-sin, sin), dim=-1).to(dtype).unsqueeze(-2),
         )
 
-    def forward(
-        self,
-        input_ids: Tensor,
-        position_ids: Tensor,
-        attn_mask: Tensor | None = None,
-        kv_cache: KVCache | None = None,
-        cache_start: int = 0,
-    ) -> Tensor:
+    def forward(self, input_ids: Tensor, position_ids: Tensor) -> Tensor:
         """Logits [B, T, vocab_size] in float32; arguments as in `hidden_states`."""
-        return self.lm_head(
-            self.hidden_states(input_ids, position_ids, attn_mask, kv_cache, cache_start)
-        ).float()
+        return self.lm_head(self.hidden_states(input_ids, position_ids)).float()
 
     def _inv_freq_on(self, device: torch.device) -> Tensor:
         inv_freq = self._inv_freq.get(device)

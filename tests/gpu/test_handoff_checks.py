@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from backends.torch.config import ModelConfig
-from backends.torch.cuda_sampler import CudaSampler
+from backends.torch.engine import TorchEngine
 from backends.torch.fingerprint import Fingerprinter, checksum, parameter_probes
 from backends.torch.model import Decoder
-from backends.torch.serving import TorchEngine
+from backends.torch.sampler import Sampler
 
 pytestmark = pytest.mark.gpu
 
@@ -42,7 +42,7 @@ def _engine(model: Decoder, shared: bool) -> TorchEngine:
     dtype = next(model.parameters()).dtype
     engine_model = model if shared else Decoder(model.config).to(device="cuda", dtype=dtype)
     return TorchEngine(
-        CudaSampler(engine_model),
+        Sampler(engine_model),
         shared=shared,
         source=model,
         max_new_tokens=8,
