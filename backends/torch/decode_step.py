@@ -211,8 +211,10 @@ class _Decode:
         rows, d = step.rows, cache.head_dim
         keys, values = cache.keys[layer][:rows], cache.values[layer][:rows]
         if self.mask is None:
-            flat = (y.view(-1, 1, d) for y in (q, keys, values))
-            out = _flash_varlen(*flat, step.cu_q, step.cu_k, self.steps.group, cache.length, self.used)
+            q, keys, values = q.view(-1, 1, d), keys.view(-1, 1, d), values.view(-1, 1, d)
+            out = _flash_varlen(
+                q, keys, values, step.cu_q, step.cu_k, self.steps.group, cache.length, self.used
+            )
             return out.view(rows, -1)
         keys, values = keys[:, :, : self.span], values[:, :, : self.span]
         return attend(q.unsqueeze(2), keys, values, self.mask, False).view(rows, -1)

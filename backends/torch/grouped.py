@@ -1,25 +1,27 @@
 """Response logprobs for GRPO groups, computing each group's shared prompt once.
 
 Every sample of a group continues the same prompt, so a full-sequence forward would push the
-prompt through the model once per sample. `response_logprobs` runs each distinct prompt once
-and only the response tokens of each sample, in one pass over the model: the layers' position-
-wise work (norms, projections, MLP) runs on all prompt and response tokens packed together, and
-only attention splits them, each response row attending over its prompt's keys/values (left-
-padded like the sampler's prefill) and its own earlier response tokens. Gradients flow through
-both. For the CPU quickstart (7 prompt + 5 response tokens, groups of 8) this pushes 1.2k
-instead of 2.8k tokens through the layers, with one call of each layer op instead of two.
+prompt through the model once per sample. `response_logprobs` runs each distinct prompt once and
+only the response tokens of each sample, in one pass over the model: the layers. position-wise
+work (norms, projections, MLP) runs on all prompt and response tokens packed together, and only
+attention splits them (the pass's `LayerAttention`, `_PromptShared`), each response row
+attending over its prompt's keys/values (left-padded, the padding masked) and its own earlier
+response tokens. Gradients flow through both. For the CPU quickstart (7 prompt + 5 response
+tokens, groups of 8) this pushes 1.2k instead of 2.8k tokens through the layers, with one call
+of each layer op instead of two.
 
-The positions and masks are the sampler's own, so in fp32 the logprobs equal the engine's to
-rounding (the trainer's `train/gen_kl_error` stays near 0 on-policy).
+The positions are the sampler's own (each prompt's tokens at 0..n-1), so in fp32 the logprobs
+equal the engine's to rounding (the trainer's `train/gen_kl_error` stays near 0 on-policy).
 
 Options: ``compiled`` runs each layer's position-wise parts (norms, projections, rotation,
 residuals, SwiGLU) as torch.compile'd kernels, one compiled version serving every layer (their
 parameters are its inputs) and any number of tokens (dynamo's automatic dynamic shapes);
-attention stays outside them. On CUDA in half precision the responses' attention is one
-variable-length flash call (each row's keys: its prompt's real tokens, then its own; causal
-aligned bottom-right), elsewhere SDPA with an explicit mask. ``checkpointed`` keeps only each
-layer's input for the backward pass and recomputes the layer there (activation checkpointing:
-about a third more compute for a few percent of the activation memory).
+attention stays outside them (`Decoder.run_layers`, as every path runs the layers). On CUDA in
+half precision the responses' attention is one variable-length flash call (each row's keys: its
+prompt's real tokens, then its own; causal aligned bottom-right), elsewhere SDPA with an
+explicit mask. ``checkpointed`` keeps only each layer's input for the backward pass and
+recomputes the layer there (activation checkpointing: about a third more compute for a few
+percent of the activation memory).
 """
 
 from __future__ import annotations

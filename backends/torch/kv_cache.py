@@ -53,8 +53,7 @@ class KVCache:
             self._view(self.pool.allocate(elements * torch.finfo(self.dtype).bits // 8))
 
     def release(self) -> None:
-        if self.rows:
-            self.pool.release()
+        self.pool.release()
 
     def restore(self) -> bool:
         """Map the memory again; True when the views moved (a pool that keeps no addresses)."""
