@@ -2,7 +2,7 @@
 
 Every sample of a group continues the same prompt, so a full-sequence forward would push the
 prompt through the model once per sample. `response_logprobs` runs each distinct prompt once and
-only the response tokens of each sample, in one pass over the model: the layers. position-wise
+only the response tokens of each sample, in one pass over the model: the layers' position-wise
 work (norms, projections, MLP) runs on all prompt and response tokens packed together, and only
 attention splits them (the pass's `LayerAttention`, `_PromptShared`), each response row
 attending over its prompt's keys/values (left-padded, the padding masked) and its own earlier
