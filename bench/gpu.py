@@ -1,12 +1,12 @@
 """GPU benchmarks on a Qwen2.5-1.5B-shaped model (random weights, bf16) on one CUDA device.
 
 Parts (each can be picked with --parts):
-- `generate`: 256 sequences x 512 new tokens from 128-token prompts with `CudaSampler`
+- `generate`: 256 sequences x 512 new tokens from 128-token prompts with the `Sampler`
   (CUDA graphs of compiled decode steps; first call compiles and captures, then timed calls;
   `--uncompiled`/`--eager` also time graphs of uncompiled steps / no graphs), the prefill's
   share, and the engine/recompute mismatch metrics of the generated tokens (`token_logprobs`).
-- `handoff`: `release` (stand-down) and `wake` times of the sampler's KV cache (the wake
-  includes copying the weights into the packed copies), a check that the captured graphs still
+- `handoff`: `release` (stand-down) and `wake` times of the sampler's KV cache, a check that
+  the captured graphs still
   give the same greedy tokens afterwards, and the handoff check's cost: the trainer's and the
   engine's weight fingerprints (`backends/torch/fingerprint.py`), each timed alone.
 - `train`: the model's training tokens/s and MFU at sequence length 1024: full sequences
@@ -32,12 +32,12 @@ from typing import Any
 import torch
 
 from backends.torch.config import ModelConfig
-from backends.torch.cuda_sampler import CudaSampler
 from backends.torch.fingerprint import Fingerprinter, parameter_probes
 from backends.torch.grouped import response_logprobs
 from backends.torch.grpo_loss import mismatch_metrics
 from backends.torch.logprobs import picked_logprobs
 from backends.torch.model import Decoder, token_logprobs
+from backends.torch.sampler import Sampler
 
 QWEN_1_5B = ModelConfig(
     vocab_size=151936,
@@ -84,20 +84,21 @@ def bench_generate(model: Decoder, args: argparse.Namespace) -> dict[str, Any]:
     if args.eager:
         variants.append(("eager", False, False))
     for name, graphs, compiled in variants:
-        sampler = CudaSampler(model, graphs=graphs, compiled=compiled)
+        sampler = Sampler(model, graphs=graphs, compiled=compiled)
         gen = torch.Generator("cuda").manual_seed(0)
         kw = dict(max_new_tokens=args.new_tokens, temperature=1.0, generator=gen)
         start = _sync_time()
-        sampler.generate(prompts, **kw)  # first call: allocates the cache, compiles, captures
+        requests = [(p, 1) for p in prompts]
+        sampler.generate(requests, **kw)  # first call: allocates the cache, compiles, captures
         first = _sync_time() - start
         times = []
         for _ in range(args.repeats if graphs else 1):
             start = _sync_time()
-            outs = sampler.generate(prompts, **kw)
+            outs = [c for (c,) in sampler.generate(requests, **kw)]
             times.append(_sync_time() - start)
         # Prefill and the first token only (drawn from the prefill), to split the call's time.
         start = _sync_time()
-        sampler.generate(prompts, max_new_tokens=1, temperature=1.0, generator=gen)
+        sampler.generate(requests, max_new_tokens=1, temperature=1.0, generator=gen)
         prefill = _sync_time() - start
         tokens = sum(len(o.tokens) for o in outs)
         best = min(times)
@@ -108,13 +109,13 @@ def bench_generate(model: Decoder, args: argparse.Namespace) -> dict[str, Any]:
             "tokens_per_s": tokens / best,
             "prefill_s": prefill,
             "ms_per_decode_step": 1000 * (best - prefill) / (args.new_tokens - 1),
-            "pool_bytes": sampler.cache_bytes(),  # KV cache and packed weights
+            "pool_bytes": sampler.cache_bytes(),  # the KV cache
         }
         print(name, json.dumps(out[name]), flush=True)
         if graphs:
             out[name]["mismatch"] = _mismatch(model, prompts, outs)
             print("mismatch", json.dumps(out[name]["mismatch"]), flush=True)
-        sampler.pool.free()
+        sampler.cache.pool.free()
         del sampler
         torch.cuda.empty_cache()
     return out
@@ -144,12 +145,13 @@ def _mismatch(model: Decoder, prompts: list[list[int]], outs: list) -> dict[str,
 def bench_handoff(model: Decoder, args: argparse.Namespace) -> dict[str, Any]:
     g = torch.Generator().manual_seed(2)
     prompts = torch.randint(3, QWEN_1_5B.vocab_size, (args.batch, args.prompt_len), generator=g).tolist()
-    sampler = CudaSampler(model)
+    sampler = Sampler(model)
     kw = dict(max_new_tokens=64, temperature=0.0, generator=torch.Generator("cuda"))
     # Size the cache as the full benchmark does (prompt + new tokens), then check with short runs.
     full = dict(max_new_tokens=args.new_tokens, temperature=0.0, generator=torch.Generator("cuda"))
-    sampler.generate(prompts, **full)
-    before = sampler.generate(prompts, **kw)
+    requests = [(p, 1) for p in prompts]
+    sampler.generate(requests, **full)
+    before = sampler.generate(requests, **kw)
     stand_down, wake = [], []
     for _ in range(args.repeats + 2):
         start = _sync_time()
@@ -158,9 +160,9 @@ def bench_handoff(model: Decoder, args: argparse.Namespace) -> dict[str, Any]:
         start = _sync_time()
         sampler.wake()
         wake.append(_sync_time() - start)
-    after = sampler.generate(prompts, **kw)
+    after = sampler.generate(requests, **kw)
     published = Fingerprinter(parameter_probes(model.named_parameters()))
-    served = Fingerprinter(sampler.probes())
+    served = Fingerprinter(parameter_probes(sampler.model.named_parameters()))
     trainer_ms, engine_ms = [], []
     for _ in range(args.repeats + 2):
         start = _sync_time()
@@ -170,14 +172,15 @@ def bench_handoff(model: Decoder, args: argparse.Namespace) -> dict[str, Any]:
         got = served()
         engine_ms.append(1000 * (_sync_time() - start))
     result = {
-        "pool_bytes": sampler.cache_bytes(),  # KV cache and packed weights
-        "stable_addresses": sampler.pool.stable,
+        "pool_bytes": sampler.cache_bytes(),  # the KV cache
+        "stable_addresses": sampler.cache.pool.stable,
         "stand_down_ms": [1000 * t for t in stand_down],
         "wake_ms": [1000 * t for t in wake],
         "stand_down_plus_wake_ms_median": 1000
         * sorted(a + b for a, b in zip(stand_down, wake, strict=True))[len(wake) // 2],
         "graphs_captured": sampler.captures,
-        "greedy_tokens_equal_after_wake": [o.tokens for o in after] == [o.tokens for o in before],
+        "greedy_tokens_equal_after_wake": [[o.tokens for o in g] for g in after]
+        == [[o.tokens for o in g] for g in before],
         "fingerprint_tensors": len(expected),
         "fingerprint_samples": sum(p.index.numel() for p in served.probes),
         "fingerprint_trainer_ms": trainer_ms,
@@ -185,7 +188,7 @@ def bench_handoff(model: Decoder, args: argparse.Namespace) -> dict[str, Any]:
         "fingerprints_equal": expected == got,
     }
     print("handoff", json.dumps(result), flush=True)
-    sampler.pool.free()
+    sampler.cache.pool.free()
     return result
 
 

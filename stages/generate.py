@@ -1,6 +1,6 @@
 """One completion for one prompt from a checkpoint or a Hugging Face directory (`generate`).
 
-The same sampler the pipeline's engine runs (`backends.torch.engine.Sampler`), stopping at the
+The same sampler the pipeline's engine runs (`backends.torch.sampler.Sampler`), stopping at the
 tokenizer's stop ids; temperature 0 is greedy. The prompt is text as the run's prompts were
 written (the digit tasks: the digits and `=`, e.g. `12349=`). It imports torch: the CLI
 imports it lazily.
@@ -13,7 +13,7 @@ import logging
 import msgspec
 import torch
 
-from backends.torch.engine import Sampler
+from backends.torch.sampler import Sampler
 from pipeline.errors import RecipeError
 from stages.model_files import OpenedModel
 
@@ -68,10 +68,10 @@ def generate(
     if not ids:
         raise RecipeError("--prompt: the prompt is empty after tokenization")
     new_tokens = _new_tokens(opened, len(ids), max_new_tokens)
-    sampler = Sampler(opened.model)
+    sampler = Sampler(opened.model, graphs=False)  # one call: nothing to capture or compile
     generator = torch.Generator(device=sampler.device).manual_seed(seed)
-    (completion,) = sampler.generate(
-        [ids],
+    ((completion,),) = sampler.generate(
+        [(ids, 1)],
         max_new_tokens=new_tokens,
         temperature=temperature,
         top_p=top_p,

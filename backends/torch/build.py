@@ -10,12 +10,12 @@ from typing import Any
 import torch
 
 from backends.torch.compute import ComputeThread
-from backends.torch.engine import Sampler
+from backends.torch.engine import TorchEngine
 from backends.torch.errors import ModelLoadError
 from backends.torch.grpo_loss import LossConfig
 from backends.torch.model import Decoder
+from backends.torch.sampler import Sampler
 from backends.torch.section import ModelSection
-from backends.torch.serving import BatchSampler, TorchEngine
 from backends.torch.trainer import TorchTrainer
 from pipeline.errors import RecipeError
 
@@ -58,14 +58,8 @@ def build_backend(
         raise RecipeError(f"model.path: {error}") from None
     engine_model = model if recipe.colocated else copy.deepcopy(model)
     rollout, train = recipe.rollout, recipe.train
-    sampler: BatchSampler
-    if section.uses_cuda_sampler:
-        from backends.torch.cuda_sampler import CudaSampler
-
-        # Engine kernels round as the trainer's do (compiled or eager): closer logprobs.
-        sampler = CudaSampler(engine_model, graphs=section.cuda_graphs, eager_rounding=not train.compile)
-    else:
-        sampler = Sampler(engine_model)
+    # Engine kernels round as the trainer's do (compiled or eager): closer logprobs.
+    sampler = Sampler(engine_model, graphs=section.cuda_graphs, eager_rounding=not train.compile)
     # Colocated, engine and trainer never run at once: one thread (one OpenMP team) for both.
     trainer_thread = ComputeThread("trainer")
     engine_thread = trainer_thread if recipe.colocated else ComputeThread("engine")

@@ -1,165 +1,214 @@
-"""Synchronous batched sampler over a `Decoder` with a preallocated KV cache.
+"""The torch generation engine behind the pipeline's `Engine` protocol.
 
-Each `Completion`'s ``logprobs[i]`` is log_softmax(logits / temperature)[tokens[i]] before top-p
-truncation (temperature 1 when sampling greedily); a stop token, when hit, is the last token.
+Concurrent `generate(prompt, n)` calls (one per group) are gathered into one batched
+`Sampler.generate` of their requests that runs in a worker thread: whichever caller finds no
+batch running leads, collects every request queued by then, and runs batches until its own
+request is answered; then the next waiting caller leads. The sampler call is shielded from
+cancellation (a thread cannot be interrupted), so one caller's deadline never orphans the
+others.
+
+Colocated (`shared=True`) the engine samples from the trainer's own parameter tensors: it must
+stand down for training (its KV cache's memory is released) and waking it maps the cache again
+and serves the new weights at once.
+Otherwise it holds its own copy, keeps serving while the trainer works, and `refit` copies the
+new weights in between two batches.
+
+Each request's own arguments are checked before it joins a batch: one that the model cannot
+serve (a prompt too long for learned position embeddings) is refused with `RequestRejected`
+instead of failing the batched call of every request gathered with it.
 """
 
-import copy
+from __future__ import annotations
+
 from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
 
+import anyio
 import torch
-from torch import Tensor
 
-from backends.torch.fingerprint import Probe, parameter_probes
-from backends.torch.model import Decoder, KVCache
-from backends.torch.sampling import check_arguments, completions, draw
+from backends.torch.compute import ComputeThread
+from backends.torch.fingerprint import Fingerprinter, parameter_probes
+from backends.torch.model import Decoder
+from backends.torch.sampler import Sampler
+from backends.torch.sampling import check_arguments, check_prompts
+from backends.torch.state_file import ENGINE_FILE, load_state, save_state
+from pipeline.errors import RequestRejected
 from pipeline.messages import Completion
 
 
-class Sampler:
-    """Generates completions for batches of token-id prompts.
+class _Request:
+    __slots__ = ("done", "greedy", "n", "prompt", "result")
 
-    The sampler reads the weights of ``model`` at every call, so in-place weight updates
-    are picked up. If ``device``/``dtype`` differ from the model's, it samples from a private
-    converted copy instead (update ``sampler.model`` then). The KV cache grows to the largest
-    batch and length seen and is reused until `release`.
-    """
+    def __init__(self, prompt: Sequence[int], n: int, greedy: bool) -> None:
+        self.prompt = list(prompt)
+        self.n = n
+        self.greedy = greedy
+        self.result: list[Completion] | BaseException | None = None
+        self.done = False
 
+
+class TorchEngine:
     def __init__(
         self,
-        model: Decoder,
+        sampler: Sampler,
         *,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
-    ) -> None:
-        param = next(model.parameters())
-        # Resolving through a tensor turns "cuda" into "cuda:0" so the comparison is exact.
-        self.device = param.device if device is None else torch.empty(0, device=device).device
-        self.dtype = param.dtype if dtype is None else dtype
-        if (param.device, param.dtype) != (self.device, self.dtype):
-            model = copy.deepcopy(model).to(device=self.device, dtype=self.dtype)
-        self.model = model
-        self._cache: KVCache | None = None
-        self._key_mask: Tensor | None = None
-
-    def release(self) -> None:
-        """Free the KV cache; the next `generate` allocates a new one."""
-        self._cache = None
-        self._key_mask = None
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
-
-    def wake(self) -> None:
-        """Nothing to map back: the next `generate` allocates the cache it needs."""
-
-    def refresh(self) -> None:
-        """Nothing to copy: every call reads the model's weights."""
-
-    layout = 0  # `probes` never changes
-
-    def probes(self) -> list[Probe]:
-        return parameter_probes(self.model.named_parameters())
-
-    @torch.inference_mode()
-    def generate(
-        self,
-        prompts: list[list[int]],
-        *,
+        shared: bool,
+        source: Decoder,
         max_new_tokens: int,
         temperature: float,
-        top_p: float = 1.0,
-        stop_token_ids: Sequence[int] = (),
-        generator: torch.Generator,
+        top_p: float,
+        stop_token_ids: Sequence[int],
+        seed: int,
+        compute: ComputeThread | None = None,
+        fingerprints: bool = False,
+    ) -> None:
+        self.sampler = sampler
+        self.fingerprints = fingerprints
+        self._fingerprinter: Fingerprinter | None = None
+        self._served: dict[str, int] | None = None
+        self.compute = compute or ComputeThread("engine")
+        self.blocks_training = shared
+        self.wake_carries_weights = shared
+        self.source = source
+        check_arguments([], max_new_tokens, temperature, top_p)  # once; prompts per request
+        self.max_new_tokens = max_new_tokens
+        self.temperature = temperature
+        self.top_p = top_p
+        self.stop_token_ids = tuple(stop_token_ids)
+        self.generator = torch.Generator(device=sampler.device).manual_seed(seed)
+        self._queue: list[_Request] = []
+        self._leading = False
+        self._changed = anyio.Event()
+        self._weights = anyio.Lock()
+        self.calls = 0
+
+    async def generate(
+        self, prompt_tokens: Sequence[int], n: int, *, greedy: bool = False
     ) -> list[Completion]:
-        """Sample up to ``max_new_tokens`` tokens after each prompt, one Completion per prompt.
-
-        ``temperature`` 0 means greedy (``top_p`` then unused). All randomness comes from
-        ``generator`` (on the sampler's device): equal generator state and inputs give
-        bit-identical outputs. Prompts may differ in length; they are left-padded internally.
-        """
-        check_arguments(
-            prompts, max_new_tokens, temperature, top_p, max_positions=self.model.config.position_limit
-        )
-        if not prompts:
-            return []
-        lengths = [len(p) for p in prompts]
-
-        batch, width = len(prompts), max(lengths)
-        cache, key_mask = self._buffers(batch, width + max_new_tokens)
-        dev = self.device
-        # GRPO repeats each prompt for its group: prefill every distinct prompt once and copy
-        # its keys/values to the rows that share it.
-        unique_index: dict[tuple[int, ...], int] = {}
-        row_to_unique = [unique_index.setdefault(tuple(p), len(unique_index)) for p in prompts]
-        unique = list(unique_index)
-        input_ids = torch.tensor(
-            [[0] * (width - len(p)) + list(p) for p in unique], dtype=torch.long, device=dev
-        )
-        columns = torch.arange(width, device=dev)
-        pad = width - torch.tensor([len(p) for p in unique], device=dev).unsqueeze(1)
-        real = columns >= pad
-        # Real tokens get positions 0..len-1 whatever their padding; padding gets 0.
-        position_ids = (columns - pad).clamp_(min=0)
-        # Without padding every key is real, and SDPA runs faster with no mask at all.
-        padded = min(lengths) < width
-        prefill_mask = real if padded else None
-        prefill = self.model.hidden_states(input_ids, position_ids, prefill_mask, cache.rows(len(unique)))
-        hidden = prefill[:, -1]
-        if len(unique) < batch:
-            gather = torch.tensor(row_to_unique, device=dev)
-            hidden, real = hidden[gather], real[gather]
-            for buf in (*cache.keys, *cache.values):
-                buf[:, :, :width] = buf[: len(unique), :, :width][gather]
-        key_mask[:, :width] = real
-        key_mask[:, width:] = True
-        next_position = torch.tensor(lengths, dtype=torch.long, device=dev).unsqueeze(1)
-
-        stop = torch.tensor(list(stop_token_ids), dtype=torch.long, device=dev)
-        tokens = torch.empty(batch, max_new_tokens, dtype=torch.long, device=dev)
-        logprobs = torch.empty(batch, max_new_tokens, dtype=torch.float32, device=dev)
-        generated = torch.zeros(batch, dtype=torch.long, device=dev)
-        done = torch.zeros(batch, dtype=torch.bool, device=dev)
-
-        step = 0
-        while True:
-            logits = self.model.lm_head(hidden).float()
-            token, logprob = draw(logits, temperature, top_p, generator)
-            tokens[:, step] = token
-            logprobs[:, step] = logprob
-            generated += ~done
-            if stop.numel():
-                done |= torch.isin(token, stop)
-            step += 1
-            # Finished rows keep riding along (their outputs are ignored) so shapes stay fixed.
-            if step == max_new_tokens or (stop.numel() and bool(done.all())):
-                break
-            start = width + step - 1
-            step_mask = key_mask[:, : start + 1] if padded else None
-            hidden = self.model.hidden_states(token.unsqueeze(1), next_position, step_mask, cache, start)[
-                :, -1
-            ]
-            next_position += 1
-
-        return completions(generated, tokens[:, :step], logprobs[:, :step], stop_token_ids)
-
-    def cache_bytes(self) -> int:
-        """Bytes held by the KV cache (0 after `release`)."""
-        if self._cache is None:
-            return 0
-        return sum(t.numel() * t.element_size() for t in self._cache.keys + self._cache.values)
-
-    def _buffers(self, batch: int, length: int) -> tuple[KVCache, Tensor]:
-        """Cache and key mask views of exactly ``batch`` rows, at least ``length`` positions."""
-        cache = self._cache
-        if cache is None or cache.batch < batch or cache.length < length:
-            rows, positions = batch, length
-            if cache is not None:
-                rows, positions = max(rows, cache.batch), max(positions, cache.length)
-            # Drop the old buffers first so peak memory is one cache, not two.
-            self.release()
-            self._cache = KVCache.allocate(
-                self.model.config, rows, positions, dtype=self.dtype, device=self.device
+        try:  # here, alone: in a batched call one bad prompt would fail all the others
+            check_prompts(
+                [list(prompt_tokens)],
+                self.max_new_tokens,
+                max_positions=self.sampler.model.config.position_limit,
             )
-            self._key_mask = torch.empty(rows, positions, dtype=torch.bool, device=self.device)
-        assert self._cache is not None and self._key_mask is not None
-        return self._cache.rows(batch), self._key_mask[:batch]
+        except ValueError as error:
+            raise RequestRejected(str(error)) from None
+        request = _Request(prompt_tokens, n, greedy)
+        self._queue.append(request)
+        try:
+            while not request.done:
+                if self._leading:
+                    await self._changed.wait()
+                    continue
+                self._leading = True
+                try:
+                    await self._gather()
+                    while not request.done:
+                        await self._run_batch()
+                finally:
+                    self._leading = False
+                    self._notify()
+        finally:
+            if request in self._queue:  # cancelled while queued: nobody should sample for it
+                self._queue.remove(request)
+        if isinstance(request.result, BaseException):
+            raise request.result
+        assert request.result is not None
+        return request.result
+
+    async def _gather(self) -> None:
+        """Yield to the event loop until no new request arrived for two rounds, so the groups
+        started together (a batch's prompts) are sampled in one call, not the first alone."""
+        quiet, seen = 0, len(self._queue)
+        while quiet < 2:
+            await anyio.lowlevel.checkpoint()
+            quiet = quiet + 1 if len(self._queue) == seen else 0
+            seen = len(self._queue)
+
+    async def _run_batch(self) -> None:
+        greedy = self._queue[0].greedy
+        batch = [r for r in self._queue if r.greedy == greedy]
+        self._queue = [r for r in self._queue if r.greedy != greedy]
+        with anyio.CancelScope(shield=True):
+            async with self._weights:
+                try:
+                    results = await self.compute.run(self._sample, batch)
+                except Exception as error:
+                    for request in batch:
+                        request.result, request.done = error, True
+                    return
+        for request, completions in zip(batch, results, strict=True):
+            request.result, request.done = completions, True
+        self._notify()
+
+    def _sample(self, batch: list[_Request]) -> list[list[Completion]]:
+        self.calls += 1
+        return self.sampler.generate(
+            [(r.prompt, r.n) for r in batch],
+            max_new_tokens=self.max_new_tokens,
+            temperature=0.0 if batch[0].greedy else self.temperature,
+            top_p=self.top_p,
+            stop_token_ids=self.stop_token_ids,
+            generator=self.generator,
+        )
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = anyio.Event()
+
+    async def stand_down(self) -> None:
+        await self.compute.run(self.sampler.release)
+
+    async def wake(self) -> None:
+        """No weights to load: colocated, the engine reads the trainer's tensors. The sampler
+        maps its KV cache's memory again."""
+        await self.compute.run(self._wake)
+
+    def _wake(self) -> None:
+        self.sampler.wake()
+        self._take_fingerprint()
+
+    async def refit(self) -> None:
+        async with self._weights:
+            await self.compute.run(self._copy_weights)
+
+    @torch.no_grad()
+    def _copy_weights(self) -> None:
+        if self.sampler.model is not self.source:
+            for target, value in zip(self.sampler.model.parameters(), self.source.parameters(), strict=True):
+                target.copy_(value)
+        self._take_fingerprint()
+
+    def _take_fingerprint(self) -> None:
+        """What the sampler serves now (`fingerprint`), when asked for at construction: the
+        parameters of its model, which it reads where they are."""
+        if not self.fingerprints:
+            return
+        if self._fingerprinter is None:
+            self._fingerprinter = Fingerprinter(parameter_probes(self.sampler.model.named_parameters()))
+        self._served = self._fingerprinter()
+
+    def fingerprint(self) -> dict[str, int] | None:
+        return self._served
+
+    def save(self, directory: Path) -> None:
+        save_state(directory / ENGINE_FILE, self.state())
+
+    def load(self, directory: Path) -> None:
+        self.load_state(load_state(directory / ENGINE_FILE))
+
+    def state(self) -> dict[str, Any]:
+        return {"generator": self.generator.get_state()}
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        """Restore the sampling RNG; weights come from the trainer (shared, or a refit)."""
+        self.generator.set_state(state["generator"])
+        self._copy_weights()
+
+    def close(self) -> None:
+        """Stop the compute thread (after its current call)."""
+        self.compute.close()
+
+    def memory_in_use(self) -> int | None:
+        return self.sampler.cache_bytes()

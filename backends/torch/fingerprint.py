@@ -10,9 +10,9 @@ The checksum is ``sum_j bits(x_j) * (2j + 1)`` over the samples j in int64 (wrap
 (the GPU kernel and the torch path agree bit for bit), and weighted by position, so swapped
 rows show too.
 
-A `Probe` names a tensor as the trainer knows it and says where its sampled elements live in
-the memory the engine reads: for the trainer and a plain engine, the parameter itself; for
-`CudaSampler`, its packed copies (`CudaSampler.probes`). On CUDA one Triton launch per dtype
+A `Probe` names a tensor and says where its sampled elements live: the trainer and the engine
+both probe their model's parameters where they are, by their names (the engine reads no other
+copy of them). On CUDA one Triton launch per dtype
 reads every probe's samples through a table of their addresses, in chunks of `_CHUNK` samples,
 and one `index_add_` sums the chunks per probe; elsewhere each probe is a gather.
 """

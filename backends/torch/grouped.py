@@ -1,25 +1,27 @@
 """Response logprobs for GRPO groups, computing each group's shared prompt once.
 
 Every sample of a group continues the same prompt, so a full-sequence forward would push the
-prompt through the model once per sample. `response_logprobs` runs each distinct prompt once
-and only the response tokens of each sample, in one pass over the model: the layers' position-
-wise work (norms, projections, MLP) runs on all prompt and response tokens packed together, and
-only attention splits them, each response row attending over its prompt's keys/values (left-
-padded like the sampler's prefill) and its own earlier response tokens. Gradients flow through
-both. For the CPU quickstart (7 prompt + 5 response tokens, groups of 8) this pushes 1.2k
-instead of 2.8k tokens through the layers, with one call of each layer op instead of two.
+prompt through the model once per sample. `response_logprobs` runs each distinct prompt once and
+only the response tokens of each sample, in one pass over the model: the layers' position-wise
+work (norms, projections, MLP) runs on all prompt and response tokens packed together, and only
+attention splits them (the pass's `LayerAttention`, `_PromptShared`), each response row
+attending over its prompt's keys/values (left-padded, the padding masked) and its own earlier
+response tokens. Gradients flow through both. For the CPU quickstart (7 prompt + 5 response
+tokens, groups of 8) this pushes 1.2k instead of 2.8k tokens through the layers, with one call
+of each layer op instead of two.
 
-The positions and masks are the sampler's own, so in fp32 the logprobs equal the engine's to
-rounding (the trainer's `train/gen_kl_error` stays near 0 on-policy).
+The positions are the sampler's own (each prompt's tokens at 0..n-1), so in fp32 the logprobs
+equal the engine's to rounding (the trainer's `train/gen_kl_error` stays near 0 on-policy).
 
 Options: ``compiled`` runs each layer's position-wise parts (norms, projections, rotation,
 residuals, SwiGLU) as torch.compile'd kernels, one compiled version serving every layer (their
 parameters are its inputs) and any number of tokens (dynamo's automatic dynamic shapes);
-attention stays outside them. On CUDA in half precision the responses' attention is one
-variable-length flash call (each row's keys: its prompt's real tokens, then its own; causal
-aligned bottom-right), elsewhere SDPA with an explicit mask. ``checkpointed`` keeps only each
-layer's input for the backward pass and recomputes the layer there (activation checkpointing:
-about a third more compute for a few percent of the activation memory).
+attention stays outside them (`Decoder.run_layers`, as every path runs the layers). On CUDA in
+half precision the responses' attention is one variable-length flash call (each row's keys: its
+prompt's real tokens, then its own; causal aligned bottom-right), elsewhere SDPA with an
+explicit mask. ``checkpointed`` keeps only each layer's input for the backward pass and
+recomputes the layer there (activation checkpointing: about a third more compute for a few
+percent of the activation memory).
 """
 
 from __future__ import annotations
@@ -30,18 +32,10 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch.utils.checkpoint import checkpoint
 
+from backends.torch.attention import attend, attention_mask
 from backends.torch.logprobs import picked_logprobs
-from backends.torch.model import (
-    Decoder,
-    DecoderLayer,
-    attend,
-    attention_mask,
-    compiled_layer_parts,
-    layer_finish,
-    layer_project,
-)
+from backends.torch.model import PLAIN_PARTS, Decoder, compiled_layer_parts
 
 
 def response_logprobs(
@@ -114,42 +108,54 @@ def _hidden(
     positions = torch.cat([prefix_positions.reshape(-1), suffix_positions.reshape(-1)])
     x = model.embed(ids, positions)  # [T, H], T = P*W + N*S
     cos, sin = model.rotary(positions)
-    prefix_mask, prefix_causal = attention_mask(prefix_real, w, 0, ids.device)
-    flash = _flash_layout(rows, prefix_real, w, s, split) if n * s and _flash_usable(x) else None
-    suffix_mask = None
-    if flash is None:
-        suffix_keys = None
-        if prefix_real is not None:
-            suffix_keys = torch.cat([prefix_real[rows], prefix_real.new_ones(n, s)], dim=1)
-        suffix_mask, _ = attention_mask(suffix_keys, s, w, ids.device)
-
-    project, finish = compiled_layer_parts() if compiled else (layer_project, layer_finish)
-
-    def heads(y: Tensor, batch: int, length: int) -> Tensor:  # [B*L, n, D] -> [B, n, L, D]
-        return y.view(batch, length, *y.shape[1:]).transpose(1, 2)
-
-    def run_layer(layer: DecoderLayer, x: Tensor) -> Tensor:
-        q, k, v = project(layer, x, cos, sin)
-        qp, kp, vp = (heads(y[:split], p, w) for y in (q, k, v))
-        out = attend(qp, kp, vp, prefix_mask, prefix_causal).transpose(1, 2).reshape(split, -1)
-        if flash is not None:
-            out_s = _flash_attend(q[split:], k, v, flash)
-        elif n * s:
-            qs, ks, vs = (heads(y[split:], n, s) for y in (q, k, v))
-            keys, values = torch.cat([kp[rows], ks], dim=2), torch.cat([vp[rows], vs], dim=2)
-            out_s = attend(qs, keys, values, suffix_mask, False).transpose(1, 2)
-        else:
-            return finish(layer, x, out)
-        return finish(layer, x, torch.cat([out, out_s.reshape(n * s, -1)]))
-
-    for layer in model.model.layers:
-        if checkpointed and torch.is_grad_enabled():
-            x = checkpoint(run_layer, layer, x, use_reentrant=False)
-        else:
-            x = run_layer(layer, x)
-    x = model.model.norm(x)
+    attention = _PromptShared(p, w, n, s, rows, prefix_real, flash=_flash_usable(x))
+    parts = compiled_layer_parts() if compiled else PLAIN_PARTS
+    x = model.model.norm(model.run_layers(x, cos, sin, attention, parts, checkpointed=checkpointed))
     hidden = x.shape[-1]  # explicit: with one-token responses (s = 0) -1 would be ambiguous
     return x[:split].view(p, w, hidden), x[split:].view(n, s, hidden)
+
+
+class _PromptShared:
+    """The pass's `LayerAttention` over its packed tokens [T]: P prompts of W (left-padded,
+    ``prefix_real`` marking real tokens, None: all are), then N responses of S tokens, response
+    i continuing prompt ``rows[i]`` and attending over its real tokens and its own earlier ones."""
+
+    def __init__(
+        self, p: int, w: int, n: int, s: int, rows: Tensor, prefix_real: Tensor | None, *, flash: bool
+    ) -> None:
+        self.p, self.w, self.n, self.s, self.rows = p, w, n, s, rows
+        self.split = p * w
+        device = rows.device
+        self.prefix_mask, self.prefix_causal = attention_mask(prefix_real, w, 0, device)
+        self.flash = _flash_layout(rows, prefix_real, w, s, self.split) if n * s and flash else None
+        self.suffix_mask = None
+        if self.flash is None:
+            suffix_keys = None
+            if prefix_real is not None:
+                suffix_keys = torch.cat([prefix_real[rows], prefix_real.new_ones(n, s)], dim=1)
+            self.suffix_mask, _ = attention_mask(suffix_keys, s, w, device)
+
+    def writes(self, layer: int) -> None:
+        return None
+
+    def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        p, w, n, s, split = self.p, self.w, self.n, self.s, self.split
+
+        def heads(y: Tensor, batch: int, length: int) -> Tensor:  # [B*L, n, D] -> [B, n, L, D]
+            return y.view(batch, length, *y.shape[1:]).transpose(1, 2)
+
+        qp, kp, vp = (heads(y[:split], p, w) for y in (q, k, v))
+        out = attend(qp, kp, vp, self.prefix_mask, self.prefix_causal).transpose(1, 2).reshape(split, -1)
+        if self.flash is not None:
+            out_s = _flash_attend(q[split:], k, v, self.flash)
+        elif n * s:
+            qs, ks, vs = (heads(y[split:], n, s) for y in (q, k, v))
+            keys = torch.cat([kp[self.rows], ks], dim=2)
+            values = torch.cat([vp[self.rows], vs], dim=2)
+            out_s = attend(qs, keys, values, self.suffix_mask, False).transpose(1, 2)
+        else:
+            return out
+        return torch.cat([out, out_s.reshape(n * s, -1)])
 
 
 class _FlashLayout(NamedTuple):

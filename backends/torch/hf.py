@@ -48,7 +48,11 @@ def load_pretrained(
     files = _weight_files(root)
     with torch.device(device):
         model = Decoder(config).to(dtype)
-    params = dict(model.named_parameters())  # a tied lm_head.weight appears only as the embedding
+    # The state dict's tensors are the parameters' storage (the fused projections' rows as
+    # views), so copying into them loads the model.
+    params = model.state_dict()
+    if config.tie_word_embeddings:
+        del params["lm_head.weight"]  # the embedding itself
     found: dict[str, Path] = {}
     for file in files:
         with safe_open(file, framework="pt") as f:
@@ -93,8 +97,10 @@ def save_pretrained(config: ModelConfig, model: Decoder, out_dir: str | Path) ->
         raise ValueError("config does not describe this model")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    # named_parameters() lists a shared Parameter once, under its first name (the embedding).
-    tensors = {name: p.detach().cpu().contiguous() for name, p in model.named_parameters()}
+    # Copies: safetensors refuses tensors that share storage, as the fused projections' parts do.
+    tensors = {name: t.to("cpu", copy=True) for name, t in model.state_dict().items()}
+    if config.tie_word_embeddings:
+        del tensors["lm_head.weight"]
     dtype = next(iter(tensors.values())).dtype
     hf_config = config.to_hf_dict() | {"torch_dtype": str(dtype).removeprefix("torch.")}
     (out / CONFIG_FILE).write_text(json.dumps(hf_config, indent=2) + "\n")

@@ -1,9 +1,21 @@
-"""Llama/Mistral/Qwen2/Qwen3-family decoder whose parameter names equal Hugging Face's.
+"""Llama/Mistral/Qwen2/Qwen3-family decoder whose state dict equals a Hugging Face checkpoint.
 
 Layout (per ``ModelConfig``): token embedding, ``num_hidden_layers`` pre-norm blocks of
 RMSNorm -> grouped-query attention with rotary embeddings (queries and keys RMS-normalised per
 head first, with ``qk_norm``) -> residual -> RMSNorm ->
 SwiGLU MLP -> residual, a final RMSNorm and an (optionally tied) output projection.
+
+One `DecoderLayer` serves every path (the plain forward, the trainer's prompt-shared pass, the
+sampler's prefill and decode): its forward is `layer_project` (input norm, projections,
+rotation), then the pass's `LayerAttention` (`attention.py`), then `layer_finish` (output
+projection, residuals, MLP), and `Decoder.run_layers` is the one loop over the layers.
+
+Parameters. The projections that read the same input are one `nn.Linear` each, so every path
+runs one GEMM for them: ``self_attn.qkv_proj`` (rows: q_proj's, k_proj's, v_proj's) and
+``mlp.gate_up_proj`` (gate_proj's, up_proj's). ``state_dict()`` lists their rows under Hugging
+Face's names (views, no copies) and ``load_state_dict()`` takes those names back
+(`_store_as_parts`), so checkpoints and safetensors keep Hugging Face's layout while
+``named_parameters()`` (what the optimizer steps and fingerprints probe) names the fused tensors.
 """
 
 import math
@@ -14,7 +26,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
+from backends.torch.attention import CausalAttention, LayerAttention
 from backends.torch.config import ModelConfig
 from backends.torch.logprobs import picked_logprobs
 
@@ -51,41 +65,6 @@ def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos + torch.cat((x[..., half:], x[..., :half]), dim=-1) * sin
 
 
-class KVCache:
-    """Preallocated key/value buffers, one pair per layer, each [batch, kv_heads, length, head_dim].
-
-    A forward call with ``cache_start=s`` and T new tokens writes positions [s, s + T) of
-    every row and attends over positions [0, s + T); positions beyond are never read.
-    """
-
-    def __init__(self, keys: list[Tensor], values: list[Tensor]) -> None:
-        self.keys = keys
-        self.values = values
-
-    @classmethod
-    def allocate(
-        cls, config: ModelConfig, batch: int, length: int, *, dtype: torch.dtype, device: torch.device
-    ) -> "KVCache":
-        shape = (batch, config.num_key_value_heads, length, config.head_dim)
-        layers = range(config.num_hidden_layers)
-        return cls(
-            [torch.empty(shape, dtype=dtype, device=device) for _ in layers],
-            [torch.empty(shape, dtype=dtype, device=device) for _ in layers],
-        )
-
-    @property
-    def batch(self) -> int:
-        return self.keys[0].shape[0]
-
-    @property
-    def length(self) -> int:
-        return self.keys[0].shape[2]
-
-    def rows(self, n: int) -> "KVCache":
-        """A cache over the first ``n`` rows, sharing storage with this one."""
-        return KVCache([k[:n] for k in self.keys], [v[:n] for v in self.values])
-
-
 class RMSNorm(nn.Module):
     """Root-mean-square norm computed in float32, cast to the weight's dtype and scaled (HF
     semantics when the residual stream has the weight's dtype)."""
@@ -100,17 +79,41 @@ class RMSNorm(nn.Module):
         return self.weight * normed.to(self.weight.dtype)
 
 
+def _store_as_parts(module: nn.Module, fused: str, parts: dict[str, int]) -> None:
+    """Make ``module``'s state dict hold its Linear ``fused`` as the separate projections of
+    ``parts`` ({name: rows}, in row order): views of its rows under their names on save, the
+    parts concatenated back on load (when all of them are there)."""
+
+    def save(module: nn.Module, state: dict[str, Tensor], prefix: str, metadata: Any) -> None:
+        for kind in ("weight", "bias"):
+            whole = state.pop(f"{prefix}{fused}.{kind}", None)
+            if whole is not None:
+                for name, rows in zip(parts, whole.split(list(parts.values())), strict=True):
+                    state[f"{prefix}{name}.{kind}"] = rows
+
+    def load(module: nn.Module, state: dict[str, Tensor], prefix: str, *_: Any) -> None:
+        for kind in ("weight", "bias"):
+            names = [f"{prefix}{name}.{kind}" for name in parts]
+            if all(name in state for name in names):
+                state[f"{prefix}{fused}.{kind}"] = torch.cat([state.pop(name) for name in names])
+
+    module.register_state_dict_post_hook(save)
+    module.register_load_state_dict_pre_hook(load)
+
+
 class Attention(nn.Module):
+    """Grouped-query attention's parameters and its projection; the attention itself is the
+    pass's `LayerAttention`."""
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.heads = config.num_attention_heads
         self.kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
         q_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
-        bias = config.attention_bias
-        self.q_proj = nn.Linear(config.hidden_size, q_size, bias=bias)
-        self.k_proj = nn.Linear(config.hidden_size, kv_size, bias=bias)
-        self.v_proj = nn.Linear(config.hidden_size, kv_size, bias=bias)
+        self.sizes = (q_size, kv_size, kv_size)
+        self.qkv_proj = nn.Linear(config.hidden_size, sum(self.sizes), bias=config.attention_bias)
+        _store_as_parts(self, "qkv_proj", dict(zip(("q_proj", "k_proj", "v_proj"), self.sizes, strict=True)))
         self.o_proj = nn.Linear(q_size, config.hidden_size, bias=False)
         self.qk_norm = config.qk_norm
         if self.qk_norm:
@@ -120,13 +123,7 @@ class Attention(nn.Module):
     def project(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Rotated queries [..., T, heads, D] and keys, values [..., T, kv_heads, D] of tokens
         x [..., T, hidden]; `cos`/`sin` [..., T, 1, D] (`Decoder.rotary`)."""
-        return self.rotated(self.q_proj(x), self.k_proj(x), self.v_proj(x), cos, sin)
-
-    def rotated(
-        self, q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor
-    ) -> tuple[Tensor, Tensor, Tensor]:
-        """`project`'s result from the projections q [..., heads * D], k and v [..., kv_heads * D]
-        (the one place of every attention path where queries and keys are split into heads)."""
+        q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)
         lead = q.shape[:-1]
         q = q.view(*lead, self.heads, self.head_dim)
         k = k.view(*lead, self.kv_heads, self.head_dim)
@@ -134,90 +131,46 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         return rotate(q, cos, sin), rotate(k, cos, sin), v.view(*lead, self.kv_heads, self.head_dim)
 
-    def forward(
-        self,
-        x: Tensor,
-        cos: Tensor,
-        sin: Tensor,
-        mask: Tensor | None,
-        is_causal: bool,
-        cache: tuple[Tensor, Tensor] | None,
-        start: int,
-    ) -> Tensor:
-        b, t, _ = x.shape
-        q, k, v = (y.transpose(1, 2) for y in self.project(x, cos, sin))
-        if cache is not None:
-            k_cache, v_cache = cache
-            k_cache[:, :, start : start + t] = k
-            v_cache[:, :, start : start + t] = v
-            k, v = k_cache[:, :, : start + t], v_cache[:, :, : start + t]
-        out = attend(q, k, v, mask, is_causal)
-        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.heads * self.head_dim))
-
-
-def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool) -> Tensor:
-    """Attention of [B, H, T, D] queries over [B, KV, S, D] keys/values (KV divides H), with a
-    bool `mask` [T, S] or [B, 1, T, S] (True: attend; the same for every head) or `is_causal`."""
-    if not q.is_cuda and q.shape[2] * k.shape[2] <= _MATH_MAX_SCORES:
-        return _math_attention(q, k, v, mask, is_causal)
-    return F.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask, is_causal=is_causal, enable_gqa=q.shape[1] != k.shape[1]
-    )
-
-
-# On CPU, for short sequences, softmax(QK^T)V written out beats torch's CPU flash kernel: its
-# backward dominates a training step (reverse-digits: 38 vs 43 ms a step) and each decode step
-# pays its fixed cost (13 vs 15 ms to sample a batch). Above this many query x key positions
-# the kernel's memory saving wins.
-_MATH_MAX_SCORES = 128 * 128
-
-
-def _math_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool) -> Tensor:
-    """`attend` written out: each key/value head serves its group of query heads through a
-    reshape (no repeated copies of keys and values)."""
-    b, h, t, d = q.shape
-    kv, s = k.shape[1], k.shape[2]
-    grouped = q.reshape(b, kv, (h // kv) * t, d)
-    scores = (grouped @ k.transpose(-1, -2)).view(b, kv, h // kv, t, s) * d**-0.5
-    if is_causal:
-        mask = torch.ones(t, s, dtype=torch.bool, device=q.device).tril(s - t)
-    if mask is not None:
-        scores = scores.masked_fill(~(mask.unsqueeze(2) if mask.dim() == 4 else mask), float("-inf"))
-    weights = _Softmax.apply(scores.float()).to(v.dtype)
-    return (weights.view(b, kv, (h // kv) * t, s) @ v).view(b, h, t, d)
-
-
-class _Softmax(torch.autograd.Function):
-    """Softmax over the last dimension. On CPU, torch's kernel is slow for the short rows of
-    attention over a few keys (a fifth of the speed of this one at 11 keys)."""
-
-    @staticmethod
-    def forward(ctx: Any, x: Tensor) -> Tensor:
-        e = (x - x.amax(dim=-1, keepdim=True)).exp_()
-        y = e.div_(e.sum(dim=-1, keepdim=True))
-        ctx.save_for_backward(y)
-        return y
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> Tensor:
-        (y,) = ctx.saved_tensors
-        weighted = grad * y
-        return weighted.sub_(y * weighted.sum(dim=-1, keepdim=True))
-
 
 class MLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        size = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * size, bias=False)
+        _store_as_parts(self, "gate_up_proj", {"gate_proj": size, "up_proj": size})
+        self.down_proj = nn.Linear(size, config.hidden_size, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.combine(self.gate_proj(x), self.up_proj(x))
-
-    def combine(self, gate: Tensor, up: Tensor) -> Tensor:
-        """The output from the gate and up projections."""
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
+
+
+# The parts of a layer around attention, as plain functions of the layer (not methods) so that
+# one torch.compile'd version serves every layer (dynamo lifts a layer's parameters to inputs).
+
+
+def layer_project(
+    layer: "DecoderLayer", x: Tensor, cos: Tensor, sin: Tensor, writes: tuple[Tensor, Tensor] | None = None
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Input norm, then rotated queries [..., T, heads, D], keys and values [..., T, kv_heads,
+    D]; with ``writes`` (`LayerAttention.writes`) the keys, then the values, are also copied
+    into its buffer's rows."""
+    q, k, v = layer.self_attn.project(layer.input_layernorm(x), cos, sin)
+    if writes is not None:
+        buffer, rows = writes
+        buffer.index_copy_(0, rows, torch.cat((k, v)).view(-1, buffer.shape[-1]))
+    return q, k, v
+
+
+def layer_finish(layer: "DecoderLayer", x: Tensor, out: Tensor) -> Tensor:
+    """Output projection of attention's ``out`` [..., T, heads * D], residual, MLP, residual."""
+    x = x + layer.self_attn.o_proj(out)
+    return x + layer.mlp(layer.post_attention_layernorm(x))
+
+
+# `layer_project` and `layer_finish`, or versions of them (compiled, `compiled_layer_parts`).
+LayerParts = tuple[Callable[..., Any], Callable[..., Any]]
+PLAIN_PARTS: LayerParts = (layer_project, layer_finish)
 
 
 class DecoderLayer(nn.Module):
@@ -229,46 +182,27 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(
-        self,
-        x: Tensor,
-        cos: Tensor,
-        sin: Tensor,
-        mask: Tensor | None,
-        is_causal: bool,
-        cache: tuple[Tensor, Tensor] | None,
-        start: int,
+        self, x: Tensor, cos: Tensor, sin: Tensor, attention: LayerAttention, index: int, parts: LayerParts
     ) -> Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, is_causal, cache, start)
-        return x + self.mlp(self.post_attention_layernorm(x))
-
-
-# A layer's position-wise parts around attention, as plain functions of the layer (not methods)
-# so that one torch.compile'd version serves every layer (dynamo lifts a layer's parameters to
-# inputs). The trainer's prompt-sharing pass and the CUDA sampler's prefill use them.
-
-
-def layer_project(layer: DecoderLayer, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """Input norm, then rotated queries [..., T, heads, D], keys and values [..., T, kv_heads, D]."""
-    return layer.self_attn.project(layer.input_layernorm(x), cos, sin)
-
-
-def layer_finish(layer: DecoderLayer, x: Tensor, out: Tensor) -> Tensor:
-    """Output projection of attention's ``out`` [..., T, heads * D], residual, MLP, residual."""
-    x = x + layer.self_attn.o_proj(out)
-    return x + layer.mlp(layer.post_attention_layernorm(x))
+        """The residual stream after this layer (layer ``index`` of the model) over x [..., T,
+        hidden]: project -> ``attention`` -> finish, through ``parts``."""
+        project, finish = parts
+        q, k, v = project(self, x, cos, sin, attention.writes(index))
+        return finish(self, x, attention(index, q, k, v))
 
 
 _COMPILED_PARTS: list[Any] = []
 
 
-def compiled_layer_parts() -> tuple[Callable[..., Any], Callable[..., Any]]:
+def compiled_layer_parts() -> LayerParts:
     """`layer_project` and `layer_finish` through torch.compile (inductor), for any number of
-    tokens (dynamo's automatic dynamic shapes), with and without gradients."""
+    tokens (dynamo's automatic dynamic shapes), with and without gradients: the trainer's
+    `train.compile` and the sampler's prefill share them."""
     if not _COMPILED_PARTS:
         # Dynamo reads the .grad of every tensor it traces, and the residual stream between
         # layers is not a leaf: torch warns of that access at each compile, needlessly.
         warnings.filterwarnings("ignore", "The .grad attribute of a Tensor that is not a leaf", UserWarning)
-        _COMPILED_PARTS.extend(torch.compile(f) for f in (layer_project, layer_finish))
+        _COMPILED_PARTS.extend(torch.compile(f) for f in PLAIN_PARTS)
     return _COMPILED_PARTS[0], _COMPILED_PARTS[1]
 
 
@@ -309,37 +243,33 @@ class Decoder(nn.Module):
         # whose kernels round differently, drift apart less (see backends/torch/section.py).
         self.residual_dtype: torch.dtype | None = None
 
-    def hidden_states(
+    def run_layers(
         self,
-        input_ids: Tensor,
-        position_ids: Tensor,
-        attn_mask: Tensor | None = None,
-        kv_cache: KVCache | None = None,
-        cache_start: int = 0,
+        x: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        attention: LayerAttention,
+        parts: LayerParts = PLAIN_PARTS,
+        *,
+        checkpointed: bool = False,
     ) -> Tensor:
-        """Final-norm hidden states [B, T, hidden_size] in the model dtype.
+        """The residual stream [..., T, hidden] after every layer (before the final norm), from
+        the embeddings ``x`` (`embed`) and `rotary`'s ``cos``/``sin`` of the same T tokens.
+        ``checkpointed`` (with gradients) keeps only each layer's input for the backward pass
+        and recomputes the layer there."""
+        for index, layer in enumerate(self.model.layers):
+            if checkpointed and torch.is_grad_enabled():
+                x = checkpoint(layer, x, cos, sin, attention, index, parts, use_reentrant=False)
+            else:
+                x = layer(x, cos, sin, attention, index, parts)
+        return x
 
-        ``input_ids``/``position_ids``: [B, T] integer tensors. Attention is always causal.
-        ``attn_mask``: None (every key is a real token) or bool [B, S] over all keys so far,
-        S = cache_start + T, True = real token. A query whose own key is masked (a padding
-        query) still attends to itself, so padding never produces NaN.
-        ``kv_cache``: when given, the new keys/values are written at [cache_start,
-        cache_start + T) and attention covers the cached prefix as well.
-        """
-        b, t = input_ids.shape
-        s = cache_start + t
-        if kv_cache is not None and s > kv_cache.length:
-            raise ValueError(f"KV cache holds {kv_cache.length} positions, need {s}")
-        if attn_mask is not None and attn_mask.shape != (b, s):
-            raise ValueError(f"attn_mask must be [{b}, {s}], got {list(attn_mask.shape)}")
-        mask, is_causal = attention_mask(attn_mask, t, cache_start, input_ids.device)
-
-        x = self.embed(input_ids, position_ids)
+    def hidden_states(self, input_ids: Tensor, position_ids: Tensor) -> Tensor:
+        """Final-norm hidden states [B, T, hidden_size] in the model dtype, causal over each row
+        of ``input_ids``/``position_ids`` ([B, T] integer tensors)."""
         cos, sin = self.rotary(position_ids)
-        for i, layer in enumerate(self.model.layers):
-            cache = None if kv_cache is None else (kv_cache.keys[i], kv_cache.values[i])
-            x = layer(x, cos, sin, mask, is_causal, cache, cache_start)
-        return self.model.norm(x)
+        attention = CausalAttention(None, input_ids.shape[1] > 1)
+        return self.model.norm(self.run_layers(self.embed(input_ids, position_ids), cos, sin, attention))
 
     def embed(self, input_ids: Tensor, position_ids: Tensor) -> Tensor:
         """Input embeddings [..., hidden_size] of tokens at positions (same shapes), in
@@ -360,44 +290,15 @@ class Decoder(nn.Module):
             torch.cat((-sin, sin), dim=-1).to(dtype).unsqueeze(-2),
         )
 
-    def forward(
-        self,
-        input_ids: Tensor,
-        position_ids: Tensor,
-        attn_mask: Tensor | None = None,
-        kv_cache: KVCache | None = None,
-        cache_start: int = 0,
-    ) -> Tensor:
+    def forward(self, input_ids: Tensor, position_ids: Tensor) -> Tensor:
         """Logits [B, T, vocab_size] in float32; arguments as in `hidden_states`."""
-        return self.lm_head(
-            self.hidden_states(input_ids, position_ids, attn_mask, kv_cache, cache_start)
-        ).float()
+        return self.lm_head(self.hidden_states(input_ids, position_ids)).float()
 
     def _inv_freq_on(self, device: torch.device) -> Tensor:
         inv_freq = self._inv_freq.get(device)
         if inv_freq is None:
             inv_freq = self._inv_freq[device] = rope_inv_freq(self.config).to(device)
         return inv_freq
-
-
-def attention_mask(
-    key_mask: Tensor | None, t: int, start: int, device: torch.device
-) -> tuple[Tensor | None, bool]:
-    """SDPA ``(attn_mask, is_causal)`` for T queries at absolute positions [start, start + T)."""
-    if key_mask is None:
-        if start == 0:
-            return None, t > 1
-        if t == 1:
-            return None, False
-    elif t == 1:
-        # A single query is the newest position: causality masks nothing.
-        return key_mask[:, None, None, :], False
-    keys = torch.arange(start + t, device=device)
-    queries = torch.arange(start, start + t, device=device).unsqueeze(-1)
-    causal = keys <= queries
-    if key_mask is None:
-        return causal, False
-    return (causal & key_mask[:, None, None, :]) | (keys == queries), False
 
 
 def _init_weights(module: nn.Module) -> None:

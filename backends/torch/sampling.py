@@ -1,10 +1,9 @@
-"""What every sampler shares: argument checks, the next-token draw, and the Completion records.
+"""The sampler's argument checks, its eager next-token draw, and the Completion records.
 
 The draw picks argmax(p / E) with E ~ Exponential(1) per vocabulary entry, which selects token
 i with probability p_i (the exponential race; equivalent to the Gumbel-max trick). Unlike
 `torch.multinomial` it has a fixed shape and no host sync, so a CUDA graph can capture it; the
-plain and the CUDA sampler draw the same way (the CUDA sampler's graphs as
-argmax(log p - log E): the same draw, rounded differently).
+decode step draws the same way (as argmax(log p - log E): the same draw, rounded differently).
 """
 
 from __future__ import annotations
@@ -78,16 +77,9 @@ def draw(
 
 
 def completions(
-    generated: Tensor, tokens: Tensor, logprobs: Tensor, stop_token_ids: Sequence[int]
-) -> list[Completion]:
-    """One Completion per row: its first `generated[row]` tokens and their logprobs."""
-    return completions_of_rows(generated.tolist(), tokens.tolist(), logprobs.tolist(), stop_token_ids)
-
-
-def completions_of_rows(
     generated: list[int], tokens: list[list[int]], logprobs: list[list[float]], stop_token_ids: Sequence[int]
 ) -> list[Completion]:
-    """`completions` from rows already on the host."""
+    """One Completion per row: its first `generated[row]` tokens and their logprobs."""
     stop_ids = set(stop_token_ids)
     results = []
     for n, toks, lps in zip(generated, tokens, logprobs, strict=True):

@@ -13,9 +13,8 @@ class ModelSection(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
     """Either `config` (a model built from random weights) or `path` (a Hugging Face directory).
 
     `threads`: torch intra-op threads (0 keeps torch's default).
-    `sampler`: the generation loop. `plain` is `Sampler` (any device); `cuda` is `CudaSampler`
-    (CUDA graphs, flash decode, a KV cache released at stand-down); `auto` picks `cuda` on a
-    CUDA device and `plain` elsewhere. `cuda_graphs: false` runs `CudaSampler` eagerly.
+    `cuda_graphs`: on a CUDA device the sampler replays its decode steps from CUDA graphs;
+    `false` runs them eagerly.
     `residual`: the residual stream's dtype. `model` keeps it in `dtype`, as Hugging Face runs
     the model; `float32` keeps bf16 layers' sums in float32 (norms and projections still run in
     `dtype`), which makes the engine's and the trainer's logprobs agree more closely.
@@ -26,16 +25,9 @@ class ModelSection(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
     dtype: Literal["float32", "bfloat16"] = "float32"
     device: str = "cpu"
     threads: Annotated[int, msgspec.Meta(ge=0)] = 0
-    sampler: Literal["auto", "plain", "cuda"] = "auto"
     cuda_graphs: bool = True
     residual: Literal["model", "float32"] = "model"
 
     def __post_init__(self) -> None:
         if (self.config is None) == (self.path is None):
             raise ValueError("give exactly one of model.config and model.path")
-        if self.sampler == "cuda" and not self.device.startswith("cuda"):
-            raise ValueError(f"model.sampler: cuda needs model.device: cuda, got model.device: {self.device}")
-
-    @property
-    def uses_cuda_sampler(self) -> bool:
-        return self.sampler == "cuda" or (self.sampler == "auto" and self.device.startswith("cuda"))

@@ -87,7 +87,7 @@ def test_one_token_responses_only(padded: bool) -> None:
 def test_float32_residual_keeps_bf16_layers_and_matches_the_sampler() -> None:
     """`model.residual: float32`: the residual stream is float32, every norm output and
     projection stays bf16, and the engine and the trainer still compute the same logprobs."""
-    from backends.torch.engine import Sampler
+    from backends.torch.sampler import Sampler
 
     torch.manual_seed(0)
     model = Decoder(ModelConfig(vocab_size=23, hidden_size=64, intermediate_size=96)).to(torch.bfloat16)
@@ -101,9 +101,10 @@ def test_float32_residual_keeps_bf16_layers_and_matches_the_sampler() -> None:
     assert not torch.equal(wide, plain)  # the layers' sums were not rounded to bf16
     torch.testing.assert_close(wide, plain, atol=0.1, rtol=0.05)
     prompts = [[2, 5, 7, 9], [2, 11]]
-    out = Sampler(model).generate(
-        [prompts[0]] * 3 + [prompts[1]] * 2, max_new_tokens=6, temperature=1.0, generator=torch.Generator()
+    groups = Sampler(model).generate(
+        [(prompts[0], 3), (prompts[1], 2)], max_new_tokens=6, temperature=1.0, generator=torch.Generator()
     )
+    out = [o for group in groups for o in group]
     with torch.no_grad():
         lp, mask = response_logprobs(model, prompts, [0, 0, 0, 1, 1], [o.tokens for o in out], 1.0)
     gen = torch.zeros_like(lp)

@@ -1,4 +1,4 @@
-"""Decoder numerics: KV-cached decoding, padding invariance and `token_logprobs`."""
+"""Decoder numerics and parameters: `token_logprobs`, tied and fused tensors, configs."""
 
 import msgspec
 import pytest
@@ -6,7 +6,7 @@ import torch
 
 from backends.torch.config import ModelConfig
 from backends.torch.errors import UnsupportedModelError
-from backends.torch.model import Decoder, KVCache, token_logprobs
+from backends.torch.model import Decoder, token_logprobs
 
 CONFIG = ModelConfig(vocab_size=37, hidden_size=64, num_attention_heads=4, num_key_value_heads=2)
 
@@ -24,54 +24,6 @@ def _model(config: ModelConfig = CONFIG, seed: int = 0) -> Decoder:
 
 def _positions(b: int, t: int) -> torch.Tensor:
     return torch.arange(t).expand(b, t)
-
-
-VARIANTS = pytest.mark.parametrize(
-    "variant",
-    [{}, {"attention_bias": True}, {"learned_position_embeddings": True}],
-    ids=["plain", "attention-bias", "learned-positions"],
-)
-
-
-@VARIANTS
-def test_kv_cache_incremental_matches_full_forward(variant: dict) -> None:
-    config = msgspec.structs.replace(CONFIG, **variant)
-    model = _model(config)
-    ids = torch.randint(0, config.vocab_size, (3, 11), generator=torch.Generator().manual_seed(1))
-    with torch.inference_mode():
-        full = model(ids, _positions(3, 11))
-        cache = KVCache.allocate(config, 3, 16, dtype=torch.float32, device=torch.device("cpu"))
-        # A 4-token prefill, a 3-token chunk at an offset (explicit causal mask), then 1 by 1.
-        pieces = [model(ids[:, :4], _positions(3, 4), kv_cache=cache, cache_start=0)]
-        pieces.append(model(ids[:, 4:7], _positions(3, 7)[:, 4:], kv_cache=cache, cache_start=4))
-        for t in range(7, 11):
-            pieces.append(
-                model(ids[:, t : t + 1], _positions(3, t + 1)[:, t:], kv_cache=cache, cache_start=t)
-            )
-    torch.testing.assert_close(torch.cat(pieces, dim=1), full, atol=1e-5, rtol=0)
-
-
-@VARIANTS
-def test_left_padding_with_mask_matches_unpadded_rows(variant: dict) -> None:
-    config = msgspec.structs.replace(CONFIG, **variant)
-    model = _model(config)
-    gen = torch.Generator().manual_seed(2)
-    rows = [torch.randint(0, 37, (n,), generator=gen) for n in (7, 3, 5)]
-    width = 7
-    ids = torch.stack([torch.cat([torch.zeros(width - len(r), dtype=torch.long), r]) for r in rows])
-    real = torch.stack([torch.arange(width) >= width - len(r) for r in rows])
-    positions = (torch.arange(width) - (width - real.sum(1, keepdim=True))).clamp(min=0)
-    cache = KVCache.allocate(config, 3, width + 2, dtype=torch.float32, device=torch.device("cpu"))
-    with torch.inference_mode():
-        batched = model(ids, positions, attn_mask=real, kv_cache=cache)
-        nxt = torch.tensor([[1], [2], [3]])
-        mask = torch.cat([real, torch.ones(3, 1, dtype=torch.bool)], dim=1)
-        stepped = model(nxt, real.sum(1, keepdim=True), attn_mask=mask, kv_cache=cache, cache_start=width)
-        for i, r in enumerate(rows):
-            alone = model(torch.cat([r, nxt[i]])[None], _positions(1, len(r) + 1))
-            assert not torch.isnan(batched[i]).any()
-            torch.testing.assert_close(batched[i, width - len(r) :], alone[0, :-1], atol=1e-5, rtol=0)
-            torch.testing.assert_close(stepped[i, 0], alone[0, -1], atol=1e-5, rtol=0)
 
 
 def test_token_logprobs_matches_log_softmax_on_right_padded_batch() -> None:
@@ -126,6 +78,32 @@ def test_state_dict_names_follow_hugging_face() -> None:
         "model.norm.weight",
         "lm_head.weight",
     }
+
+
+def test_fused_projections_are_parameters_and_state_dicts_round_trip_exactly() -> None:
+    """q/k/v and gate/up are one Parameter each (one GEMM on every path, what the optimizer
+    steps), stored under Hugging Face's names: a state dict loads back bit for bit, into a
+    model whose fused tensors are the parts stacked in order."""
+    config = msgspec.structs.replace(CONFIG, num_hidden_layers=1, attention_bias=True)
+    source, target = _model(config, seed=0), _model(config, seed=1)
+    assert {n for n, _ in source.named_parameters() if ".layers." in n} == {
+        "model.layers.0.self_attn.qkv_proj.weight",
+        "model.layers.0.self_attn.qkv_proj.bias",
+        "model.layers.0.self_attn.o_proj.weight",
+        "model.layers.0.mlp.gate_up_proj.weight",
+        "model.layers.0.mlp.down_proj.weight",
+        "model.layers.0.input_layernorm.weight",
+        "model.layers.0.post_attention_layernorm.weight",
+    }
+    state = source.state_dict()
+    target.load_state_dict(state)
+    for name, tensor in target.state_dict().items():
+        assert torch.equal(tensor, state[name]), name
+    attn, mlp = "model.layers.0.self_attn", "model.layers.0.mlp"
+    qkv = torch.cat([state[f"{attn}.{p}_proj.weight"] for p in "qkv"])
+    assert torch.equal(target.model.layers[0].self_attn.qkv_proj.weight, qkv)
+    gate_up = torch.cat([state[f"{mlp}.{p}_proj.weight"] for p in ("gate", "up")])
+    assert torch.equal(target.model.layers[0].mlp.gate_up_proj.weight, gate_up)
 
 
 def test_config_decodes_from_recipe_with_tiny_defaults() -> None:

@@ -1,5 +1,4 @@
-"""Handoff checks on a GPU: the Triton fingerprint kernel agrees with the torch path, the
-engine's packed copies (flash's head order) fingerprint as the trainer's parameters, and a
+"""Handoff checks on a GPU: the Triton fingerprint kernel agrees with the torch path, and a
 corrupted weight is caught after a wake and after a refit."""
 
 from __future__ import annotations
@@ -9,10 +8,10 @@ import pytest
 import torch
 
 from backends.torch.config import ModelConfig
-from backends.torch.cuda_sampler import CudaSampler
+from backends.torch.engine import TorchEngine
 from backends.torch.fingerprint import Fingerprinter, checksum, parameter_probes
 from backends.torch.model import Decoder
-from backends.torch.serving import TorchEngine
+from backends.torch.sampler import Sampler
 
 pytestmark = pytest.mark.gpu
 
@@ -33,22 +32,17 @@ def _model(dtype: torch.dtype) -> Decoder:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_kernel_equals_the_torch_path_and_packed_copies_equal_the_model(dtype: torch.dtype) -> None:
-    model = _model(dtype)
-    sampler = CudaSampler(model)
-    sampler.generate([[5, 6, 7]] * 3, max_new_tokens=4, temperature=0.0, generator=torch.Generator("cuda"))
-    assert sampler.flash == (dtype == torch.bfloat16)
-    probes = sampler.probes()
+def test_kernel_equals_the_torch_path(dtype: torch.dtype) -> None:
+    probes = parameter_probes(_model(dtype).named_parameters())
     on_gpu = Fingerprinter(probes)()
     assert on_gpu == {p.name: checksum(p.base[p.index]) for p in probes}
-    assert on_gpu == Fingerprinter(parameter_probes(model.named_parameters()))()
 
 
 def _engine(model: Decoder, shared: bool) -> TorchEngine:
     dtype = next(model.parameters()).dtype
     engine_model = model if shared else Decoder(model.config).to(device="cuda", dtype=dtype)
     return TorchEngine(
-        CudaSampler(engine_model),
+        Sampler(engine_model),
         shared=shared,
         source=model,
         max_new_tokens=8,
@@ -63,8 +57,8 @@ def _engine(model: Decoder, shared: bool) -> TorchEngine:
 @pytest.mark.parametrize("shared", [True, False], ids=["colocated-wake", "separate-refit"])
 def test_a_corrupted_weight_is_caught_at_the_handoff(shared: bool) -> None:
     """The engine's fingerprint, taken at its wake (colocated) or refit (separate), equals the
-    trainer's; a row of the weights the engine serves corrupted (in the packed copy, or in the
-    separate engine's own model) shows in that tensor's fingerprint and no other."""
+    trainer's; a row of the weights the engine serves corrupted (the shared model's, or the
+    separate engine's own model's) shows in that tensor's fingerprint and no other."""
     model = _model(torch.bfloat16)
     published = Fingerprinter(parameter_probes(model.named_parameters()))
     engine = _engine(model, shared)
@@ -82,18 +76,14 @@ def test_a_corrupted_weight_is_caught_at_the_handoff(shared: bool) -> None:
 
     try:
         assert anyio.run(handoff) == published()
-        if shared:  # what the graphs read: the packed copy of layer 1's gate/up
-            engine.sampler._packed[1].gate_up_weight[7].mul_(-1)
-        else:
-            with torch.no_grad():
-                engine.sampler.model.model.layers[1].mlp.gate_proj.weight[7].mul_(-1)
-            engine.sampler.refresh()
+        expected = published()
+        with torch.no_grad():  # what the graphs read: the engine model's fused gate/up
+            engine.sampler.model.model.layers[1].mlp.gate_up_proj.weight[7].mul_(-1)
         engine._take_fingerprint()
         served = engine.fingerprint()
         assert served is not None
-        expected = published()
         assert [name for name in expected if expected[name] != served[name]] == [
-            "model.layers.1.mlp.gate_proj.weight"
+            "model.layers.1.mlp.gate_up_proj.weight"
         ]
     finally:
         engine.close()

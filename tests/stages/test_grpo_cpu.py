@@ -94,7 +94,7 @@ def test_handoff_check_stops_a_run_whose_refit_leaves_a_tensor_stale(
     compares them: a refit that skips one tensor stops the run, naming it."""
     import torch
 
-    from backends.torch.serving import TorchEngine
+    from backends.torch.engine import TorchEngine
     from pipeline.errors import HandoffMismatch
 
     def copy_all_but_the_last(self: TorchEngine) -> None:
@@ -102,7 +102,6 @@ def test_handoff_check_stops_a_run_whose_refit_leaves_a_tensor_stale(
             pairs = list(zip(self.sampler.model.parameters(), self.source.parameters(), strict=True))
             for target, value in pairs[:-1]:
                 target.copy_(value)
-        self.sampler.refresh()
         self._take_fingerprint()
 
     monkeypatch.setattr(TorchEngine, "_copy_weights", copy_all_but_the_last)

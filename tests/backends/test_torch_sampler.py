@@ -1,4 +1,5 @@
-"""Sampler behaviour: logprob agreement with training, padding, stops, determinism."""
+"""Sampler behaviour: logprob agreement with training, (prompt, n) requests, padding, stops,
+determinism, the compiled and flash layouts run on CPU, the engine's per-request checks."""
 
 import math
 from typing import Any
@@ -7,8 +8,8 @@ import pytest
 import torch
 
 from backends.torch.config import ModelConfig
-from backends.torch.engine import Sampler
 from backends.torch.model import Decoder, token_logprobs
+from backends.torch.sampler import Sampler
 from pipeline.messages import Completion
 
 VOCAB = 29
@@ -32,9 +33,16 @@ def _sampler(seed: int = 0, **variant: Any) -> Sampler:
     return Sampler(model)
 
 
-def _generate(sampler: Sampler, prompts: list[list[int]], seed: int = 0, **kw) -> list[Completion]:
+def _requests(
+    sampler: Sampler, requests: list[tuple[list[int], int]], seed: int = 0, **kw
+) -> list[list[Completion]]:
     args = dict(max_new_tokens=6, temperature=1.0, top_p=1.0, stop_token_ids=()) | kw
-    return sampler.generate(prompts, generator=torch.Generator().manual_seed(seed), **args)
+    return sampler.generate(requests, generator=torch.Generator().manual_seed(seed), **args)
+
+
+def _generate(sampler: Sampler, prompts: list[list[int]], seed: int = 0, **kw) -> list[Completion]:
+    """One completion for each prompt (requests of n = 1)."""
+    return [c for (c,) in _requests(sampler, [(p, 1) for p in prompts], seed, **kw)]
 
 
 def _recomputed(
@@ -75,6 +83,25 @@ def test_prompt_alone_equals_prompt_in_padded_batch_greedy() -> None:
         torch.testing.assert_close(
             torch.tensor(alone.logprobs), torch.tensor(out.logprobs), atol=1e-5, rtol=0
         )
+
+
+def test_requests_get_n_rows_each_from_one_prefill_of_their_prompt() -> None:
+    """A (prompt, n) request gets n completions in order, each continuing its own prompt (the
+    rows share the prefill's keys and values): greedy, each equals the prompt alone; sampled,
+    their logprobs equal a recomputation of their prompt and tokens."""
+    sampler = _sampler()
+    requests = [(PROMPTS[0], 3), (PROMPTS[1], 1), (PROMPTS[2], 2)]
+    greedy = _requests(sampler, requests, temperature=0.0)
+    assert [len(group) for group in greedy] == [3, 1, 2]
+    for (prompt, _), group in zip(requests, greedy, strict=True):
+        (alone,) = _generate(sampler, [prompt], temperature=0.0)
+        assert [o.tokens for o in group] == [alone.tokens] * len(group)
+    sampled = _requests(sampler, requests, temperature=1.0)
+    prompts = [prompt for prompt, n in requests for _ in range(n)]
+    flat = [o for group in sampled for o in group]
+    assert len({o.tokens for o in flat[:3]}) > 1  # the rows of a request draw their own tokens
+    for out, reference in zip(flat, _recomputed(sampler.model, prompts, flat, 1.0), strict=True):
+        assert out.logprobs == pytest.approx(reference, abs=1e-5)
 
 
 def test_stop_token_ends_sequence_and_is_included() -> None:
@@ -128,6 +155,7 @@ def test_reused_and_released_cache_do_not_change_results() -> None:
 def test_invalid_arguments_are_rejected() -> None:
     sampler = _sampler()
     assert _generate(sampler, []) == []
+    assert _requests(sampler, [([1, 2], 0)]) == [[]]
     for kw, match in [
         ({"max_new_tokens": 0}, "max_new_tokens"),
         ({"temperature": -1.0}, "temperature"),
@@ -149,34 +177,69 @@ def test_learned_positions_bound_prompt_plus_new_tokens() -> None:
 
 
 @pytest.mark.parametrize(
-    ("variant", "compiled"),
-    [({}, False), ({"learned_position_embeddings": True}, False), ({}, True), (QWEN3, False)],
-    ids=["rotary", "rotary+learned", "compiled", "qwen3"],
+    "variant",
+    [{}, {"learned_position_embeddings": True}, QWEN3],
+    ids=["rotary", "rotary+learned", "qwen3"],
 )
-def test_cuda_sampler_run_eagerly_on_cpu_equals_the_plain_sampler(variant: dict, compiled: bool) -> None:
-    """`CudaSampler` without a GPU (no graphs, no flash, a plain pool) decodes greedily like the
-    plain sampler, and its sampled tokens' logprobs equal a full recomputation: its prefill and
-    decode can be checked on CPU, with its step's parts torch.compile'd as on a GPU, too."""
-    from backends.torch.cuda_sampler import CudaSampler
-
-    plain = _sampler(**variant)
-    cuda = CudaSampler(plain.model, compiled=compiled)
-    expected = _generate(plain, PROMPTS, temperature=0.0)
-    got = _generate(cuda, PROMPTS, temperature=0.0)
+def test_compiled_decode_and_prefill_equal_the_eager_ones(variant: dict) -> None:
+    """The sampler's torch.compile'd step and prefill (as on a GPU; bucketed rows) decode
+    greedily as its eager ones do, and its sampled tokens' logprobs equal a full
+    recomputation, drawn in the step and from its logits (top-p)."""
+    eager = _sampler(**variant)
+    compiled = Sampler(eager.model, compiled=True)
+    expected = _generate(eager, PROMPTS, temperature=0.0)
+    got = _generate(compiled, PROMPTS, temperature=0.0)
     assert [o.tokens for o in got] == [o.tokens for o in expected]
     for mine, theirs in zip(got, expected, strict=True):
         assert mine.logprobs == pytest.approx(theirs.logprobs, abs=1e-5)
-    for temperature, top_p in ((1.0, 1.0), (0.7, 0.9)):  # drawn in the step; from its logits
-        sampled = _generate(cuda, PROMPTS, temperature=temperature, top_p=top_p)
-        recomputed = _recomputed(plain.model, PROMPTS, sampled, temperature)
+    for temperature, top_p in ((1.0, 1.0), (0.7, 0.9)):
+        sampled = _generate(compiled, PROMPTS, temperature=temperature, top_p=top_p)
+        recomputed = _recomputed(eager.model, PROMPTS, sampled, temperature)
         for out, reference in zip(sampled, recomputed, strict=True):
             assert out.logprobs == pytest.approx(reference, abs=1e-5)
+
+
+def _flash_written_out(q, k, v, cu_q, cu_k, max_q, max_k, used):
+    """`decode_step._flash_varlen` written out: sequence i's queries over its first used[i]
+    keys from cu_k[i], one head, not causal."""
+    out = []
+    for i in range(cu_q.numel() - 1):
+        keys = slice(int(cu_k[i]), int(cu_k[i]) + int(used[i]))
+        qi, ki, vi = (
+            q[cu_q[i] : cu_q[i + 1]].transpose(0, 1),
+            k[keys].transpose(0, 1),
+            v[keys].transpose(0, 1),
+        )
+        assert qi.shape[1] <= max_q and ki.shape[1] <= max_k
+        out.append(torch.nn.functional.scaled_dot_product_attention(qi, ki, vi).transpose(0, 1))
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize("variant", [{}, QWEN3], ids=["rotary", "qwen3"])
+def test_flash_layout_of_the_decode_step_matches_the_masked_one(variant: dict, monkeypatch) -> None:
+    """The GPU's decode layout (each (row, KV head) a sequence of its g query heads over that
+    head's keys in the cache, `seqused_k` keys of each) gives the masked path's tokens and
+    logprobs; here flash's kernel is written out."""
+    from backends.torch import decode_step
+
+    eager = _sampler(num_attention_heads=8, num_key_value_heads=2, **variant)
+    flash = Sampler(eager.model)
+    flash.steps.flash = True
+    monkeypatch.setattr(decode_step, "_flash_varlen", _flash_written_out)
+    requests = [(PROMPTS[0], 2), (PROMPTS[1], 3)]
+    for temperature in (0.0, 1.0):
+        got = _requests(flash, requests, temperature=temperature)
+        want = _requests(eager, requests, temperature=temperature)
+        for mine, theirs in zip(got, want, strict=True):
+            assert [o.tokens for o in mine] == [o.tokens for o in theirs]
+            for a, b in zip(mine, theirs, strict=True):
+                assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
 
 
 async def test_engine_rejects_a_request_the_model_cannot_serve_without_failing_its_batch() -> None:
     import anyio
 
-    from backends.torch.serving import TorchEngine
+    from backends.torch.engine import TorchEngine
     from pipeline.errors import RequestRejected
 
     sampler = _sampler(learned_position_embeddings=True)
@@ -210,25 +273,23 @@ async def test_engine_rejects_a_request_the_model_cannot_serve_without_failing_i
     assert f"max_position_embeddings {limit}" in str(results["too long"])
 
 
-def test_compiled_cuda_sampler_serves_every_batch_bucket_and_new_weights() -> None:
+def test_compiled_sampler_serves_every_batch_bucket_and_new_weights() -> None:
     """Compiled decode parts: no graph breaks, any number of batch-size buckets (dynamo's
     recompile limit is 8), and weights changed in place between calls (as the trainer changes
-    them) are served through the packed copies, also after a stand-down and wake."""
+    them) are served, also after a stand-down and wake."""
     from torch._dynamo.utils import counters
 
-    from backends.torch.cuda_sampler import CudaSampler
-
     plain = _sampler(seed=1)
-    cuda = CudaSampler(plain.model, compiled=True)
+    cuda = Sampler(plain.model, compiled=True)
     for batch in (1, 9, 17, 33, 65, 129, 257, 513, 1025, 2049, 3000):
         outs = _generate(cuda, [[1, 2, 3]] * batch, max_new_tokens=2, temperature=0.0)
         assert len(outs) == batch
     assert not counters["graph_break"]
     with torch.no_grad():
         for layer in plain.model.model.layers:
-            layer.self_attn.k_proj.weight.mul_(3)
-            layer.self_attn.v_proj.bias.add_(0.5)
-            layer.mlp.up_proj.weight.mul_(-2)
+            layer.self_attn.qkv_proj.weight[-12:].mul_(3)  # rows of v_proj's
+            layer.self_attn.qkv_proj.bias.add_(0.5)
+            layer.mlp.gate_up_proj.weight.mul_(-2)
     cuda.release()
     cuda.wake()
     got = _generate(cuda, PROMPTS, temperature=0.0)
@@ -239,12 +300,11 @@ def test_compiled_cuda_sampler_serves_every_batch_bucket_and_new_weights() -> No
 
 
 @pytest.mark.parametrize("stable", [False, True], ids=["new-addresses", "same-addresses"])
-def test_cuda_sampler_ignores_what_fresh_cache_memory_holds(stable: bool) -> None:
+def test_sampler_ignores_what_fresh_cache_memory_holds(stable: bool) -> None:
     """Uninitialised pool memory may hold NaN bit patterns; keys and values the SDPA path masks
     (positions not yet written) must not turn them into NaN logprobs. With a pool that keeps its
     addresses across a stand-down (as the GPU's virtual-memory pool does) the wake clears the
     same views the first call made: they must be ordinary tensors, not inference tensors."""
-    from backends.torch.cuda_sampler import CudaSampler
     from backends.torch.kv_pool import PlainPool
 
     class NaNPool(PlainPool):
@@ -258,7 +318,7 @@ def test_cuda_sampler_ignores_what_fresh_cache_memory_holds(stable: bool) -> Non
     pool = NaNPool(torch.device("cpu"))
     pool.stable = stable
     plain = _sampler()
-    cuda = CudaSampler(plain.model, pool=pool)
+    cuda = Sampler(plain.model, pool=pool)
     want = _generate(plain, PROMPTS, temperature=0.0)
     for _ in range(2):  # fresh memory, then memory restored after a stand-down
         got = _generate(cuda, PROMPTS, temperature=0.0)

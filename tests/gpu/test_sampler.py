@@ -1,4 +1,5 @@
-"""CudaSampler on a GPU: logprobs against full recomputation, and graphs across stand-down/wake."""
+"""The sampler on a GPU (graphs, flash decode, compiled parts): logprobs against full
+recomputation, (prompt, n) requests, and graphs across stand-down/wake."""
 
 from __future__ import annotations
 
@@ -6,9 +7,9 @@ import pytest
 import torch
 
 from backends.torch.config import ModelConfig
-from backends.torch.cuda_sampler import CudaSampler
 from backends.torch.grpo_loss import mismatch_metrics
 from backends.torch.model import Decoder, token_logprobs
+from backends.torch.sampler import Sampler
 from pipeline.messages import Completion
 
 pytestmark = pytest.mark.gpu
@@ -49,6 +50,11 @@ def _prompts(n: int, seed: int = 0) -> list[list[int]]:
     return [torch.randint(3, VOCAB, (n_,), generator=g).tolist() for n_ in lengths]
 
 
+def _generate(sampler: Sampler, prompts: list[list[int]], **kw) -> list[Completion]:
+    """One completion for each prompt (requests of n = 1)."""
+    return [c for (c,) in sampler.generate([(p, 1) for p in prompts], **kw)]
+
+
 def _recomputed(model: Decoder, prompts: list[list[int]], outs: list[Completion], temperature: float):
     seqs = [p + list(o.tokens) for p, o in zip(prompts, outs, strict=True)]
     width = max(map(len, seqs))
@@ -81,16 +87,20 @@ def test_logprobs_match_full_recomputation(
     dtype: torch.dtype, temperature: float, top_p: float, variant: dict[str, bool]
 ) -> None:
     model = _model(dtype, **variant)
-    sampler = CudaSampler(model)
-    prompts = _prompts(37)  # not a bucket size: padding rows ride along
-    outs = sampler.generate(
-        prompts,
+    sampler = Sampler(model)
+    # 37 rows, not a bucket size (padding rows ride along); groups share their prompt's prefill.
+    requests = [(p, 3) for p in _prompts(12)] + [(_prompts(1, seed=9)[0], 1)]
+    groups = sampler.generate(
+        requests,
         max_new_tokens=70,  # past the first stop check
         temperature=temperature,
         top_p=top_p,
         generator=torch.Generator("cuda").manual_seed(0),
     )
-    assert sampler.captures == 1 and sampler.flash == (dtype == torch.bfloat16)
+    assert [len(g) for g in groups] == [n for _, n in requests]
+    prompts = [p for p, n in requests for _ in range(n)]
+    outs = [o for group in groups for o in group]
+    assert sampler.captures == 1 and sampler.steps.flash == (dtype == torch.bfloat16)
     assert all(len(o.tokens) == len(o.logprobs) == 70 for o in outs)
     lp, gen, mask = _recomputed(model, prompts, outs, temperature or 1.0)
     if dtype == torch.float32:
@@ -101,29 +111,27 @@ def test_logprobs_match_full_recomputation(
         assert metrics["train/gen_kl_error"] < 1e-3, metrics
 
 
-def test_greedy_equals_plain_sampler_and_stops() -> None:
-    from backends.torch.engine import Sampler
-
+def test_greedy_equals_the_eager_sampler_and_stops() -> None:
     model = _model(torch.float32)
     prompts = _prompts(9, seed=1)
     # 80 tokens: past the point where the first columns start their copy to the host.
     kw = dict(max_new_tokens=80, temperature=0.0, generator=torch.Generator("cuda"))
-    want = Sampler(model).generate(prompts, **kw)
-    got = CudaSampler(model).generate(prompts, **kw)
+    want = _generate(Sampler(model, graphs=False, compiled=False), prompts, **kw)
+    got = _generate(Sampler(model), prompts, **kw)
     assert [o.tokens for o in got] == [o.tokens for o in want]
     stop = got[0].tokens[5]
-    stopped = CudaSampler(model).generate(prompts, stop_token_ids=(stop,), **kw)
+    stopped = _generate(Sampler(model), prompts, stop_token_ids=(stop,), **kw)
     assert stopped[0].tokens == got[0].tokens[: got[0].tokens.index(stop) + 1]
     assert stopped[0].finish_reason == "stop"
 
 
 def test_graphs_stay_valid_across_stand_down_and_wake() -> None:
     model = _model(torch.bfloat16)
-    sampler = CudaSampler(model)
+    sampler = Sampler(model)
     prompts = _prompts(16, seed=2)
     kw = dict(max_new_tokens=40, temperature=0.0, generator=torch.Generator("cuda"))
-    before = sampler.generate(prompts, **kw)
-    pointer = sampler._keys[0].data_ptr()
+    before = _generate(sampler, prompts, **kw)
+    pointer = sampler.cache.keys[0].data_ptr()
     assert sampler.cache_bytes() > 0
     for _ in range(3):
         sampler.release()
@@ -133,26 +141,26 @@ def test_graphs_stay_valid_across_stand_down_and_wake() -> None:
         sampler.wake()
         del scratch
     assert sampler.cache_bytes() > 0
-    after = sampler.generate(prompts, **kw)
-    assert sampler.pool.stable and sampler._keys[0].data_ptr() == pointer
+    after = _generate(sampler, prompts, **kw)
+    assert sampler.cache.pool.stable and sampler.cache.keys[0].data_ptr() == pointer
     assert sampler.captures == 1  # replayed, not captured again
     assert [o.tokens for o in after] == [o.tokens for o in before]
     # New weights (updated in place, as the trainer does) are served by the same graphs.
     with torch.no_grad():
         model.model.norm.weight.mul_(-1)  # negates every logit
-    flipped = sampler.generate(prompts, **kw)
+    flipped = _generate(sampler, prompts, **kw)
     assert sampler.captures == 1
     assert [o.tokens for o in flipped] != [o.tokens for o in before]
-    # So are new projection weights, which the graphs read through packed copies.
+    # So are new projection weights (the fused ones), after a stand-down and wake too.
     with torch.no_grad():
         for layer in model.model.layers:
-            layer.self_attn.k_proj.weight.mul_(3)
-            layer.mlp.up_proj.weight.mul_(-2)
+            layer.self_attn.qkv_proj.weight.mul_(3)
+            layer.mlp.gate_up_proj.weight.mul_(-2)
     sampler.release()
     sampler.wake()
-    changed = sampler.generate(prompts, **kw)
+    changed = _generate(sampler, prompts, **kw)
     assert sampler.captures == 1
-    assert [o.tokens for o in changed] == [o.tokens for o in CudaSampler(model).generate(prompts, **kw)]
+    assert [o.tokens for o in changed] == [o.tokens for o in _generate(Sampler(model), prompts, **kw)]
     assert [o.tokens for o in changed] != [o.tokens for o in flipped]
 
 
@@ -164,14 +172,14 @@ def test_growing_the_cache_after_captures_and_waking_in_either_dtype(dtype: torc
     float32 too (the SDPA path clears the woken cache in place). Greedy tokens equal a fresh
     sampler's for every call."""
     model = _model(dtype)
-    sampler = CudaSampler(model)
+    sampler = Sampler(model)
     calls = [(_prompts(9, seed=3), 20), (_prompts(40, seed=4), 20), (_prompts(12, seed=5), 60)]
     for prompts, new in calls:
         kw = dict(max_new_tokens=new, temperature=0.0, generator=torch.Generator("cuda"))
-        got = sampler.generate(prompts, **kw)
+        got = _generate(sampler, prompts, **kw)
         sampler.release()
         sampler.wake()
-        again = sampler.generate(prompts, **kw)
-        want = CudaSampler(model).generate(prompts, **kw)
+        again = _generate(sampler, prompts, **kw)
+        want = _generate(Sampler(model), prompts, **kw)
         assert [o.tokens for o in got] == [o.tokens for o in again] == [o.tokens for o in want]
     assert sampler.captures == 3
