@@ -9,8 +9,8 @@ import pytest
 
 from backends.registry import build_backend
 from backends.torch.config import ModelConfig
+from backends.torch.engine import TorchEngine
 from backends.torch.section import ModelSection
-from backends.torch.serving import TorchEngine
 from backends.torch.trainer import TorchTrainer
 from pipeline.errors import RecipeError
 from stages.recipe import Recipe
