@@ -141,7 +141,16 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(size, config.hidden_size, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        weight = self.gate_up_proj.weight
+        if torch.is_grad_enabled():
+            # Training: two GEMMs over the fused weight's halves. The fused GEMM's backward
+            # needs its two gradients concatenated, and inductor fuses that cat into a kernel
+            # that reads the SwiGLU inputs once for each half: twice the time of the two-output
+            # kernel (bench/results-h200.json, session_2026-12-01b).
+            size = weight.shape[0] // 2
+            gate, up = F.linear(x, weight[:size]), F.linear(x, weight[size:])
+        else:
+            gate, up = F.linear(x, weight).chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
