@@ -26,6 +26,7 @@ from backends.torch.grpo_loss import LossConfig, grpo_token_loss, mismatch_metri
 from backends.torch.model import Decoder
 from backends.torch.precision import MasterWeights, StreamedParking
 from backends.torch.state_file import TRAINER_FILE, load_state, save_state
+from pipeline.errors import RecipeError
 from pipeline.messages import TrainGroup
 
 
@@ -306,7 +307,17 @@ class TorchTrainer:
         save_state(directory / TRAINER_FILE, self.state())
 
     def load(self, directory: Path) -> None:
-        self.load_state(load_state(directory / TRAINER_FILE))
+        state = load_state(directory / TRAINER_FILE)
+        saved = sum(len(group["params"]) for group in state["optimizer"]["param_groups"])
+        if saved != len(self.optimizer.param_groups[0]["params"]):
+            # Written before q/k/v and gate/up became one parameter each (or for another model).
+            raise RecipeError(
+                f"checkpoint {directory}: its optimizer state holds {saved} parameters, the model "
+                f"has {len(self.optimizer.param_groups[0]['params'])} (checkpoints written before "
+                "the fused q/k/v and gate/up projections do not resume; `python -m pipeline "
+                "export` gives its model files for model.path)"
+            )
+        self.load_state(state)
 
     def state(self) -> dict[str, Any]:
         optimizer = self.optimizer.state_dict()

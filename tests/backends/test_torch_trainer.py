@@ -115,3 +115,23 @@ def test_micro_batches_keep_to_a_token_budget() -> None:
     (minibatch,) = trainer._chunks(groups)
     # lengths 2, 4: 2 x 3 + 4 x 4 = 22; adding 5s: 3 x 3 + 6 x 5 = 39 > 30; 5 then 20 alone.
     assert [sorted({len(r) for r in chunk.responses}) for chunk in minibatch] == [[2, 4], [5], [20]]
+
+
+def test_a_checkpoint_with_another_parameter_list_is_refused_in_one_line(tmp_path: Path) -> None:
+    """A trainer.pt written before q/k/v and gate/up were fused holds one optimizer entry per
+    projection: loading it must be a clear error, not a zip or optimizer traceback."""
+    from pipeline.errors import RecipeError
+
+    trainer = _trainer(micro_batch_samples=256, updates_per_step=1)
+    trainer._train_step(_groups())
+    trainer.save(tmp_path)
+    state = torch.load(tmp_path / "trainer.pt", weights_only=False)
+    state["optimizer"]["param_groups"][0]["params"].append(999)  # one more, as the unfused layout had
+    torch.save(state, tmp_path / "trainer.pt")
+    with pytest.raises(RecipeError) as error:
+        _trainer(micro_batch_samples=256, updates_per_step=1).load(tmp_path)
+    assert str(error.value) == (
+        f"checkpoint {tmp_path}: its optimizer state holds 16 parameters, the model has 15 "
+        "(checkpoints written before the fused q/k/v and gate/up projections do not resume; "
+        "`python -m pipeline export` gives its model files for model.path)"
+    )
