@@ -25,6 +25,7 @@ from backends.torch.grouped import response_logprobs
 from backends.torch.grpo_loss import LossConfig, grpo_token_loss, mismatch_metrics
 from backends.torch.model import Decoder
 from backends.torch.precision import MasterWeights, StreamedParking
+from backends.torch.schedule import lr_factor
 from backends.torch.state_file import TRAINER_FILE, load_state, save_state
 from pipeline.errors import RecipeError
 from pipeline.messages import TrainGroup
@@ -107,12 +108,13 @@ class TorchTrainer:
         warmup_updates = warmup_steps * updates_per_step
 
         def factor(update: int) -> float:
-            if update < warmup_updates:
-                return (update + 1) / warmup_updates
-            if schedule == "constant":
-                return 1.0
-            progress = min(1.0, (update - warmup_updates) / max(1, total_updates - warmup_updates))
-            return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+            return lr_factor(
+                update,
+                warmup_updates=warmup_updates,
+                total_updates=total_updates,
+                schedule=schedule,
+                min_lr_ratio=min_lr_ratio,
+            )
 
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, factor)
         self.generator = torch.Generator().manual_seed(seed)

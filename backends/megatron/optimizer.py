@@ -1,0 +1,148 @@
+"""The optimizer step of the megatron trainer: one interface, a CPU and a GPU implementation.
+
+Both clip the summed gradients to `grad_clip` by their global norm (scale min(1, clip / (norm +
+1e-6)), as the torch trainer does), skip the update when that norm is not finite, and take the
+learning rate for each update from the caller (the trainer owns the schedule).
+
+  * `TorchAdamW` (CPU): plain `torch.optim.AdamW` on the model's parameters (megatron's own
+    optimizer and its 0.19 DDP wrapper hard-code CUDA). Under tensor parallelism the norm sums
+    each sharded parameter's squares over the ranks and counts replicated ones (norms) once.
+  * `MegatronAdam` (GPU): the model inside megatron's `DistributedDataParallel` (gradients in
+    float32 buffers) and its distributed optimizer: bf16 weights stepped through float32
+    masters, optimizer state sharded over data-parallel ranks.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+
+
+class Step(Protocol):
+    model: torch.nn.Module  # what the forward pass calls (possibly a wrapper of the GPTModel)
+
+    def zero_grad(self) -> None: ...
+
+    def step(self, lr: float) -> float:
+        """Clip and apply the accumulated gradients at `lr`; the global gradient norm (the
+        update is skipped, and the gradients dropped, when it is not finite)."""
+        ...
+
+    def sharded_state_dict(self, model_state: Any) -> Any: ...
+
+    def load_state_dict(self, state: Any) -> None: ...
+
+
+class TorchAdamW:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        lr: float,
+        betas: tuple[float, float],
+        weight_decay: float,
+        grad_clip: float,
+    ) -> None:
+        self.model = model
+        self.grad_clip = grad_clip
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(self.params, lr=lr, betas=betas, weight_decay=weight_decay)
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def _grad_norm(self) -> float:
+        squares = torch.zeros((), dtype=torch.float32, device=self.params[0].device)
+        for p in self.params:
+            if p.grad is not None and param_is_not_tensor_parallel_duplicate(p):
+                squares += p.grad.float().square().sum()
+        if parallel_state.get_tensor_model_parallel_world_size() > 1:
+            dist.all_reduce(squares, group=parallel_state.get_tensor_model_parallel_group())
+        return math.sqrt(float(squares))
+
+    @torch.no_grad()
+    def step(self, lr: float) -> float:
+        grad_norm = self._grad_norm()
+        if not math.isfinite(grad_norm):
+            self.zero_grad()
+            return grad_norm
+        scale = min(1.0, self.grad_clip / (grad_norm + 1e-6))
+        for p in self.params:
+            if p.grad is not None:
+                p.grad.mul_(scale)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.step()
+        return grad_norm
+
+    def sharded_state_dict(self, model_state: Any) -> Any:
+        from megatron.core.dist_checkpointing.optimizer import (
+            get_param_id_to_sharded_param_map,
+            optim_state_to_sharding_state,
+        )
+
+        state = self.optimizer.state_dict()
+        optim_state_to_sharding_state(state, get_param_id_to_sharded_param_map(model_state, self.params))
+        return state
+
+    def load_state_dict(self, state: Any) -> None:
+        self.optimizer.load_state_dict(state)
+
+
+class MegatronAdam:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        lr: float,
+        betas: tuple[float, float],
+        weight_decay: float,
+        grad_clip: float,
+    ) -> None:
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        ddp = DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=True)
+        self.model = DistributedDataParallel(model.config, ddp, model)
+        self.grad_clip = grad_clip
+        self.optimizer = get_megatron_optimizer(
+            OptimizerConfig(
+                optimizer="adam",
+                lr=lr,
+                weight_decay=weight_decay,
+                adam_beta1=betas[0],
+                adam_beta2=betas[1],
+                bf16=model.config.bf16,
+                params_dtype=model.config.params_dtype,
+                use_distributed_optimizer=True,
+                clip_grad=grad_clip,
+            ),
+            [self.model],
+        )
+
+    def zero_grad(self) -> None:
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+
+    @torch.no_grad()
+    def step(self, lr: float) -> float:
+        self.model.finish_grad_sync()
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.prepare_grads()
+        grad_norm = float(self.optimizer.clip_grad_norm(self.grad_clip))
+        if math.isfinite(grad_norm):
+            self.optimizer.step_with_ready_grads()
+        self.zero_grad()
+        return grad_norm
+
+    def sharded_state_dict(self, model_state: Any) -> Any:
+        return self.optimizer.sharded_state_dict(model_state)
+
+    def load_state_dict(self, state: Any) -> None:
+        self.optimizer.load_state_dict(state)

@@ -1,0 +1,240 @@
+"""The megatron GRPO trainer: the torch trainer's loss and metrics on a megatron-core `GPTModel`.
+
+`train_step(groups)` runs one pipeline step on the trainer's compute thread. The groups are
+shuffled with the trainer's generator and split into `updates_per_step` minibatches (one
+optimizer update each, whole groups), each into micro-batches of at most `micro_batch_samples`
+samples whose gradients add up; the loss is `backends.torch.grpo_loss`'s clipped surrogate with
+its importance-sampling correction, a token mean over the step, and the step reports the same
+`train/*` figures as `TorchTrainer` (mismatch metrics from the same function). With several
+updates a step, the pre-step logprobs are computed first; with one they are the forward's own.
+
+Each sample is one right-padded sequence, prompt then response (megatron's model takes whole
+sequences; the torch trainer computes a group's prompt once instead), and its response
+logprobs come from megatron's vocabulary-parallel cross entropy, so tensor-parallel ranks never
+gather the logits. Under tensor parallelism every rank is given the same groups.
+
+`Checkpointable`: `save` writes the model and optimizer through megatron's `dist_checkpointing`
+(directory `megatron/` of the step directory, resharded on load to any tensor-parallel size)
+and the trainer's counters and RNG to `megatron-trainer.pt`; `load` reads both back.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+from backends.megatron.optimizer import Step
+from backends.torch.compute import ComputeThread
+from backends.torch.grpo_loss import LossConfig, grpo_token_loss, mismatch_metrics
+from backends.torch.schedule import lr_factor
+from pipeline.messages import TrainGroup
+
+MODEL_DIR = "megatron"
+STATE_FILE = "megatron-trainer.pt"
+
+
+class _Chunk:
+    """A micro-batch: its sequences [N, S], where each response starts, and once computed the
+    pre-step and behaviour logprobs [N, R]."""
+
+    def __init__(self, groups: list[TrainGroup], device: torch.device) -> None:
+        samples = [(g.prompt_tokens, s) for g in groups for s in g.samples]
+        width = max(len(p) + len(s.tokens) for p, s in samples)
+        longest = max(len(s.tokens) for _, s in samples)
+        self.ids = torch.tensor(
+            [list(p) + list(s.tokens) + [0] * (width - len(p) - len(s.tokens)) for p, s in samples],
+            device=device,
+        )
+        # Target j of the response is predicted at sequence position len(prompt) - 1 + j.
+        starts = torch.tensor([len(p) - 1 for p, _ in samples], device=device)
+        lengths = torch.tensor([len(s.tokens) for _, s in samples], device=device)
+        steps = torch.arange(longest, device=device)
+        self.mask = (steps < lengths[:, None]).float()
+        self.index = (starts[:, None] + steps).clamp(max=width - 2)
+        self.gen = torch.tensor(
+            [list(s.logprobs) + [0.0] * (longest - len(s.tokens)) for _, s in samples], device=device
+        )
+        self.advantages = torch.tensor([s.advantage for _, s in samples], dtype=torch.float32, device=device)
+        self.tokens = float(lengths.sum())
+        self.old: torch.Tensor | None = None
+
+
+class MegatronTrainer:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        step: Step,
+        *,
+        loss: LossConfig,
+        lr: float,
+        warmup_steps: int,
+        schedule: str,
+        min_lr_ratio: float,
+        total_steps: int,
+        micro_batch_samples: int,
+        updates_per_step: int,
+        temperature: float,
+        seed: int,
+        compute: ComputeThread | None = None,
+    ) -> None:
+        self.model = model  # the GPTModel (its parameters: what `reshard` reads)
+        self.optimizer = step
+        self.loss = loss
+        self.lr = lr
+        self.warmup_updates = warmup_steps * updates_per_step
+        self.total_updates = max(1, total_steps * updates_per_step)
+        self.schedule = schedule
+        self.min_lr_ratio = min_lr_ratio
+        self.micro_batch_samples = micro_batch_samples
+        self.updates_per_step = updates_per_step
+        # Greedy generation reports temperature-1 logprobs, so recompute at 1 then as well.
+        self.temperature = temperature if temperature > 0 else 1.0
+        self.compute = compute or ComputeThread("trainer")
+        self.device = next(model.parameters()).device
+        self.generator = torch.Generator().manual_seed(seed)
+        self.updates = 0
+        self.skipped_steps = 0
+        self.completed_steps = 0
+
+    async def train_step(self, groups: Sequence[TrainGroup]) -> dict[str, float]:
+        return await self.compute.run(self._train_step, list(groups))
+
+    def fingerprint(self) -> None:
+        return None  # no fingerprints taken: the gate's handoff checks skip this backend
+
+    def _lr(self, update: int) -> float:
+        return self.lr * lr_factor(
+            update,
+            warmup_updates=self.warmup_updates,
+            total_updates=self.total_updates,
+            schedule=self.schedule,
+            min_lr_ratio=self.min_lr_ratio,
+        )
+
+    def _minibatches(self, groups: list[TrainGroup]) -> list[list[_Chunk]]:
+        order = torch.randperm(len(groups), generator=self.generator).tolist()
+        minibatches = []
+        for part in torch.tensor(order).tensor_split(min(self.updates_per_step, len(groups))):
+            chunks: list[list[TrainGroup]] = [[]]
+            rows = 0
+            for g in part.tolist():
+                size = len(groups[g].samples)
+                if chunks[-1] and rows + size > self.micro_batch_samples:
+                    chunks.append([])
+                    rows = 0
+                chunks[-1].append(groups[g])
+                rows += size
+            minibatches.append([_Chunk(c, self.device) for c in chunks])
+        return minibatches
+
+    def logprobs(self, chunk: _Chunk) -> torch.Tensor:
+        """Response logprobs [N, R] (0 past each response) of the model at its current weights."""
+        ids = chunk.ids
+        positions = torch.arange(ids.shape[1] - 1, device=ids.device).expand(ids.shape[0], -1)
+        logits = self.optimizer.model(ids[:, :-1], positions, attention_mask=None)  # [N, S-1, V/tp]
+        picked = -vocab_parallel_cross_entropy(logits.float() / self.temperature, ids[:, 1:])
+        return picked.gather(1, chunk.index) * chunk.mask
+
+    def _train_step(self, groups: list[TrainGroup]) -> dict[str, float]:
+        self.model.train()
+        minibatches = self._minibatches(groups)
+        chunks = [c for minibatch in minibatches for c in minibatch]
+        if self.updates_per_step > 1:  # later updates compare against the pre-step policy
+            with torch.no_grad():
+                for chunk in chunks:
+                    chunk.old = self.logprobs(chunk)
+        loss_total = clipped = tokens_total = 0.0
+        grad_norms: list[float] = []
+        for minibatch in minibatches:
+            tokens = sum(c.tokens for c in minibatch)
+            self.optimizer.zero_grad()
+            loss_sum = 0.0
+            for chunk in minibatch:
+                lp = self.logprobs(chunk)
+                if chunk.old is None:  # one update: this forward's logprobs are the pre-step ones
+                    chunk.old = lp.detach()
+                parts = grpo_token_loss(
+                    lp,
+                    old=chunk.old,
+                    gen=chunk.gen,
+                    reference=None,
+                    advantages=chunk.advantages,
+                    mask=chunk.mask,
+                    config=self.loss,
+                )
+                (parts["loss_sum"] / tokens).backward()
+                loss_sum += float(parts["loss_sum"])
+                clipped += float(parts["clipped"])
+            loss_total += loss_sum
+            tokens_total += tokens
+            if math.isfinite(loss_sum):
+                grad_norm = self.optimizer.step(self._lr(self.updates))
+            else:
+                self.optimizer.zero_grad()
+                grad_norm = math.nan
+            if math.isfinite(grad_norm):
+                grad_norms.append(grad_norm)
+            else:
+                self.skipped_steps += 1
+            self.updates += 1
+        masked = [c.mask.bool() for c in chunks]
+        assert all(c.old is not None for c in chunks)
+        metrics = mismatch_metrics(
+            torch.cat([c.old[m] for c, m in zip(chunks, masked, strict=True)]),  # type: ignore[index]
+            torch.cat([c.gen[m] for c, m in zip(chunks, masked, strict=True)]),
+            torch.ones(int(sum(m.sum() for m in masked)), device=self.device),
+        )
+        tokens_total = max(1.0, tokens_total)
+        metrics.update(
+            {
+                "train/loss": loss_total / tokens_total,
+                "train/grad_norm": sum(grad_norms) / len(grad_norms) if grad_norms else math.nan,
+                "train/clip_fraction": clipped / tokens_total,
+                "train/lr": self._lr(self.updates),
+                "train/skipped_steps": float(self.skipped_steps),
+                "train/applied_updates": float(len(grad_norms)),
+                "train/tokens": tokens_total,
+            }
+        )
+        self.completed_steps += 1
+        return metrics
+
+    def _sharded_state(self) -> dict[str, Any]:
+        model_state = self.model.sharded_state_dict()
+        return {"model": model_state, "optimizer": self.optimizer.sharded_state_dict(model_state)}
+
+    def save(self, directory: Path) -> None:
+        from megatron.core import dist_checkpointing
+
+        (directory / MODEL_DIR).mkdir()
+        dist_checkpointing.save(self._sharded_state(), str(directory / MODEL_DIR))
+        torch.save(
+            {
+                "updates": self.updates,
+                "generator": self.generator.get_state(),
+                "skipped_steps": self.skipped_steps,
+                "completed_steps": self.completed_steps,
+            },
+            directory / STATE_FILE,
+        )
+
+    def load(self, directory: Path) -> None:
+        from megatron.core import dist_checkpointing
+
+        loaded = dist_checkpointing.load(self._sharded_state(), str(directory / MODEL_DIR))
+        self.model.load_state_dict(loaded["model"])
+        self.optimizer.load_state_dict(loaded["optimizer"])
+        state = torch.load(directory / STATE_FILE, weights_only=True)
+        self.updates = int(state["updates"])
+        self.generator.set_state(state["generator"])
+        self.skipped_steps = int(state["skipped_steps"])
+        self.completed_steps = int(state["completed_steps"])
+
+    def close(self) -> None:
+        """Stop the compute thread (after its current call)."""
+        self.compute.close()
