@@ -87,10 +87,17 @@ class TorchAdamW:
         )
 
         state = self.optimizer.state_dict()
+        state["state"] = {i: dict(s) for i, s in state["state"].items()}  # not the live per-parameter dicts
+        # Adam's per-parameter step counts are scalars, which have no shards: they travel whole,
+        # beside the sharded moments, as a common (replicated) value.
+        steps = {i: s.pop("step") for i, s in state["state"].items()}
         optim_state_to_sharding_state(state, get_param_id_to_sharded_param_map(model_state, self.params))
+        state["steps"] = steps
         return state
 
     def load_state_dict(self, state: Any) -> None:
+        for i, step in state.pop("steps").items():
+            state["state"][i]["step"] = step
         self.optimizer.load_state_dict(state)
 
 

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
+from backends.megatron import checkpoint
 from backends.megatron.optimizer import Step
 from backends.torch.compute import ComputeThread
 from backends.torch.grpo_loss import LossConfig, grpo_token_loss, mismatch_metrics
@@ -209,10 +210,7 @@ class MegatronTrainer:
         return {"model": model_state, "optimizer": self.optimizer.sharded_state_dict(model_state)}
 
     def save(self, directory: Path) -> None:
-        from megatron.core import dist_checkpointing
-
-        (directory / MODEL_DIR).mkdir()
-        dist_checkpointing.save(self._sharded_state(), str(directory / MODEL_DIR))
+        checkpoint.save(self._sharded_state(), directory / MODEL_DIR)
         torch.save(
             {
                 "updates": self.updates,
@@ -224,9 +222,7 @@ class MegatronTrainer:
         )
 
     def load(self, directory: Path) -> None:
-        from megatron.core import dist_checkpointing
-
-        loaded = dist_checkpointing.load(self._sharded_state(), str(directory / MODEL_DIR))
+        loaded = checkpoint.load(self._sharded_state(), directory / MODEL_DIR)
         self.model.load_state_dict(loaded["model"])
         self.optimizer.load_state_dict(loaded["optimizer"])
         state = torch.load(directory / STATE_FILE, weights_only=True)

@@ -1,0 +1,122 @@
+"""Builds the megatron backend for a recipe: a megatron-core trainer and our torch engine.
+
+The model section is the torch backend's (`model.config` from random weights, or `model.path`, a
+Hugging Face directory): the torch `Decoder` is built or loaded first and its weights are
+copied into the megatron `GPTModel`, so both start equal. The engine samples from that
+`Decoder`, refreshed from megatron's weights by `reshard` on each wake (colocated) or refit
+(separate). On CPU the trainer steps with torch AdamW, on CUDA with megatron's DDP and
+distributed optimizer (bf16 weights through float32 masters).
+
+Train options the torch trainer has and this one does not yet are refused by name.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from backends.megatron import layout, parallel
+from backends.megatron.model import build_gpt_model
+from backends.megatron.optimizer import MegatronAdam, TorchAdamW
+from backends.megatron.reshard import ReshardingSampler
+from backends.megatron.trainer import MegatronTrainer
+from backends.torch.build import DTYPES, build_model
+from backends.torch.compute import ComputeThread
+from backends.torch.engine import Sampler
+from backends.torch.grpo_loss import LossConfig
+from backends.torch.serving import BatchSampler, TorchEngine
+from pipeline.errors import RecipeError
+
+# train.<field>: (its default, what it would take)
+_NOT_YET = {
+    "kl_coef": (0.0, "a reference model"),
+    "micro_batch_tokens": (0, "token-budgeted micro-batches"),
+    "offload_optimizer": (False, "optimizer offload"),
+    "compile": (False, "torch.compile of the layers"),
+    "activation_checkpointing": (False, "activation recomputation"),
+}
+
+
+def check(recipe: Any) -> None:
+    """Refuse, naming the field, what `train.backend: megatron` does not do."""
+    for field, (default, feature) in _NOT_YET.items():
+        value = getattr(recipe.train, field)
+        if value != default:
+            raise RecipeError(
+                f"train.{field}: {value!r} needs {feature}, which train.backend megatron does not "
+                f"have yet; use train.backend: torch, or leave train.{field} at {default!r}"
+            )
+    if recipe.model.dtype != "float32" and not recipe.model.device.startswith("cuda"):
+        raise RecipeError(
+            f"model.dtype: {recipe.model.dtype} with train.backend megatron needs model.device: cuda "
+            "(on CPU it trains float32 only)"
+        )
+
+
+def build_backend(
+    recipe: Any, *, vocab_size: int, stop_ids: Sequence[int]
+) -> tuple[TorchEngine, MegatronTrainer]:
+    check(recipe)
+    section, train, rollout = recipe.model, recipe.train, recipe.rollout
+    seed = recipe.run.seed
+    decoder = build_model(section, vocab_size=vocab_size, seed=seed)
+    config = decoder.config
+    device = next(decoder.parameters()).device
+    parallel.initialise(device=device)
+    # GPTModel logs its deprecation (in favour of HybridModel, whose specs need
+    # TransformerEngine) as a warning at every construction.
+    logging.getLogger("megatron.core.models.gpt.gpt_model").setLevel(logging.ERROR)
+    model = build_gpt_model(config, dtype=DTYPES[section.dtype], device=device)
+    layout.load_hf(model, decoder.state_dict(), config)
+    step_kind = MegatronAdam if device.type == "cuda" else TorchAdamW
+    step = step_kind(
+        model,
+        lr=train.lr,
+        betas=(train.beta1, train.beta2),
+        weight_decay=train.weight_decay,
+        grad_clip=train.grad_clip,
+    )
+    # Colocated, engine and trainer never run at once: one thread (one OpenMP team) for both.
+    trainer_thread = ComputeThread("trainer")
+    trainer = MegatronTrainer(
+        model,
+        step,
+        loss=LossConfig(
+            clip_low=train.clip_low,
+            clip_high=train.clip_high,
+            kl_coef=train.kl_coef,
+            is_correction=train.is_correction,
+            is_cap=train.is_cap,
+        ),
+        lr=train.lr,
+        warmup_steps=train.warmup_steps,
+        schedule=train.schedule,
+        min_lr_ratio=train.min_lr_ratio,
+        total_steps=recipe.run.steps,
+        micro_batch_samples=train.micro_batch_samples,
+        updates_per_step=train.updates_per_step,
+        temperature=rollout.temperature,
+        seed=seed + 2,
+        compute=trainer_thread,
+    )
+    sampler: BatchSampler
+    if section.uses_cuda_sampler:
+        from backends.torch.cuda_sampler import CudaSampler
+
+        sampler = CudaSampler(decoder, graphs=section.cuda_graphs)
+    else:
+        sampler = Sampler(decoder)
+    engine = TorchEngine(
+        ReshardingSampler(sampler, model),
+        shared=recipe.colocated,
+        source=decoder,
+        max_new_tokens=rollout.max_new_tokens,
+        temperature=rollout.temperature,
+        top_p=rollout.top_p,
+        stop_token_ids=tuple(stop_ids),
+        seed=seed + 1,
+        compute=trainer_thread if recipe.colocated else ComputeThread("engine"),
+        fingerprints=recipe.async_rl.handoff_checks,
+    )
+    return engine, trainer
