@@ -12,7 +12,6 @@ Train options the torch trainer has and this one does not yet are refused by nam
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 from typing import Any
 
@@ -64,9 +63,6 @@ def build_backend(
     config = decoder.config
     device = next(decoder.parameters()).device
     parallel.initialise(device=device)
-    # GPTModel logs its deprecation (in favour of HybridModel, whose specs need
-    # TransformerEngine) as a warning at every construction.
-    logging.getLogger("megatron.core.models.gpt.gpt_model").setLevel(logging.ERROR)
     model = build_gpt_model(config, dtype=DTYPES[section.dtype], device=device)
     layout.load_hf(model, decoder.state_dict(), config)
     step_kind = MegatronAdam if device.type == "cuda" else TorchAdamW

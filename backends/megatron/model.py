@@ -17,6 +17,8 @@ tensor parallelism each rank holds its shard (`backends.megatron.layout` says wh
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.nn.functional as F
 from megatron.core.models.gpt import GPTModel
@@ -73,6 +75,9 @@ def build_gpt_model(
             f"vocab_size ({config.vocab_size}) must be a multiple of the tensor parallel size "
             f"({tensor_parallel})"
         )
+    # GPTModel logs its deprecation (in favour of HybridModel, whose stock specs need
+    # TransformerEngine) as a warning at every construction.
+    logging.getLogger("megatron.core.models.gpt.gpt_model").setLevel(logging.ERROR)
     spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=config.qk_norm)
     spec.submodules.self_attention.submodules.core_attention = SdpaAttention
     model = GPTModel(

@@ -86,6 +86,13 @@ class TorchAdamW:
             optim_state_to_sharding_state,
         )
 
+        # A load fills a template of the state's tensors: a trainer yet to step has none, so it
+        # gets AdamW's initial state (zero moments at step 0: the same updates as none).
+        for p in self.params:
+            if not self.optimizer.state[p]:
+                self.optimizer.state[p].update(
+                    step=torch.tensor(0.0), exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p)
+                )
         state = self.optimizer.state_dict()
         state["state"] = {i: dict(s) for i, s in state["state"].items()}  # not the live per-parameter dicts
         # Adam's per-parameter step counts are scalars, which have no shards: they travel whole,

@@ -169,7 +169,7 @@ class MegatronTrainer:
                     config=self.loss,
                 )
                 (parts["loss_sum"] / tokens).backward()
-                loss_sum += float(parts["loss_sum"])
+                loss_sum += float(parts["loss_sum"].detach())
                 clipped += float(parts["clipped"])
             loss_total += loss_sum
             tokens_total += tokens

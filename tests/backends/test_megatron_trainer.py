@@ -1,0 +1,102 @@
+"""The megatron trainer against the torch trainer on the same groups, and its checkpoints."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("megatron.core")
+
+from backends.megatron import layout, parallel  # noqa: E402
+from backends.megatron.model import build_gpt_model  # noqa: E402
+from backends.megatron.optimizer import TorchAdamW  # noqa: E402
+from backends.megatron.trainer import MegatronTrainer  # noqa: E402
+from backends.torch.grpo_loss import LossConfig  # noqa: E402
+from backends.torch.model import Decoder  # noqa: E402
+from backends.torch.trainer import TorchTrainer  # noqa: E402
+from tests.backends.megatron_cases import CONFIGS, groups  # noqa: E402
+
+CPU = torch.device("cpu")
+LOSS = LossConfig(clip_low=0.2, clip_high=0.28, kl_coef=0.0, is_correction="tis", is_cap=2.0)
+SCHEDULE = dict(warmup_steps=2, schedule="cosine", min_lr_ratio=0.1, total_steps=10, temperature=0.7)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _groups() -> None:
+    parallel.initialise(device=CPU)
+
+
+def megatron_trainer(
+    config, hf, *, updates_per_step: int = 1, micro_batch_samples: int = 5
+) -> MegatronTrainer:
+    model = build_gpt_model(config, dtype=torch.float32, device=CPU)
+    layout.load_hf(model, hf, config)
+    step = TorchAdamW(model, lr=1e-3, betas=(0.9, 0.999), weight_decay=0.01, grad_clip=0.5)
+    return MegatronTrainer(
+        model,
+        step,
+        loss=LOSS,
+        lr=1e-3,
+        micro_batch_samples=micro_batch_samples,
+        updates_per_step=updates_per_step,
+        seed=3,
+        **SCHEDULE,
+    )
+
+
+@pytest.mark.parametrize("name", ["qwen2-bias", "qwen3-qk-norm-tied", "learned-positions"])
+async def test_same_loss_metrics_and_gradients_as_the_torch_trainer(name: str) -> None:
+    config = CONFIGS[name]
+    torch.manual_seed(0)
+    decoder = Decoder(config)
+    ours = megatron_trainer(config, decoder.state_dict())
+    theirs = TorchTrainer(
+        decoder,
+        loss=LOSS,
+        lr=1e-3,
+        betas=(0.9, 0.999),
+        weight_decay=0.01,
+        grad_clip=0.5,
+        micro_batch_samples=7,
+        updates_per_step=1,
+        seed=3,
+        **SCHEDULE,
+    )
+    batch = groups()
+    got, expected = await ours.train_step(batch), await theirs.train_step(batch)
+    ours.close()
+    theirs.close()
+    assert sorted(got) == sorted(expected)
+    for key, value in expected.items():
+        assert got[key] == pytest.approx(value, abs=1e-5, rel=1e-5), key
+    assert expected["train/grad_norm"] > 0.5  # clipped: the clip scale is compared too
+    # The gradients, clipped, left on both models by their one optimizer update.
+    grads = layout.to_hf([{n: p.grad for n, p in ours.model.named_parameters()}], config)
+    for name_, param in decoder.named_parameters():
+        torch.testing.assert_close(grads[name_], param.grad, atol=1e-5, rtol=0, msg=name_)
+
+
+async def test_resume_continues_bit_for_bit(tmp_path: Path) -> None:
+    # Two updates a step: the shuffle (the generator), the schedule's position, the optimizer's
+    # moments and step counts all shape the step after the checkpoint.
+    config = CONFIGS["llama"]
+    torch.manual_seed(0)
+    hf = Decoder(config).state_dict()
+    first = megatron_trainer(config, hf, updates_per_step=2, micro_batch_samples=4)
+    await first.train_step(groups(seed=1))
+    await first.compute.run(first.save, tmp_path)
+    expected = await first.train_step(groups(seed=2))
+    torch.manual_seed(5)
+    resumed = megatron_trainer(
+        config, Decoder(config).state_dict(), updates_per_step=2, micro_batch_samples=4
+    )
+    await resumed.compute.run(resumed.load, tmp_path)
+    got = await resumed.train_step(groups(seed=2))
+    assert got == expected
+    for (name, a), b in zip(first.model.named_parameters(), resumed.model.parameters(), strict=True):
+        assert torch.equal(a, b), name
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["megatron", "megatron-trainer.pt"]
+    first.close()
+    resumed.close()
