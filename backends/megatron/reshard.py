@@ -26,9 +26,8 @@ from backends.torch.serving import BatchSampler
 from pipeline.messages import Completion
 
 
-def gathered(model: torch.nn.Module) -> list[dict[str, Tensor]]:
-    """Every tensor-parallel rank's parameters, in rank order."""
-    own = layout.parameters(model)
+def gathered(own: dict[str, Tensor]) -> list[dict[str, Tensor]]:
+    """Every tensor-parallel rank's tensors of these names (parameters, gradients), in rank order."""
     size = parallel_state.get_tensor_model_parallel_world_size()
     if size == 1:
         return [own]
@@ -44,7 +43,7 @@ def gathered(model: torch.nn.Module) -> list[dict[str, Tensor]]:
 
 @torch.no_grad()
 def copy_into(decoder: Decoder, model: torch.nn.Module, config: ModelConfig) -> None:
-    hf = layout.to_hf(gathered(model), config)
+    hf = layout.to_hf(gathered(layout.parameters(model)), config)
     for name, target in decoder.state_dict(keep_vars=True).items():
         target.copy_(hf[name])
 
