@@ -8,11 +8,16 @@ nox.options.sessions = ["tests", "lint"]
 nox.options.default_venv_backend = "venv"
 
 CPU_TORCH = "torch==2.13.0"  # the CPU build on this project's CI machines; GPU users keep theirs
+# megatron-core 0.17+ declares Python >= 3.12 and CUDA extras; its cp311 wheel runs on 3.11 with
+# triton (which its imports need, and torch's CPU build does not bring) and the `megatron` extra.
+MEGATRON = ("--no-deps", "--ignore-requires-python", "megatron-core==0.19.2", "triton==3.6.0")
 
 
 def _install(session: nox.Session, *extras: str) -> None:
     session.install(CPU_TORCH)
     session.install("-e", f".[{','.join(extras)}]" if extras else ".")
+    if "test" in extras:
+        session.install(*MEGATRON)
 
 
 @nox.session

@@ -1,0 +1,60 @@
+"""`build_backend` wires the megatron trainer to our torch engine: the engine serves megatron's
+weights after each wake (colocated) or refit (separate), and refuses what it cannot do."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("megatron.core")
+
+import pipeline  # noqa: E402
+from backends.megatron import layout  # noqa: E402
+from backends.megatron.build import build_backend  # noqa: E402
+from pipeline.errors import RecipeError  # noqa: E402
+from tests.backends.megatron_cases import groups  # noqa: E402
+
+
+def _recipe(*overrides: str):
+    return pipeline.load_recipe("recipes/quickstart.yaml", ["run.progress=false", *overrides])
+
+
+def _served(engine) -> dict:
+    return engine.sampler.inner.model.state_dict()
+
+
+def _trained(trainer, engine) -> dict:
+    return layout.to_hf([layout.parameters(trainer.model)], engine.sampler.inner.model.config)
+
+
+@pytest.mark.parametrize("colocated", [True, False])
+async def test_the_engine_serves_the_trained_weights_after_its_hand_off(colocated: bool) -> None:
+    engine, trainer = build_backend(
+        _recipe(f"colocated={str(colocated).lower()}"), vocab_size=16, stop_ids=[1]
+    )
+    try:
+        assert engine.blocks_training is colocated and engine.wake_carries_weights is colocated
+        start = {k: v.clone() for k, v in _served(engine).items()}
+        if colocated:
+            await engine.stand_down()
+        await trainer.train_step(groups(vocab=16))
+        assert all(torch.equal(start[k], v) for k, v in _served(engine).items())  # not yet handed off
+        await (engine.wake() if colocated else engine.refit())
+        trained = _trained(trainer, engine)
+        assert not all(torch.equal(start[k], trained[k]) for k in start)
+        for key, value in _served(engine).items():
+            assert torch.equal(value, trained[key]), key
+        completions = await engine.generate([3, 4, 5], 2)
+        assert len(completions) == 2
+    finally:
+        engine.close()
+        trainer.close()
+
+
+def test_train_options_it_lacks_are_refused_by_name() -> None:
+    with pytest.raises(RecipeError) as error:
+        build_backend(_recipe("train.kl_coef=0.1"), vocab_size=16, stop_ids=[1])
+    assert str(error.value) == (
+        "train.kl_coef: 0.1 needs a reference model, which train.backend megatron does not have "
+        "yet; use train.backend: torch, or leave train.kl_coef at 0.0"
+    )
