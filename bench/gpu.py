@@ -15,7 +15,10 @@ Parts (each can be picked with --parts):
   layers, each layer torch.compile'd, the whole forward compiled, or `trainer`: the trainer's
   own prompt-sharing pass with `train.compile` (`response_logprobs(compiled=True)`), each
   sequence a one-token prompt and a 1023-token response (on CUDA the responses' attention is
-  one variable-length flash call). The trainer end to end is measured by the `recipes/bench-h200-*.yaml` runs.
+  one variable-length flash call), or `megatron`: the megatron backend's training step
+  (`backends/megatron`: GPTModel with SDPA core attention inside megatron's DDP, its
+  distributed optimizer stepping bf16 weights through float32 masters, the trainer's
+  vocabulary-parallel logprobs). The trainer end to end is measured by the `recipes/bench-h200-*.yaml` runs.
   FLOPs per token = 6 * (non-embedding params + lm_head) + 12 * layers * hidden * seq.
 
     python -m bench.gpu [--parts generate,handoff,train] [--train-modes eager,model] [--out ...]
@@ -201,11 +204,38 @@ def _flops_per_token(config: ModelConfig, seq: int) -> float:
     return 6 * dense + 12 * layers * q * seq
 
 
+def _megatron_step(args: argparse.Namespace) -> Any:
+    """The megatron trainer's forward, loss and optimizer step on full sequences."""
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+    from backends.megatron import parallel
+    from backends.megatron.model import build_gpt_model
+    from backends.megatron.optimizer import MegatronAdam
+
+    device = torch.device("cuda")
+    parallel.initialise(device=device)
+    torch.manual_seed(0)
+    model = build_gpt_model(QWEN_1_5B, dtype=torch.bfloat16, device=device)
+    optimizer = MegatronAdam(model, lr=1e-5, betas=(0.9, 0.999), weight_decay=0.0, grad_clip=1.0)
+    ids = torch.randint(3, QWEN_1_5B.vocab_size, (args.micro_batch, args.seq), device=device)
+    positions = torch.arange(args.seq - 1, device=device).expand(args.micro_batch, -1)
+
+    def step() -> None:
+        logits = optimizer.model(ids[:, :-1], positions, attention_mask=None)
+        loss = vocab_parallel_cross_entropy(logits.float(), ids[:, 1:]).mean()
+        loss.backward()
+        optimizer.step(1e-5)
+
+    return step
+
+
 def _train_variant(mode: str, args: argparse.Namespace) -> dict[str, float]:
     """One training setup: ``eager`` layers; ``layers``: each decoder layer torch.compile'd;
     ``model``: the whole forward to the final norm (`Decoder.hidden_states`) compiled;
     ``trainer``: `response_logprobs` with compiled layer parts. The logprob head
     (`picked_logprobs`) is the trainer's in all (its per-chunk float32 work fused on CUDA)."""
+    if mode == "megatron":
+        return _timed_steps(_megatron_step(args), args)
     model = _model(args.residual)
     model.train()
     hidden_states = model.hidden_states
@@ -232,6 +262,10 @@ def _train_variant(mode: str, args: argparse.Namespace) -> dict[str, float]:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
+    return _timed_steps(step, args)
+
+
+def _timed_steps(step: Any, args: argparse.Namespace) -> dict[str, float]:
     torch.cuda.reset_peak_memory_stats()
     start = _sync_time()
     for _ in range(3):
@@ -260,8 +294,10 @@ def bench_train(args: argparse.Namespace) -> dict[str, Any]:
         "flops_per_token": _flops_per_token(QWEN_1_5B, args.seq),
     }
     for name in args.train_modes.split(","):
-        if name not in ("eager", "layers", "model", "trainer"):
-            raise SystemExit(f"--train-modes: unknown mode {name!r} (eager, layers, model, trainer)")
+        if name not in ("eager", "layers", "model", "trainer", "megatron"):
+            raise SystemExit(
+                f"--train-modes: unknown mode {name!r} (eager, layers, model, trainer, megatron)"
+            )
         result[name] = _train_variant(name, args)
         print("train", name, json.dumps(result[name]), flush=True)
         torch.cuda.empty_cache()
@@ -286,7 +322,7 @@ def main() -> None:
         "--train-modes",
         default="eager,model",
         help="comma list of eager, layers (each layer compiled), model (forward compiled), "
-        "trainer (the trainer's pass with train.compile)",
+        "trainer (the trainer's pass with train.compile), megatron (the megatron backend's step)",
     )
     parser.add_argument("--residual", choices=["model", "float32"], default="model")
     parser.add_argument("--out", default="bench/results-h200.json")
