@@ -7,6 +7,9 @@
   source), non-finite logprobs, crashes and configurable capabilities.
 - `FakeTrainer`: the `Trainer` protocol; records the groups it trained and can be slowed down.
 - `FaultInjector`: raises at a given stage and step.
+- `FakeDynamicEngine`: the methods of megatron-core's `DynamicInferenceEngine` that
+  `backends.megatron.inference.MegatronInference` drives (add_request, step_modern,
+  has_unfinished_requests, suspend, resume), from a thread, without megatron or a GPU.
 
 Every fake appends to an `events` list (shared if you pass one) so tests can assert exact order.
 """
@@ -17,6 +20,7 @@ import heapq
 import itertools
 import json
 import math
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -270,3 +274,97 @@ class FaultInjector:
         if not self.fired and stage == self.stage and step == self.step:
             self.fired = True
             raise InjectedFault(f"injected fault in stage {stage!r} at step {step}")
+
+
+class _FakeRequest:
+    """What `FakeDynamicEngine.step_modern` reports finished (`merge()` is the record's merge)."""
+
+    def __init__(self, request_id: int, prompt: list[int], length: int) -> None:
+        self.request_id = request_id
+        self.prompt = prompt
+        self.length = length
+        self.generated_tokens: list[int] = []
+        self.generated_log_probs: list[float] = []
+
+    def merge(self) -> _FakeRequest:
+        return self
+
+
+class FakeDynamicEngine:
+    """A dynamic inference engine whose requests generate `length` tokens, one a step: token k
+    of a request is (last prompt token + k + 1) % `vocab` with logprob -0.5, and a token in
+    `stop_at` ends it early. Events: `add <id>`, `step`, `suspend`, `resume`.
+
+    Like megatron's, it keeps requests in flight across suspend/resume; stepping while
+    suspended, or adding a request then, raises (the adapter must not). `hold_after_steps`
+    makes `has_unfinished_requests()` say no past that many steps until `release()`, so a test
+    can stand the engine down between two steps; `wait_steps(k)` blocks until k steps ran.
+    `fail_at_step` raises `InjectedFault` in that step (from 1).
+    """
+
+    def __init__(
+        self,
+        *,
+        length: int = 3,
+        vocab: int = 16,
+        stop_at: Sequence[int] = (),
+        hold_after_steps: int | None = None,
+        fail_at_step: int | None = None,
+    ) -> None:
+        self.length = length
+        self.vocab = vocab
+        self.stop_at = set(stop_at)
+        self.hold_after_steps = hold_after_steps
+        self.fail_at_step = fail_at_step
+        self.events: list[str] = []
+        self.sampling: list[Any] = []  # the sampling parameters each request was added with
+        self.suspended = False
+        self.steps = 0
+        self._active: list[_FakeRequest] = []
+        self._progress = threading.Condition()
+
+    def add_request(self, request_id: int, prompt: list[int], sampling_params: Any) -> None:
+        if self.suspended:
+            raise AssertionError("request added to a suspended engine")
+        self.events.append(f"add {request_id}")
+        self.sampling.append(sampling_params)
+        self._active.append(_FakeRequest(request_id, prompt, self.length))
+
+    def has_unfinished_requests(self) -> bool:
+        held = self.hold_after_steps is not None and self.steps >= self.hold_after_steps
+        return bool(self._active) and not held
+
+    def release(self) -> None:
+        self.hold_after_steps = None
+
+    def step_modern(self) -> dict[str, Any]:
+        if self.suspended:
+            raise AssertionError("stepped while suspended")
+        self.events.append("step")
+        if self.fail_at_step is not None and self.steps + 1 == self.fail_at_step:
+            raise InjectedFault(f"injected fault in engine step {self.fail_at_step}")
+        finished = []
+        for request in self._active:
+            token = (request.prompt[-1] + len(request.generated_tokens) + 1) % self.vocab
+            request.generated_tokens.append(token)
+            request.generated_log_probs.append(-0.5)
+            if len(request.generated_tokens) == request.length or token in self.stop_at:
+                finished.append(request)
+        self._active = [r for r in self._active if r not in finished]
+        with self._progress:
+            self.steps += 1
+            self._progress.notify_all()
+        return {"finished_request_records": finished}
+
+    def suspend(self) -> None:
+        self.events.append("suspend")
+        self.suspended = True
+
+    def resume(self) -> None:
+        self.events.append("resume")
+        self.suspended = False
+
+    def wait_steps(self, steps: int, timeout: float = 30.0) -> None:
+        with self._progress:
+            if not self._progress.wait_for(lambda: self.steps >= steps, timeout):
+                raise TimeoutError(f"the engine made {self.steps} of {steps} steps")
