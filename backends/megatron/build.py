@@ -78,6 +78,7 @@ def build_backend(
     trainer = MegatronTrainer(
         model,
         step,
+        config=config,
         loss=LossConfig(
             clip_low=train.clip_low,
             clip_high=train.clip_high,
@@ -95,6 +96,7 @@ def build_backend(
         temperature=rollout.temperature,
         seed=seed + 2,
         compute=trainer_thread,
+        fingerprints=recipe.async_rl.handoff_checks,
     )
     sampler: BatchSampler
     if section.uses_cuda_sampler:

@@ -13,6 +13,11 @@ sequences; the torch trainer computes a group's prompt once instead), and its re
 logprobs come from megatron's vocabulary-parallel cross entropy, so tensor-parallel ranks never
 gather the logits. Under tensor parallelism every rank is given the same groups.
 
+With `fingerprints` (`async_rl.handoff_checks`) each step and each load takes the fingerprint of
+the weights it publishes, in the Hugging Face names the engine's `Decoder` uses (gathered over
+tensor-parallel ranks and laid out as `layout.to_hf` does), so the gate checks that the reshard
+into the engine copied exactly these weights.
+
 `Checkpointable`: `save` writes the model and optimizer through megatron's `dist_checkpointing`
 (directory `megatron/` of the step directory, resharded on load to any tensor-parallel size)
 and the trainer's counters and RNG to `megatron-trainer.pt`; `load` reads both back.
@@ -28,9 +33,11 @@ from typing import Any
 import torch
 from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
-from backends.megatron import checkpoint
+from backends.megatron import checkpoint, layout, reshard
 from backends.megatron.optimizer import Step
 from backends.torch.compute import ComputeThread
+from backends.torch.config import ModelConfig
+from backends.torch.fingerprint import Fingerprinter, parameter_probes
 from backends.torch.grpo_loss import LossConfig, grpo_token_loss, mismatch_metrics
 from backends.torch.schedule import lr_factor
 from pipeline.messages import TrainGroup
@@ -71,6 +78,7 @@ class MegatronTrainer:
         model: torch.nn.Module,
         step: Step,
         *,
+        config: ModelConfig,
         loss: LossConfig,
         lr: float,
         warmup_steps: int,
@@ -82,8 +90,12 @@ class MegatronTrainer:
         temperature: float,
         seed: int,
         compute: ComputeThread | None = None,
+        fingerprints: bool = False,
     ) -> None:
         self.model = model  # the GPTModel (its parameters: what `reshard` reads)
+        self.config = config
+        self.fingerprints = fingerprints
+        self._published: dict[str, int] | None = None
         self.optimizer = step
         self.loss = loss
         self.lr = lr
@@ -105,8 +117,16 @@ class MegatronTrainer:
     async def train_step(self, groups: Sequence[TrainGroup]) -> dict[str, float]:
         return await self.compute.run(self._train_step, list(groups))
 
-    def fingerprint(self) -> None:
-        return None  # no fingerprints taken: the gate's handoff checks skip this backend
+    def fingerprint(self) -> dict[str, int] | None:
+        return self._published
+
+    def _take_fingerprint(self) -> None:
+        if not self.fingerprints:
+            return
+        hf = layout.to_hf(reshard.gathered(layout.parameters(self.model)), self.config)
+        if self.config.tie_word_embeddings:  # one tensor, named once, as the Decoder's parameters
+            del hf["lm_head.weight"]
+        self._published = Fingerprinter(parameter_probes((k, v.contiguous()) for k, v in hf.items()))()
 
     def _lr(self, update: int) -> float:
         return self.lr * lr_factor(
@@ -203,6 +223,7 @@ class MegatronTrainer:
             }
         )
         self.completed_steps += 1
+        self._take_fingerprint()
         return metrics
 
     def _sharded_state(self) -> dict[str, Any]:
@@ -230,6 +251,7 @@ class MegatronTrainer:
         self.generator.set_state(state["generator"])
         self.skipped_steps = int(state["skipped_steps"])
         self.completed_steps = int(state["completed_steps"])
+        self._take_fingerprint()
 
     def close(self) -> None:
         """Stop the compute thread (after its current call)."""

@@ -20,6 +20,7 @@ def trainer(hf: dict, *, rank: int, size: int) -> MegatronTrainer:
     return MegatronTrainer(
         model,
         TorchAdamW(model, lr=1e-3, betas=(0.9, 0.999), weight_decay=0.0, grad_clip=0.5),
+        config=CONFIG,
         loss=LossConfig(clip_low=0.2, clip_high=0.28, kl_coef=0.0, is_correction="tis", is_cap=2.0),
         lr=1e-3,
         warmup_steps=0,

@@ -39,7 +39,10 @@ async def test_the_engine_serves_the_trained_weights_after_its_hand_off(colocate
             await engine.stand_down()
         await trainer.train_step(groups(vocab=16))
         assert all(torch.equal(start[k], v) for k, v in _served(engine).items())  # not yet handed off
+        published = trainer.fingerprint()
+        assert published is not None and published != engine.fingerprint()
         await (engine.wake() if colocated else engine.refit())
+        assert engine.fingerprint() == published  # what the gate's handoff check compares
         trained = _trained(trainer, engine)
         assert not all(torch.equal(start[k], trained[k]) for k in start)
         for key, value in _served(engine).items():

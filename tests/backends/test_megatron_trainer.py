@@ -37,6 +37,7 @@ def megatron_trainer(
     return MegatronTrainer(
         model,
         step,
+        config=config,
         loss=LOSS,
         lr=1e-3,
         micro_batch_samples=micro_batch_samples,
