@@ -1,0 +1,49 @@
+"""The megatron backend on a GPU: megatron's DDP and distributed optimizer train a bf16 model
+through float32 masters, and our CUDA engine serves the trained weights after each hand-off.
+
+Written on a CPU-only machine: not yet run (the lead runs `pytest -m gpu` on the H200)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("megatron.core")
+
+import pipeline  # noqa: E402
+from backends.megatron.build import build_backend  # noqa: E402
+from tests.backends.megatron_cases import groups  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("colocated", [True, False])
+async def test_bf16_steps_through_float32_masters_and_the_engine_serves_them(colocated: bool) -> None:
+    recipe = pipeline.load_recipe(
+        "recipes/quickstart.yaml",
+        [
+            "run.progress=false",
+            "model.device=cuda",
+            "model.dtype=bfloat16",
+            f"colocated={str(colocated).lower()}",
+        ],
+    )
+    engine, trainer = build_backend(recipe, vocab_size=16, stop_ids=[1])
+    try:
+        before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+        for _ in range(2):
+            if colocated:
+                await engine.stand_down()
+            metrics = await trainer.train_step(groups(vocab=16))
+            await (engine.wake() if colocated else engine.refit())
+            assert metrics["train/applied_updates"] == 1.0
+            assert all(math.isfinite(v) for v in metrics.values())
+            assert engine.fingerprint() == trainer.fingerprint()
+        changed = [n for n, p in trainer.model.named_parameters() if not torch.equal(p, before[n])]
+        assert changed and all(p.dtype == torch.bfloat16 for p in trainer.model.parameters())
+        assert len(await engine.generate([3, 4, 5], 2)) == 2
+    finally:
+        engine.close()
+        trainer.close()
