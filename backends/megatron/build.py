@@ -34,6 +34,7 @@ _NOT_YET = {
     "offload_optimizer": (False, "optimizer offload"),
     "compile": (False, "torch.compile of the layers"),
     "activation_checkpointing": (False, "activation recomputation"),
+    "master_weights": (True, "bf16 weights stepped without float32 masters"),
 }
 
 
