@@ -13,7 +13,7 @@ Train options the torch trainer has and this one does not yet are refused by nam
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 from backends.megatron import layout, parallel
 from backends.megatron.model import build_gpt_model
@@ -107,7 +107,7 @@ def build_backend(
     else:
         sampler = Sampler(decoder)
     engine = TorchEngine(
-        ReshardingSampler(sampler, model),
+        cast(BatchSampler, ReshardingSampler(sampler, model)),  # its `layout` is read-only: the inner one's
         shared=recipe.colocated,
         source=decoder,
         max_new_tokens=rollout.max_new_tokens,

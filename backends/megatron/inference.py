@@ -147,13 +147,13 @@ class MegatronInference:
             self._failure = error
         finally:
             self.state = State.CLOSED
-            error = self._failure or RuntimeError("the megatron inference engine closed")
+            failure = self._failure or RuntimeError("the megatron inference engine closed")
             for pending in {id(p): p for p in self._pending.values()}.values():
-                _settle(pending.future, None, error)
+                _settle(pending.future, None, failure)
             while not self._commands.empty():
                 command, payload = self._commands.get()
                 if payload is not None:
-                    _settle(payload[0], None, error)
+                    _settle(payload[0], None, failure)
 
     def _handle(self, command: str, future: asyncio.Future[Any], payload: Any) -> None:
         if command == "add":

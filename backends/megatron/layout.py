@@ -45,9 +45,16 @@ _TOP_WHOLE = {
 }
 
 
+def _shape(config: ModelConfig) -> tuple[int, int, int]:
+    """(query groups, query heads per group, head_dim)."""
+    assert config.head_dim is not None  # ModelConfig resolves it
+    groups = config.num_key_value_heads
+    return groups, config.num_attention_heads // groups, config.head_dim
+
+
 def _qkv_fuse(q: Tensor, k: Tensor, v: Tensor, config: ModelConfig) -> Tensor:
     """Fused [groups * (per + 2) * d, ...] from q [heads * d, ...], k and v [groups * d, ...]."""
-    groups, d = config.num_key_value_heads, config.head_dim
+    groups, per, d = _shape(config)
     per = config.num_attention_heads // groups
     rest = q.shape[1:]
     return torch.cat(
@@ -56,8 +63,7 @@ def _qkv_fuse(q: Tensor, k: Tensor, v: Tensor, config: ModelConfig) -> Tensor:
 
 
 def _qkv_split(fused: Tensor, config: ModelConfig) -> tuple[Tensor, Tensor, Tensor]:
-    groups, d = config.num_key_value_heads, config.head_dim
-    per = config.num_attention_heads // groups
+    groups, per, d = _shape(config)
     rest = fused.shape[1:]
     q, k, v = fused.reshape(groups, (per + 2) * d, *rest).split([per * d, d, d], dim=1)
     return q.reshape(-1, *rest), k.reshape(-1, *rest), v.reshape(-1, *rest)
@@ -84,8 +90,8 @@ def to_megatron(
         for name, target in _COLUMN.items():
             out[mg_at + target] = hf[hf_at + name].chunk(size, dim=1)[rank]
         for kind in ("weight", "bias") if config.attention_bias else ("weight",):
-            parts = (hf[f"{hf_at}self_attn.{p}_proj.{kind}"] for p in "qkv")
-            out[f"{mg_at}self_attention.linear_qkv.{kind}"] = rows(_qkv_fuse(*parts, config))
+            q, k, v = (hf[f"{hf_at}self_attn.{p}_proj.{kind}"] for p in "qkv")
+            out[f"{mg_at}self_attention.linear_qkv.{kind}"] = rows(_qkv_fuse(q, k, v, config))
         gate, up = (hf[f"{hf_at}mlp.{p}_proj.weight"] for p in ("gate", "up"))
         out[mg_at + "mlp.linear_fc1.weight"] = torch.cat([rows(gate), rows(up)])
     return out

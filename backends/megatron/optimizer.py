@@ -122,7 +122,8 @@ class MegatronAdam:
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
         ddp = DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=True)
-        self.model = DistributedDataParallel(model.config, ddp, model)
+        config: Any = model.config
+        self.model = DistributedDataParallel(config, ddp, model)
         self.grad_clip = grad_clip
         self.optimizer = get_megatron_optimizer(
             OptimizerConfig(
@@ -131,8 +132,8 @@ class MegatronAdam:
                 weight_decay=weight_decay,
                 adam_beta1=betas[0],
                 adam_beta2=betas[1],
-                bf16=model.config.bf16,
-                params_dtype=model.config.params_dtype,
+                bf16=config.bf16,
+                params_dtype=config.params_dtype,
                 use_distributed_optimizer=True,
                 clip_grad=grad_clip,
             ),

@@ -11,7 +11,6 @@ colocated, `wake` (the engine serves the trainer's newest weights on waking); se
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -21,6 +20,7 @@ from torch import Tensor
 
 from backends.megatron import layout
 from backends.torch.config import ModelConfig
+from backends.torch.fingerprint import Probe
 from backends.torch.model import Decoder
 from backends.torch.serving import BatchSampler
 from pipeline.messages import Completion
@@ -81,5 +81,5 @@ class ReshardingSampler:
     def layout(self) -> int:
         return self.inner.layout
 
-    def probes(self) -> Sequence[Any]:
+    def probes(self) -> list[Probe]:
         return self.inner.probes()

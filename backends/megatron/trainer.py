@@ -75,7 +75,7 @@ class _Chunk:
 class MegatronTrainer:
     def __init__(
         self,
-        model: torch.nn.Module,
+        model: Any,  # a megatron GPTModel
         step: Step,
         *,
         config: ModelConfig,
