@@ -15,11 +15,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, cast
 
-from backends.megatron import layout, parallel
-from backends.megatron.model import build_gpt_model
-from backends.megatron.optimizer import MegatronAdam, TorchAdamW
-from backends.megatron.reshard import ReshardingSampler
-from backends.megatron.trainer import MegatronTrainer
 from backends.torch.build import DTYPES, build_model
 from backends.torch.compute import ComputeThread
 from backends.torch.engine import Sampler
@@ -54,10 +49,28 @@ def check(recipe: Any) -> None:
         )
 
 
-def build_backend(
-    recipe: Any, *, vocab_size: int, stop_ids: Sequence[int]
-) -> tuple[TorchEngine, MegatronTrainer]:
+def require_megatron() -> None:
+    """Refuse `train.backend: megatron` where megatron-core does not import, saying how to install it."""
+    try:
+        import megatron.core  # noqa: F401
+    except ImportError as error:
+        raise RecipeError(
+            f"train.backend: megatron needs megatron-core, which does not import here ({error}); "
+            "install it with: pip install --no-deps --ignore-requires-python megatron-core==0.19.2 "
+            "triton==3.6.0 (see README)"
+        ) from None
+
+
+def build_backend(recipe: Any, *, vocab_size: int, stop_ids: Sequence[int]) -> tuple[TorchEngine, Any]:
     check(recipe)
+    require_megatron()
+    # Imported once megatron is known to import (each of these imports it).
+    from backends.megatron import layout, parallel
+    from backends.megatron.model import build_gpt_model
+    from backends.megatron.optimizer import MegatronAdam, TorchAdamW
+    from backends.megatron.reshard import ReshardingSampler
+    from backends.megatron.trainer import MegatronTrainer
+
     section, train, rollout = recipe.model, recipe.train, recipe.rollout
     seed = recipe.run.seed
     decoder = build_model(section, vocab_size=vocab_size, seed=seed)
@@ -66,8 +79,7 @@ def build_backend(
     parallel.initialise(device=device)
     model = build_gpt_model(config, dtype=DTYPES[section.dtype], device=device)
     layout.load_hf(model, decoder.state_dict(), config)
-    step_kind = MegatronAdam if device.type == "cuda" else TorchAdamW
-    step = step_kind(
+    step = (MegatronAdam if device.type == "cuda" else TorchAdamW)(
         model,
         lr=train.lr,
         betas=(train.beta1, train.beta2),

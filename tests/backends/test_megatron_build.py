@@ -3,6 +3,8 @@ weights after each wake (colocated) or refit (separate), and refuses what it can
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -60,4 +62,15 @@ def test_train_options_it_lacks_are_refused_by_name() -> None:
     assert str(error.value) == (
         "train.kl_coef: 0.1 needs a reference model, which train.backend megatron does not have "
         "yet; use train.backend: torch, or leave train.kl_coef at 0.0"
+    )
+
+
+def test_without_megatron_core_the_backend_says_how_to_install_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "megatron.core", None)  # `import megatron.core` now fails
+    with pytest.raises(RecipeError) as error:
+        build_backend(_recipe(), vocab_size=16, stop_ids=[1])
+    assert str(error.value) == (
+        "train.backend: megatron needs megatron-core, which does not import here (import of "
+        "megatron.core halted; None in sys.modules); install it with: pip install --no-deps "
+        "--ignore-requires-python megatron-core==0.19.2 triton==3.6.0 (see README)"
     )
