@@ -115,7 +115,8 @@ def build_backend(recipe: Any, *, vocab_size: int, stop_ids: Sequence[int]) -> t
     if section.uses_cuda_sampler:
         from backends.torch.cuda_sampler import CudaSampler
 
-        sampler = CudaSampler(decoder, graphs=section.cuda_graphs)
+        # Engine kernels round as the trainer's eager megatron layers do: closer logprobs.
+        sampler = CudaSampler(decoder, graphs=section.cuda_graphs, eager_rounding=True)
     else:
         sampler = Sampler(decoder)
     engine = TorchEngine(
