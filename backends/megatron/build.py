@@ -3,17 +3,18 @@
 The model section is the torch backend's (`model.config` from random weights, or `model.path`, a
 Hugging Face directory): the torch `Decoder` is built or loaded first and its weights are
 copied into the megatron `GPTModel`, so both start equal. The engine samples from that
-`Decoder`, refreshed from megatron's weights by `reshard` on each wake (colocated) or refit
-(separate). On CPU the trainer steps with torch AdamW, on CUDA with megatron's DDP and
-distributed optimizer (bf16 weights through float32 masters).
+`Decoder`, refreshed from megatron's weights by `reshard` (the engine's `refresh_weights`) on
+each wake (colocated) or refit (separate). On CPU the trainer steps with torch AdamW, on CUDA
+with megatron's DDP and distributed optimizer (bf16 weights through float32 masters).
 
 Train options the torch trainer has and this one does not yet are refused by name.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
-from typing import Any, cast
+from typing import Any
 
 from backends.torch.build import DTYPES, build_model
 from backends.torch.compute import ComputeThread
@@ -65,10 +66,9 @@ def build_backend(recipe: Any, *, vocab_size: int, stop_ids: Sequence[int]) -> t
     check(recipe)
     require_megatron()
     # Imported once megatron is known to import (each of these imports it).
-    from backends.megatron import layout, parallel
+    from backends.megatron import layout, parallel, reshard
     from backends.megatron.model import build_gpt_model
     from backends.megatron.optimizer import MegatronAdam, TorchAdamW
-    from backends.megatron.reshard import ReshardingSampler
     from backends.megatron.trainer import MegatronTrainer
 
     section, train, rollout = recipe.model, recipe.train, recipe.rollout
@@ -120,7 +120,7 @@ def build_backend(recipe: Any, *, vocab_size: int, stop_ids: Sequence[int]) -> t
     else:
         sampler = Sampler(decoder)
     engine = TorchEngine(
-        cast(BatchSampler, ReshardingSampler(sampler, model)),  # its `layout` is read-only: the inner one's
+        sampler,
         shared=recipe.colocated,
         source=decoder,
         max_new_tokens=rollout.max_new_tokens,
@@ -130,5 +130,6 @@ def build_backend(recipe: Any, *, vocab_size: int, stop_ids: Sequence[int]) -> t
         seed=seed + 1,
         compute=trainer_thread if recipe.colocated else ComputeThread("engine"),
         fingerprints=recipe.async_rl.handoff_checks,
+        refresh_weights=functools.partial(reshard.copy_into, decoder, model, config),
     )
     return engine, trainer

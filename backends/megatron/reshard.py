@@ -2,16 +2,15 @@
 
 `copy_into(decoder, model, config)` gathers each tensor-parallel rank's shard (an all-gather per
 tensor; none at one rank), turns them into the Hugging Face layout (`layout.to_hf`: q/k/v split
-by query group, gate/up split) and copies them into the decoder's parameters, device to device.
+by query group, gate/up split) and loads them into the decoder's parameters, device to device.
+`served(model, config)` is what the decoder then holds, for the trainer's fingerprints.
 
-`ReshardingSampler` wraps the engine's sampler so that the engine's own hand-off points do it:
-colocated, `wake` (the engine serves the trainer's newest weights on waking); separate,
-`refresh` (called by the engine's `refit` after each step, and on resume).
+The torch engine calls it as its `refresh_weights` at its own hand-off points: colocated, each
+wake (the engine serves the trainer's newest weights on waking); separate, each refit (after
+each step, and on resume).
 """
 
 from __future__ import annotations
-
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -20,10 +19,7 @@ from torch import Tensor
 
 from backends.megatron import layout
 from backends.torch.config import ModelConfig
-from backends.torch.fingerprint import Probe
 from backends.torch.model import Decoder
-from backends.torch.serving import BatchSampler
-from pipeline.messages import Completion
 
 
 def gathered(own: dict[str, Tensor]) -> list[dict[str, Tensor]]:
@@ -41,45 +37,29 @@ def gathered(own: dict[str, Tensor]) -> list[dict[str, Tensor]]:
     return shards
 
 
+def hf_weights(model: torch.nn.Module, config: ModelConfig) -> dict[str, Tensor]:
+    """The megatron model's weights, gathered, as a Hugging Face state dict."""
+    return layout.to_hf(gathered(layout.parameters(model)), config)
+
+
 @torch.no_grad()
 def copy_into(decoder: Decoder, model: torch.nn.Module, config: ModelConfig) -> None:
-    hf = layout.to_hf(gathered(layout.parameters(model)), config)
-    for name, target in decoder.state_dict(keep_vars=True).items():
-        target.copy_(hf[name])
+    decoder.load_state_dict(hf_weights(model, config))  # copies into the decoder's own tensors
 
 
-class ReshardingSampler:
-    """A `BatchSampler` whose `wake` and `refresh` first copy the megatron weights in."""
+def as_parameters(hf: dict[str, Tensor], config: ModelConfig) -> list[tuple[str, Tensor]]:
+    """A Hugging Face state dict as the engine's `Decoder` holds it: its parameters' names and
+    layout, tied ones once. The Decoder's own `load_state_dict` lays them out, on a shell of it
+    on the meta device."""
+    with torch.device("meta"):
+        shell = Decoder(config)
+    names = [name for name, _ in shell.named_parameters()]
+    shell.load_state_dict(hf, assign=True)
+    params = dict(shell.named_parameters(remove_duplicate=False))
+    return [(name, params[name].detach().contiguous()) for name in names]
 
-    def __init__(self, inner: BatchSampler, model: torch.nn.Module) -> None:
-        self.inner = inner
-        self.source = model
-        self.model = inner.model
-        self.device = inner.device
 
-    def _copy(self) -> None:
-        copy_into(self.inner.model, self.source, self.inner.model.config)
-
-    def wake(self) -> None:
-        self._copy()
-        self.inner.wake()
-
-    def refresh(self) -> None:
-        self._copy()
-        self.inner.refresh()
-
-    def generate(self, prompts: list[list[int]], **kwargs: Any) -> list[Completion]:
-        return self.inner.generate(prompts, **kwargs)
-
-    def release(self) -> None:
-        self.inner.release()
-
-    def cache_bytes(self) -> int:
-        return self.inner.cache_bytes()
-
-    @property
-    def layout(self) -> int:
-        return self.inner.layout
-
-    def probes(self) -> list[Probe]:
-        return self.inner.probes()
+def served(model: torch.nn.Module, config: ModelConfig) -> list[tuple[str, Tensor]]:
+    """The megatron model's weights as the engine's `Decoder` holds them after `copy_into` (what
+    the engine's fingerprints probe)."""
+    return as_parameters(hf_weights(model, config), config)

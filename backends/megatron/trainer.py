@@ -14,9 +14,9 @@ logprobs come from megatron's vocabulary-parallel cross entropy, so tensor-paral
 gather the logits. Under tensor parallelism every rank is given the same groups.
 
 With `fingerprints` (`async_rl.handoff_checks`) each step and each load takes the fingerprint of
-the weights it publishes, in the Hugging Face names the engine's `Decoder` uses (gathered over
-tensor-parallel ranks and laid out as `layout.to_hf` does), so the gate checks that the reshard
-into the engine copied exactly these weights.
+the weights it publishes as the engine's `Decoder` holds them (`reshard.served`: gathered over
+tensor-parallel ranks, in the decoder's parameter names and layout), so the gate checks that the
+reshard into the engine copied exactly these weights.
 
 `Checkpointable`: `save` writes the model and optimizer through megatron's `dist_checkpointing`
 (directory `megatron/` of the step directory, resharded on load to any tensor-parallel size)
@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
-from backends.megatron import checkpoint, layout, reshard
+from backends.megatron import checkpoint, reshard
 from backends.megatron.optimizer import Step
 from backends.torch.compute import ComputeThread
 from backends.torch.config import ModelConfig
@@ -123,10 +123,7 @@ class MegatronTrainer:
     def _take_fingerprint(self) -> None:
         if not self.fingerprints:
             return
-        hf = layout.to_hf(reshard.gathered(layout.parameters(self.model)), self.config)
-        if self.config.tie_word_embeddings:  # one tensor, named once, as the Decoder's parameters
-            del hf["lm_head.weight"]
-        self._published = Fingerprinter(parameter_probes((k, v.contiguous()) for k, v in hf.items()))()
+        self._published = Fingerprinter(parameter_probes(reshard.served(self.model, self.config)))()
 
     def _lr(self, update: int) -> float:
         return self.lr * lr_factor(

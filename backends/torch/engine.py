@@ -11,7 +11,10 @@ Colocated (`shared=True`) the engine samples from the trainer's own parameter te
 stand down for training (its KV cache's memory is released) and waking it maps the cache again
 and serves the new weights at once.
 Otherwise it holds its own copy, keeps serving while the trainer works, and `refit` copies the
-new weights in between two batches.
+new weights in between two batches. A trainer whose weights are not a `Decoder` (the megatron
+backend) gives `refresh_weights`, which brings the engine's model up to date from them: it runs
+on the engine's thread at each wake and in each refit (instead of the copy from `source`),
+before the new weights are served and fingerprinted.
 
 Each request's own arguments are checked before it joins a batch: one that the model cannot
 serve (a prompt too long for learned position embeddings) is refused with `RequestRejected`
@@ -20,7 +23,7 @@ instead of failing the batched call of every request gathered with it.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -62,9 +65,11 @@ class TorchEngine:
         seed: int,
         compute: ComputeThread | None = None,
         fingerprints: bool = False,
+        refresh_weights: Callable[[], None] | None = None,
     ) -> None:
         self.sampler = sampler
         self.fingerprints = fingerprints
+        self.refresh_weights = refresh_weights
         self._fingerprinter: Fingerprinter | None = None
         self._served: dict[str, int] | None = None
         self.compute = compute or ComputeThread("engine")
@@ -166,6 +171,8 @@ class TorchEngine:
         await self.compute.run(self._wake)
 
     def _wake(self) -> None:
+        if self.refresh_weights is not None:
+            self.refresh_weights()
         self.sampler.wake()
         self._take_fingerprint()
 
@@ -175,7 +182,9 @@ class TorchEngine:
 
     @torch.no_grad()
     def _copy_weights(self) -> None:
-        if self.sampler.model is not self.source:
+        if self.refresh_weights is not None:
+            self.refresh_weights()
+        elif self.sampler.model is not self.source:
             for target, value in zip(self.sampler.model.parameters(), self.source.parameters(), strict=True):
                 target.copy_(value)
         self._take_fingerprint()

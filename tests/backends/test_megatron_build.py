@@ -22,11 +22,11 @@ def _recipe(*overrides: str):
 
 
 def _served(engine) -> dict:
-    return engine.sampler.inner.model.state_dict()
+    return engine.sampler.model.state_dict()
 
 
 def _trained(trainer, engine) -> dict:
-    return layout.to_hf([layout.parameters(trainer.model)], engine.sampler.inner.model.config)
+    return layout.to_hf([layout.parameters(trainer.model)], engine.sampler.model.config)
 
 
 @pytest.mark.parametrize("colocated", [True, False])

@@ -51,7 +51,5 @@ def test_a_resumed_run_logs_what_an_uninterrupted_one_does(tmp_path: Path) -> No
     resumed = _run(tmp_path / "stopped", "run.steps=4", *common)
     keys = ("step", "train/loss", "train/grad_norm", "reward/mean", "train/gen_kl_error")
     assert [[r[k] for k in keys] for r in resumed] == [[r[k] for k in keys] for r in straight]
-    assert sorted(p.name for p in (tmp_path / "stopped/checkpoints/step-000004").iterdir()) >= [
-        "megatron",
-        "megatron-trainer.pt",
-    ]
+    saved = {p.name for p in (tmp_path / "stopped/checkpoints/step-000004").iterdir()}
+    assert {"megatron", "megatron-trainer.pt"} <= saved
