@@ -19,9 +19,9 @@ from typing import Any, Literal, get_args
 
 from pipeline.protocols import Engine, Trainer
 
-BackendName = Literal["torch"]  # what the recipe's `train.backend` accepts
+BackendName = Literal["torch", "megatron"]  # what the recipe's `train.backend` accepts
 
-BACKENDS: dict[str, str] = {"torch": "backends.torch.build"}
+BACKENDS: dict[str, str] = {"torch": "backends.torch.build", "megatron": "backends.megatron.build"}
 assert set(BACKENDS) == set(get_args(BackendName)), "a backend named in one place only"
 
 

@@ -18,9 +18,10 @@ from typing import Any
 
 from backends.torch.build import DTYPES, build_model
 from backends.torch.compute import ComputeThread
-from backends.torch.engine import Sampler
+from backends.torch.engine import TorchEngine
+from backends.torch.errors import ModelLoadError
 from backends.torch.grpo_loss import LossConfig
-from backends.torch.serving import BatchSampler, TorchEngine
+from backends.torch.sampler import Sampler
 from pipeline.errors import RecipeError
 
 # train.<field>: (its default, what it would take)
@@ -73,7 +74,10 @@ def build_backend(recipe: Any, *, vocab_size: int, stop_ids: Sequence[int]) -> t
 
     section, train, rollout = recipe.model, recipe.train, recipe.rollout
     seed = recipe.run.seed
-    decoder = build_model(section, vocab_size=vocab_size, seed=seed)
+    try:
+        decoder = build_model(section, vocab_size=vocab_size, seed=seed)
+    except ModelLoadError as error:  # a missing file or an unsupported model: the user's to fix
+        raise RecipeError(f"model.path: {error}") from None
     config = decoder.config
     device = next(decoder.parameters()).device
     parallel.initialise(device=device)
@@ -111,16 +115,9 @@ def build_backend(recipe: Any, *, vocab_size: int, stop_ids: Sequence[int]) -> t
         compute=trainer_thread,
         fingerprints=recipe.async_rl.handoff_checks,
     )
-    sampler: BatchSampler
-    if section.uses_cuda_sampler:
-        from backends.torch.cuda_sampler import CudaSampler
-
-        # Engine kernels round as the trainer's eager megatron layers do: closer logprobs.
-        sampler = CudaSampler(decoder, graphs=section.cuda_graphs, eager_rounding=True)
-    else:
-        sampler = Sampler(decoder)
     engine = TorchEngine(
-        sampler,
+        # Engine kernels round as the trainer's eager megatron layers do: closer logprobs.
+        Sampler(decoder, graphs=section.cuda_graphs, eager_rounding=True),
         shared=recipe.colocated,
         source=decoder,
         max_new_tokens=rollout.max_new_tokens,

@@ -1,8 +1,11 @@
 """The megatron backend's files in a checkpoint, written through megatron's `dist_checkpointing`.
 
 `save(state, directory)` writes a sharded state dict (the model's and the optimizer's, each rank
-its own shards) into `directory`, synchronously, and `load(state, directory)` fills one back,
-resharding to the current tensor-parallel layout.
+its own shards) into `directory`, synchronously, and refuses a state holding NaN or infinity
+(`NonFiniteState`; each rank checks its own shards: a pipeline process is one rank).
+`load(state, directory)` reads one back, resharding to the current tensor-parallel layout, into
+fresh tensors (the live ones in `state` are left as they were) and returns it as plain state
+dicts, verified finite: files missing, torn or not finite raise `DamagedState`.
 
 Three things megatron 0.19 does on these paths are quieted or replaced here, each for a reason:
   * its writer reports results through a queue it creates once per process from a spawned
@@ -17,27 +20,60 @@ Three things megatron 0.19 does on these paths are quieted or replaced here, eac
 
 from __future__ import annotations
 
+import dataclasses
 import queue
 import warnings
 from pathlib import Path
 from typing import Any
 
+import torch
 from megatron.core import dist_checkpointing
+from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace, nested_values
+from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 from megatron.core.dist_checkpointing.strategies import filesystem_async
 from megatron.core.dist_checkpointing.strategies import torch as torch_strategy
+from torch.distributed.checkpoint.api import CheckpointException
+
+from backends.torch.state_file import nonfinite
+from pipeline.errors import DamagedState, NonFiniteState
+
+_SHARDED = (ShardedTensor, ShardedTensorFactory)
 
 
 def save(state: dict[str, Any], directory: Path) -> None:
+    where = nonfinite({v.key: v.data for v in nested_values(state) if isinstance(v, _SHARDED)})
+    if where is not None:
+        raise NonFiniteState(f"{directory.name}/ would hold non-finite values at {where}")
     if filesystem_async._results_queue is None:
         filesystem_async._results_queue = queue.Queue()
     torch_strategy._logged_mcore_async_deprecation = True
-    directory.mkdir()
+    directory.mkdir(exist_ok=True)  # every rank writes its shards here
     dist_checkpointing.save(state, str(directory))
 
 
 def load(state: dict[str, Any], directory: Path) -> dict[str, Any]:
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
-        warnings.filterwarnings("ignore", "The argument order of load has been changed")
-        warnings.filterwarnings("ignore", "Please use DTensor instead", FutureWarning)
-        return dist_checkpointing.load(state, str(directory))
+    if not directory.is_dir():
+        raise DamagedState(f"{directory.name}/ is missing")
+
+    def fresh(value: Any) -> Any:
+        return (
+            dataclasses.replace(value, data=torch.empty_like(value.data))
+            if isinstance(value, _SHARDED)
+            else value
+        )
+
+    template = dict_list_map_inplace(fresh, state)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+            warnings.filterwarnings("ignore", "The argument order of load has been changed")
+            warnings.filterwarnings("ignore", "Please use DTensor instead", FutureWarning)
+            loaded = dist_checkpointing.load(template, str(directory))
+    # megatron and torch report a missing or torn shard many ways; torch's CheckpointException
+    # (what a torn shard raises) is a BaseException.
+    except (Exception, CheckpointException) as error:
+        raise DamagedState(f"{directory.name}/ does not load: {type(error).__name__}: {error}") from None
+    where = nonfinite(loaded)
+    if where is not None:
+        raise DamagedState(f"{directory.name}/ holds non-finite values at {where}")
+    return loaded

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
 from backends.megatron import checkpoint, reshard
@@ -40,6 +41,7 @@ from backends.torch.config import ModelConfig
 from backends.torch.fingerprint import Fingerprinter, parameter_probes
 from backends.torch.grpo_loss import LossConfig, grpo_token_loss, mismatch_metrics
 from backends.torch.schedule import lr_factor
+from backends.torch.state_file import load_state, save_state
 from pipeline.messages import TrainGroup
 
 MODEL_DIR = "megatron"
@@ -229,21 +231,23 @@ class MegatronTrainer:
 
     def save(self, directory: Path) -> None:
         checkpoint.save(self._sharded_state(), directory / MODEL_DIR)
-        torch.save(
-            {
-                "updates": self.updates,
-                "generator": self.generator.get_state(),
-                "skipped_steps": self.skipped_steps,
-                "completed_steps": self.completed_steps,
-            },
-            directory / STATE_FILE,
-        )
+        if dist.get_rank() == 0:  # the same on every rank
+            save_state(
+                directory / STATE_FILE,
+                {
+                    "updates": self.updates,
+                    "generator": self.generator.get_state(),
+                    "skipped_steps": self.skipped_steps,
+                    "completed_steps": self.completed_steps,
+                },
+            )
 
     def load(self, directory: Path) -> None:
+        """Read both files whole and verified before any state changes."""
         loaded = checkpoint.load(self._sharded_state(), directory / MODEL_DIR)
+        state = load_state(directory / STATE_FILE)
         self.model.load_state_dict(loaded["model"])
         self.optimizer.load_state_dict(loaded["optimizer"])
-        state = torch.load(directory / STATE_FILE, weights_only=True)
         self.updates = int(state["updates"])
         self.generator.set_state(state["generator"])
         self.skipped_steps = int(state["skipped_steps"])

@@ -1,13 +1,14 @@
 """One rank of the tensor-parallel test (`python -m tests.backends.megatron_tp_rank RANK SIZE PORT OUT`).
 
 Builds the test's model as this rank's shard, runs one train step on the shared groups and
-writes (rank 0) the step's metrics, and the weights before the step and the (clipped) gradients
-gathered back to the Hugging Face layout, to OUT.
+writes (rank 0) the step's metrics, and the weights before and after the step and the (clipped)
+gradients gathered back to the Hugging Face layout, to OUT; and a checkpoint beside OUT.
 """
 
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -27,8 +28,10 @@ def main(rank: int, size: int, port: int, out: str) -> None:
     before = layout.to_hf(reshard.gathered(layout.parameters(ours.model)), CONFIG)
     metrics = ours._train_step(groups())
     grads = layout.to_hf(reshard.gathered({n: p.grad for n, p in ours.model.named_parameters()}), CONFIG)
+    after = layout.to_hf(reshard.gathered(layout.parameters(ours.model)), CONFIG)
+    ours.save(Path(out).parent)  # a checkpoint of every rank's shards
     if rank == 0:
-        torch.save({"metrics": metrics, "before": before, "grads": grads}, out)
+        torch.save({"metrics": metrics, "before": before, "grads": grads, "after": after}, out)
     dist.destroy_process_group()
 
 

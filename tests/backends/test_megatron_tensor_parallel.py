@@ -27,7 +27,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_tensor_parallel_2_gives_the_loss_and_gradients_of_tensor_parallel_1(tmp_path: Path) -> None:
+def test_tensor_parallel_2_gives_the_loss_and_gradients_of_tensor_parallel_1_and_reshards_on_load(
+    tmp_path: Path,
+) -> None:
     out = tmp_path / "rank0.pt"
     port = _free_port()
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
@@ -60,3 +62,10 @@ def test_tensor_parallel_2_gives_the_loss_and_gradients_of_tensor_parallel_1(tmp
     assert expected["train/grad_norm"] > 0.5  # the norm over shards decides the clip scale
     for key, value in grads.items():
         torch.testing.assert_close(two["grads"][key], value, atol=1e-5, rtol=0, msg=key)
+
+    # The checkpoint of two ranks' shards loads into one rank whole.
+    one.load(tmp_path)
+    loaded = layout.to_hf([layout.parameters(one.model)], CONFIG)
+    for key, value in two["after"].items():
+        assert torch.equal(loaded[key], value), key
+    assert one.completed_steps == 1 and one.optimizer.optimizer.state

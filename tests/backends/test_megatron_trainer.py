@@ -9,13 +9,14 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("megatron.core")
 
-from backends.megatron import layout, parallel  # noqa: E402
+from backends.megatron import layout, parallel, reshard  # noqa: E402
 from backends.megatron.model import build_gpt_model  # noqa: E402
 from backends.megatron.optimizer import TorchAdamW  # noqa: E402
 from backends.megatron.trainer import MegatronTrainer  # noqa: E402
 from backends.torch.grpo_loss import LossConfig  # noqa: E402
 from backends.torch.model import Decoder  # noqa: E402
 from backends.torch.trainer import TorchTrainer  # noqa: E402
+from pipeline.errors import DamagedState, NonFiniteState  # noqa: E402
 from tests.backends.megatron_cases import CONFIGS, groups  # noqa: E402
 
 CPU = torch.device("cpu")
@@ -74,7 +75,8 @@ async def test_same_loss_metrics_and_gradients_as_the_torch_trainer(name: str) -
         assert got[key] == pytest.approx(value, abs=1e-5, rel=1e-5), key
     assert expected["train/grad_norm"] > 0.5  # clipped: the clip scale is compared too
     # The gradients, clipped, left on both models by their one optimizer update.
-    grads = layout.to_hf([{n: p.grad for n, p in ours.model.named_parameters()}], config)
+    hf_grads = layout.to_hf([{n: p.grad for n, p in ours.model.named_parameters()}], config)
+    grads = dict(reshard.as_parameters(hf_grads, config))
     for name_, param in decoder.named_parameters():
         torch.testing.assert_close(grads[name_], param.grad, atol=1e-5, rtol=0, msg=name_)
 
@@ -101,3 +103,32 @@ async def test_resume_continues_bit_for_bit(tmp_path: Path) -> None:
     assert sorted(p.name for p in tmp_path.iterdir()) == ["megatron", "megatron-trainer.pt"]
     first.close()
     resumed.close()
+
+
+async def test_a_damaged_checkpoint_is_refused_before_anything_changes(tmp_path: Path) -> None:
+    config = CONFIGS["llama"]
+    torch.manual_seed(0)
+    trainer = megatron_trainer(config, Decoder(config).state_dict())
+    await trainer.train_step(groups())
+    await trainer.compute.run(trainer.save, tmp_path)
+    (shard,) = (tmp_path / "megatron").glob("*.distcp")
+    shard.write_bytes(shard.read_bytes()[:100])  # torn
+    await trainer.train_step(groups(seed=2))
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    with pytest.raises(DamagedState, match=r"^megatron/ does not load: "):
+        await trainer.compute.run(trainer.load, tmp_path)
+    assert all(torch.equal(p, before[n]) for n, p in trainer.model.named_parameters())
+    assert trainer.completed_steps == 2
+    trainer.close()
+
+
+async def test_non_finite_weights_are_never_saved(tmp_path: Path) -> None:
+    config = CONFIGS["llama"]
+    trainer = megatron_trainer(config, Decoder(config).state_dict())
+    with torch.no_grad():
+        trainer.model.decoder.final_layernorm.weight[3] = float("inf")
+    with pytest.raises(NonFiniteState) as error:
+        await trainer.compute.run(trainer.save, tmp_path)
+    assert str(error.value) == "megatron/ would hold non-finite values at decoder.final_layernorm.weight"
+    assert list(tmp_path.iterdir()) == []
+    trainer.close()

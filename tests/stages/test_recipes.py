@@ -81,7 +81,7 @@ VALID_RUN_FIELDS = "dir, steps, seed, stop_grace_s, progress, log_every_steps, p
         ),
         pytest.param(
             "train:\n  backend: jax\n",
-            "train.backend: Invalid enum value 'jax'; expected one of: torch",
+            "train.backend: Invalid enum value 'jax'; expected one of: megatron, torch",
             id="unknown-backend",
         ),
         pytest.param(
