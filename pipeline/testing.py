@@ -7,8 +7,6 @@
   source), non-finite logprobs, crashes and configurable capabilities.
 - `FakeTrainer`: the `Trainer` protocol; records what it trained and can be slowed down.
 - `FaultInjector`: raises at a given stage and step.
-- `FakeDynamicEngine`: what `backends.megatron.inference.MegatronSampler` uses of megatron-core's
-  dynamic inference engine (generate, suspend, resume), with its suspended state enforced.
 
 Every fake appends to an `events` list (shared if you pass one) so tests can assert exact order.
 """
@@ -239,48 +237,3 @@ class FaultInjector:
         if not self.fired and stage == self.stage and step == self.step:
             self.fired = True
             raise InjectedFault(f"injected fault in stage {stage!r} at step {step}")
-
-
-class FakeRecord:
-    """A finished request of `FakeDynamicEngine`, as megatron's request records: `merge()`
-    gives the request with its generated tokens and their logprobs."""
-
-    def __init__(self, tokens: list[int], logprobs: list[float]) -> None:
-        self.generated_tokens = tokens
-        self.generated_log_probs = logprobs
-
-    def merge(self) -> FakeRecord:
-        return self
-
-
-class FakeDynamicEngine:
-    """Generates `reply(prompt, params)` (tokens, logprobs) for each prompt; generating while
-    suspended, suspending twice or resuming a running engine raises, as a state machine stricter
-    than megatron's (which skips those calls) so a caller's bookkeeping shows."""
-
-    def __init__(
-        self,
-        reply: Callable[[list[int], Any], tuple[list[int], list[float]]],
-        events: list[tuple[Any, ...]] | None = None,
-    ) -> None:
-        self.reply = reply
-        self.events = events if events is not None else []
-        self.suspended = False
-
-    def generate(self, prompts: list[list[int]], sampling_params: Any) -> list[FakeRecord]:
-        if self.suspended:
-            raise AssertionError("generate while suspended")
-        self.events.append(("generate", len(prompts), sampling_params))
-        return [FakeRecord(*self.reply(list(p), sampling_params)) for p in prompts]
-
-    def suspend(self) -> None:
-        if self.suspended:
-            raise AssertionError("suspend while suspended")
-        self.suspended = True
-        self.events.append(("suspend",))
-
-    def resume(self) -> None:
-        if not self.suspended:
-            raise AssertionError("resume while running")
-        self.suspended = False
-        self.events.append(("resume",))
