@@ -1,0 +1,109 @@
+"""The flash-attention functions megatron-core's dynamic inference engine calls, over torch's own
+flash-attention kernel, for machines with no flash-attn package.
+
+Megatron's dynamic engine attends through `flash_attn.flash_attn_varlen_func` (prefill, and
+mixed prefill/decode steps) and `flash_attn.flash_attn_with_kvcache` (decode-only steps), both
+over its paged KV cache ([blocks, block_tokens, kv_heads, D] with a block table per request).
+No flash-attn 2 or 3 wheel exists for the GPU machine, and torch's
+`aten._flash_attention_forward` (torch 2.11) takes no block table, so `install` gives megatron
+these two functions with each call's blocks gathered into one contiguous run per request
+(the rows' keys then values are copied once per layer and step: the price of this route).
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+from typing import Any
+
+import torch
+from torch import Tensor
+
+# What megatron's version check reads (`is_fa_min_version("2.7.3")` for dynamic batching).
+_VERSION = "2.8.3"
+
+
+def install() -> None:
+    """Make `import flash_attn` give these functions, and hand them to megatron's attention
+    module if it was imported first. Leaves a real flash-attn package alone."""
+    try:
+        import flash_attn  # noqa: F401
+    except ImportError:
+        module = types.ModuleType("flash_attn")
+        module.__version__ = _VERSION  # type: ignore[attr-defined]
+        module.flash_attn_varlen_func = flash_attn_varlen_func  # type: ignore[attr-defined]
+        module.flash_attn_with_kvcache = flash_attn_with_kvcache  # type: ignore[attr-defined]
+        sys.modules["flash_attn"] = module
+    flash = sys.modules["flash_attn"]
+    attention = sys.modules.get("megatron.core.transformer.attention")
+    if attention is not None and getattr(attention, "flash_attn_varlen_func", None) is None:
+        attention.flash_attn_varlen_func = flash.flash_attn_varlen_func  # type: ignore[attr-defined]
+        attention.flash_attn_with_kvcache = flash.flash_attn_with_kvcache  # type: ignore[attr-defined]
+
+
+def _full_window(window_size: tuple[int, int]) -> None:
+    if tuple(window_size) != (-1, -1):
+        raise NotImplementedError(f"sliding-window attention (window_size={window_size}) is not supported here")
+
+
+def _gathered(cache: Tensor, block_table: Tensor) -> Tensor:
+    """Each request's blocks of a paged cache in order: [rows * M * block_tokens, kv_heads, D]
+    for a block table [rows, M] (unused entries may be negative: any block serves, unread)."""
+    return cache.index_select(0, block_table.reshape(-1).clamp(min=0)).flatten(0, 1)
+
+
+def _paged(
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, cu_q: Tensor, max_q: int, used: Tensor,
+    scale: float | None, causal: bool, block_table: Tensor,
+) -> tuple[Tensor, Tensor]:
+    rows, blocks = block_table.shape
+    width = blocks * k_cache.shape[1]
+    cu_k = torch.arange(0, (rows + 1) * width, width, dtype=torch.int32, device=q.device)
+    out, lse, *_ = torch.ops.aten._flash_attention_forward(
+        q, _gathered(k_cache, block_table), _gathered(v_cache, block_table), cu_q, cu_k, max_q,
+        width, 0.0, causal, False, scale=scale, seqused_k=used.to(torch.int32),
+    )
+    return out, lse
+
+
+def flash_attn_varlen_func(
+    q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
+    max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float | None = None,
+    causal: bool = False, window_size: tuple[int, int] = (-1, -1),
+    block_table: Tensor | None = None, return_attn_probs: bool = False, **_: Any,
+) -> Any:
+    """flash-attn 2's variable-length attention; with `block_table`, k and v are paged caches
+    and `cu_seqlens_k` gives each request's key count."""
+    _full_window(window_size)
+    if block_table is None:
+        out, lse, *_ = torch.ops.aten._flash_attention_forward(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 0.0, causal, False,
+            scale=softmax_scale,
+        )
+    else:
+        rows = cu_seqlens_k.numel() - 1
+        out, lse = _paged(
+            q, k, v, cu_seqlens_q, max_seqlen_q, cu_seqlens_k.diff(), softmax_scale, causal,
+            block_table[:rows],
+        )
+    return (out, lse, None) if return_attn_probs else out
+
+
+def flash_attn_with_kvcache(
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Tensor,
+    softmax_scale: float | None = None, causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1), block_table: Tensor | None = None,
+    return_softmax_lse: bool = False, **_: Any,
+) -> Any:
+    """flash-attn 2's attention of new queries q [B, S, H, D] over a paged cache."""
+    _full_window(window_size)
+    if block_table is None:
+        raise NotImplementedError("flash_attn_with_kvcache without a block table")
+    b, s, h, d = q.shape
+    cu_q = torch.arange(0, (b + 1) * s, s, dtype=torch.int32, device=q.device)
+    out, lse = _paged(
+        q.reshape(b * s, h, d), k_cache, v_cache, cu_q, s, cache_seqlens, softmax_scale, causal,
+        block_table[:b],
+    )
+    out = out.view(b, s, h, d)
+    return (out, lse) if return_softmax_lse else out

@@ -1,0 +1,66 @@
+"""The flash-attn functions megatron's dynamic engine calls, over torch's flash kernel, against
+attention written out over the same paged cache."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from backends.megatron.flash_adapter import flash_attn_varlen_func, flash_attn_with_kvcache
+
+pytestmark = pytest.mark.gpu
+
+BLOCK, KV_HEADS, HEADS, D = 256, 2, 12, 128
+
+
+def _paged(lengths: list[int], blocks: int = 40):
+    torch.manual_seed(0)
+    k = torch.randn(blocks, BLOCK, KV_HEADS, D, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    order = torch.randperm(blocks, device="cuda")  # requests' blocks scattered in the pool
+    width = max(-(-n // BLOCK) for n in lengths)
+    table = torch.full((len(lengths), width), -1, dtype=torch.int32, device="cuda")
+    taken = 0
+    for row, n in enumerate(lengths):
+        count = -(-n // BLOCK)
+        table[row, :count] = order[taken : taken + count]
+        taken += count
+    return k, v, table
+
+
+def _reference(q: torch.Tensor, k, v, table, row: int, n: int, causal: bool) -> torch.Tensor:
+    """Queries [S, H, D] of request `row` (the last S of its n positions) over its keys."""
+    blocks = table[row][table[row] >= 0].long()
+    keys, values = (c[blocks].flatten(0, 1)[:n] for c in (k, v))
+    s = q.shape[0]
+    mask = None
+    if causal:
+        mask = torch.arange(n, device="cuda")[None, :] <= torch.arange(n - s, n, device="cuda")[:, None]
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1).float(), keys.transpose(0, 1).float(), values.transpose(0, 1).float(),
+        attn_mask=mask, enable_gqa=True,
+    )
+    return out.transpose(0, 1)
+
+
+def test_decode_over_a_paged_cache() -> None:
+    lengths = [1, 300, 777, 256]
+    k, v, table = _paged(lengths)
+    q = torch.randn(len(lengths), 1, HEADS, D, device="cuda", dtype=torch.bfloat16)
+    seqlens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+    out = flash_attn_with_kvcache(q, k, v, cache_seqlens=seqlens, causal=True, block_table=table)
+    for row, n in enumerate(lengths):
+        torch.testing.assert_close(out[row].float(), _reference(q[row], k, v, table, row, n, True), atol=2e-2, rtol=2e-2)
+
+
+def test_prefill_chunks_over_a_paged_cache() -> None:
+    lengths, new = [129, 512, 40], [129, 64, 1]  # query counts: a fresh prompt, a chunk, a decode
+    k, v, table = _paged(lengths)
+    q = torch.randn(sum(new), HEADS, D, device="cuda", dtype=torch.bfloat16)
+    cu_q = F.pad(torch.tensor(new, device="cuda").cumsum(0), (1, 0)).to(torch.int32)
+    cu_k = F.pad(torch.tensor(lengths, device="cuda").cumsum(0), (1, 0)).to(torch.int32)
+    out = flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(new), max(lengths), causal=True, block_table=table)
+    for row, n in enumerate(lengths):
+        rows = slice(int(cu_q[row]), int(cu_q[row + 1]))
+        torch.testing.assert_close(out[rows].float(), _reference(q[rows], k, v, table, row, n, True), atol=2e-2, rtol=2e-2)
