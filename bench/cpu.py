@@ -37,14 +37,16 @@ MODES = {
 WARMUP = 5
 
 
-def ours(overrides: list[str], steps: int) -> dict[str, float]:
+def ours(
+    overrides: list[str], steps: int, *, recipe: str = "recipes/reverse-digits.yaml"
+) -> dict[str, float]:
     with tempfile.TemporaryDirectory() as tmp:
-        recipe = pipeline.load_recipe(
-            "recipes/reverse-digits.yaml",
+        loaded = pipeline.load_recipe(
+            recipe,
             [*overrides, f"run.steps={steps}", f"run.dir={tmp}/run", "eval.every_steps=0", "run.plot=false"],
         )
         start = time.perf_counter()
-        anyio.run(pipeline.run, recipe)
+        anyio.run(pipeline.run, loaded)
         wall = time.perf_counter() - start
         records = read(Path(tmp) / "run" / "metrics.jsonl")[WARMUP:]
     return {
@@ -98,6 +100,9 @@ def main() -> None:
         summary["trl_over_ours"] = ratios
         summary["trl_over_ours_median"] = {mode: statistics.median(v) for mode, v in ratios.items()}
     summary["python"] = sys.version.split()[0]
+    out = Path(args.out)
+    if out.exists() and "placement" in (previous := json.loads(out.read_text())):
+        summary["placement"] = previous["placement"]  # bench/placement.py's section
     Path(args.out).write_text(json.dumps(summary, indent=2) + "\n")
     print(json.dumps({k: v for k, v in summary.items() if k != "rounds"}, indent=2))
 

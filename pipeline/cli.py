@@ -23,6 +23,7 @@ import anyio
 import pipeline
 from pipeline import logs
 from pipeline.arguments import Command, parse
+from pipeline.children import kill_descendants
 from pipeline.console import Console, ConsoleHandler
 from pipeline.errors import PipelineError, RecipeError, StageFailed
 from pipeline.runner import first_error
@@ -330,5 +331,6 @@ async def _watch_signals(stop: pipeline.StopRequest, console: Console | None) ->
                 if console is not None:
                     console.close()  # the message gets a line of its own, not the status line's
                 print(f"second {name}: exiting now", file=sys.stderr, flush=True)
+                kill_descendants()  # no clean-up runs: what the run started goes with it
                 os._exit(128 + signum)
             stop.request(f"{name} received")

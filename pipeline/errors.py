@@ -52,6 +52,11 @@ class HandoffMismatch(PipelineError):
     it serves weights other than the trainer's, or keeps memory it should have released."""
 
 
+class BackendLost(PipelineError):
+    """A part of the backend that holds training state is gone (its process died): nothing of
+    it can be saved, so the run stops and its last committed checkpoint stays the newest."""
+
+
 class NothingTrained(PipelineError):
     """The run cannot train: batches with nothing to train on, or steps that apply no update."""
 

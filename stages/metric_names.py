@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
+from backends.placement import RayPlacement
 from pipeline.metrics import REQUIRED_KEYS
 
 if TYPE_CHECKING:
@@ -51,6 +52,13 @@ _COUNTERS = (
     "metrics/nonfinite_dropped",
     "metrics/recovered",
     "eval/skipped",  # evaluations skipped so far: a count on train steps, not an evaluation's figure
+)
+# The Ray placement's running counts (backends/ray/place.py), with placement.backend: ray.
+PLACEMENT_COUNTERS = (
+    "placement/engine_restarts",  # engine actors that died and were replaced
+    "placement/redispatched_requests",  # requests sent again after their replica died
+    "placement/reward_worker_restarts",
+    "placement/rescored_groups",  # groups scored again after their reward worker died
 )
 # backends/torch/trainer.py's train_step (the mismatch figures are required keys); kl_ref with
 # train.kl_coef > 0, the offload figures with train.offload_optimizer.
@@ -85,6 +93,7 @@ class MetricNames(msgspec.Struct, frozen=True, kw_only=True):
             *(f"timing/{name}_s" for name in _TIMINGS),
             *(f"queue/{name}" for name in _QUEUES),
             *_COUNTERS,
+            *(PLACEMENT_COUNTERS if isinstance(recipe.placement, RayPlacement) else ()),
             *_TRAINER,
             *(f"rollout/lag_hist/{k}" for k in range(lookahead + 1)),
             *(f"reward/{key}" for key in info),

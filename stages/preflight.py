@@ -3,7 +3,8 @@
 `preflight` raises `RecipeError` for what would otherwise fail later in the run (or, for the
 model and device, with a traceback): a resume path that is not a checkpoint or a recipe that
 does not match it, a missing model directory or config.json, a device this machine lacks, data
-files that do not parse, a reward function that does not import, and prompts plus
+files that do not parse, a reward function that does not import, Ray missing where the recipe
+places the backend on it, and prompts plus
 `rollout.max_new_tokens` past a learned position table. What it built on the way (the resume
 prompts, the reward function) is what `run` goes on with.
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from backends.placement import RayPlacement, check_ray
 from pipeline.errors import RecipeError
 from stages.checkpoint import open_resume
 from stages.prompts import PromptSet, build_prompts
@@ -76,5 +78,8 @@ def _check_model(recipe: Recipe) -> int | None:
             config = read_config(path)
         except ModelLoadError as error:
             raise RecipeError(f"model.path: {error}") from None
-    check_device(section.device, "model.device")
+    if isinstance(recipe.placement, RayPlacement):
+        check_ray()  # the device is the actors' to check, on the nodes they run on
+    else:
+        check_device(section.device, "model.device")
     return config.position_limit

@@ -10,7 +10,8 @@
 Channels hold `prompts_per_step * (L+1)` groups (`batches`: L+1 batches), so nothing queues past
 what the tickets admit. Every stage takes the one `RunContext` (clock, trace, watchdog, timings,
 metrics). `run_program` reads the checkpoint to resume from and builds the backend off the event
-loop (`backends.registry`), loads the checkpoint into it, takes the run directory's lock, and
+loop (`backends.placement`: in this process through `backends.registry`, or on Ray), loads the
+checkpoint into it, takes the run directory's lock, and
 runs the stages (`_Pipeline`) to the last step or a clean stop, saving on the way out.
 """
 
@@ -25,11 +26,11 @@ from typing import Any
 import anyio
 import msgspec
 
-from backends.registry import build_backend
+from backends.placement import Placed, place
 from pipeline.channel import Channel
 from pipeline.clock import DeadlineClock, TimeSource
 from pipeline.console import Console
-from pipeline.errors import PipelineError
+from pipeline.errors import BackendLost, PipelineError
 from pipeline.gate import EngineGate
 from pipeline.logs import reset_warnings
 from pipeline.messages import Batch, Dropped, Group
@@ -113,16 +114,16 @@ async def run_program(
     lock.check_free()
     seed = recipe.run.seed
     random.seed(seed)
-    built = engine is None or trainer is None  # then the backend's threads are ours to close
+    built = engine is None or trainer is None  # then the backend is ours to build and to close
     # Start-up work (reading the checkpoint and data, importing torch, building the model) runs
     # off the event loop, so a host application embedding the pipeline keeps its turns; and
     # without the garbage collector's full passes, which hold the GIL 100-300 ms each.
     with start_up():
         resume = await anyio.to_thread.run_sync(open_resume, run_dir, recipe)
-        checked, backend = await anyio.to_thread.run_sync(_start, recipe, built)
+        checked, placed = await anyio.to_thread.run_sync(_start, recipe, built)
     prompts, reward_fn = checked.prompts, checked.reward_fn
-    if backend is not None:
-        engine, trainer = backend
+    if placed is not None:
+        engine, trainer = placed.engine, placed.trainer
     assert engine is not None and trainer is not None
     try:
         resumed = None
@@ -136,7 +137,7 @@ async def run_program(
             )
     except BaseException:
         lock.release()
-        _close(engine, trainer, built)
+        _close(placed)
         raise
     try:
         return await _run_locked(
@@ -147,7 +148,7 @@ async def run_program(
             reward_fn=reward_fn,
             engine=engine,
             trainer=trainer,
-            built=built,
+            placed=placed,
             time_source=time_source,
             stop=stop,
             echo=echo,
@@ -156,17 +157,16 @@ async def run_program(
             checkpoint_hook=checkpoint_hook,
         )
     except BaseException:
-        _close(engine, trainer, built)  # also where the run failed before its own clean-up began
+        _close(placed)  # also where the run failed before its own clean-up began
         raise
     finally:
         lock.release()
 
 
-def _close(engine: Engine, trainer: Trainer, built: bool) -> None:
-    """Stop the threads of a backend this run built (closing twice is harmless)."""
-    if built:
-        engine.close()
-        trainer.close()
+def _close(placed: Placed | None) -> None:
+    """Let go of the backend this run built: threads, actors (closing twice is harmless)."""
+    if placed is not None:
+        placed.close()
 
 
 async def _run_locked(
@@ -178,7 +178,7 @@ async def _run_locked(
     reward_fn: RewardFn,
     engine: Engine,
     trainer: Trainer,
-    built: bool,
+    placed: Placed | None,
     time_source: TimeSource | None,
     stop: StopRequest | None,
     echo: Callable[[dict[str, Any]], None] | None,
@@ -228,6 +228,7 @@ async def _run_locked(
         reward_fn=reward_fn,
         engine=engine,
         trainer=trainer,
+        placed=placed,
         checkpoints=checkpoints,
         echo=_both(echo, console.record if console else None),
         on_eval=_both(on_eval, console.evaluation if console else None),
@@ -247,14 +248,15 @@ async def _run_locked(
         raise
     except Exception as error:
         failing = True
-        if not isinstance(error, CheckpointError):  # a last save, when the state allows one
+        # A last save, when the state allows one (a lost trainer took its state with it).
+        if not isinstance(error, CheckpointError | BackendLost):
             with anyio.CancelScope(shield=True):
                 await _never_masking(wired.final_save, "the last save")
         raise
     finally:
         steps = [
             ("closing the metrics", context.metrics.close),
-            ("closing the backend", lambda: _close(wired.backend_engine, trainer, built)),
+            ("closing the backend", lambda: _close(placed)),
             ("writing trace.json", lambda: context.trace.write(run_dir / "trace.json")),
             ("closing the console", console.close if console is not None else lambda: None),
         ]
@@ -292,11 +294,13 @@ class _Pipeline:
         reward_fn: RewardFn,
         engine: Engine,
         trainer: Trainer,
+        placed: Placed | None,
         checkpoints: Checkpointer,
         echo: Callable[[dict[str, Any]], None],
         on_eval: Callable[[dict[str, Any]], None],
     ) -> None:
         self.recipe = recipe
+        self.placed = placed
         self.context = context
         self.trainer = trainer
         self.checkpoints = checkpoints
@@ -334,6 +338,7 @@ class _Pipeline:
             recipe.reward,
             fn=reward_fn,
             tokenizer=prompts.tokenizer,
+            score=placed.score if placed is not None else None,
             inp=generated,
             out=scored,
             context=context,
@@ -413,6 +418,7 @@ class _Pipeline:
             "rollout/poisoned_samples_total": rollout["poisoned_samples"],
             "reward/failures": reward["failures"],
             **({"eval/skipped": self.evaluation.counts["skipped"]} if self.evaluation is not None else {}),
+            **(self.placed.counters() if self.placed is not None else {}),
         }
 
     async def save(self, step: int, next_batch: int, record: dict[str, Any] | None) -> None:
@@ -493,13 +499,14 @@ def _both(*hooks: Callable[[dict[str, Any]], None] | None) -> Callable[[dict[str
     return call
 
 
-def _start(recipe: Recipe, build: bool) -> tuple[Checked, tuple[Engine, Trainer] | None]:
-    """The recipe's checks, then (with `build`) the recipe's backend; on a worker thread."""
+def _start(recipe: Recipe, build: bool) -> tuple[Checked, Placed | None]:
+    """The recipe's checks, then (with `build`) the recipe's backend where `placement` says; on
+    a worker thread."""
     checked = preflight(recipe, model=build, resume=False)  # open_resume read it whole
     if not build:
         return checked, None
     tokenizer = checked.prompts.tokenizer
-    return checked, build_backend(recipe, vocab_size=tokenizer.vocab_size, stop_ids=tokenizer.stop_ids)
+    return checked, place(recipe, vocab_size=tokenizer.vocab_size, stop_ids=tokenizer.stop_ids)
 
 
 def _fingerprints(engine: Any, trainer: Any) -> bool:

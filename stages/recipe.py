@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import msgspec
 
+from backends.placement import LocalPlacement, Placement, check_placement
 from backends.torch.config import ModelConfig
 from backends.torch.section import ModelSection
 from pipeline.recipe import (
@@ -33,6 +34,7 @@ class Recipe(Section):
     run: RunSection = msgspec.field(default_factory=RunSection)
     async_rl: AsyncRLSection = msgspec.field(default_factory=AsyncRLSection)
     colocated: bool = True
+    placement: Placement = msgspec.field(default_factory=LocalPlacement)
     checkpoint: CheckpointSection = msgspec.field(default_factory=CheckpointSection)
     watchdog: WatchdogSection = msgspec.field(default_factory=WatchdogSection)
     wandb: WandbSection = msgspec.field(default_factory=WandbSection)
@@ -52,4 +54,5 @@ class Recipe(Section):
                 "eval.every_steps needs held-out prompts: set prompts.source.num_heldout > 0 "
                 "or eval.every_steps: 0"
             )
+        check_placement(self)
         check_names(self.gates, MetricNames.for_recipe(self))

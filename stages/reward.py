@@ -18,6 +18,7 @@ stop the run.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 import logging
@@ -204,6 +205,7 @@ class RewardStage:
         *,
         fn: RewardFn,
         tokenizer: Tokenizer,
+        score: Callable[[list[tuple[Prompt, str | None]]], Awaitable[list[Scored]]] | None = None,
         inp: Channel[Group | Dropped],
         out: Channel[Group | Dropped],
         context: RunContext,
@@ -212,7 +214,9 @@ class RewardStage:
         self.trace = context.trace
         self.timings = context.timings
         self.fn = fn
-        self.cheap = is_cheap(fn)
+        # `score`: where groups are scored instead of here (reward workers of the placement).
+        self.score = score or functools.partial(score_all, fn)
+        self.cheap = score is None and is_cheap(fn)
         self.tokenizer = tokenizer
         self.clock = context.clock
         self.inp = inp
@@ -264,7 +268,7 @@ class RewardStage:
                 with self.clock.fail_after(
                     self.section.reward_s, f"reward of group {group.group_id}", suspendable=False
                 ):
-                    results = await score_all(self.fn, pairs)
+                    results = await self.score(pairs)
             except DeadlineExceeded as error:
                 self._failure("timeout", f"{error}{blocking_note()}")
         samples: list[Sample] = []

@@ -50,36 +50,56 @@ def build_backend(
     recipe: Any, *, vocab_size: int, stop_ids: Sequence[int]
 ) -> tuple[TorchEngine, TorchTrainer]:
     """(engine, trainer) sharing one model when `recipe.colocated`, else two copies."""
-    section: ModelSection = recipe.model
-    seed = recipe.run.seed
     try:
-        model = build_model(section, vocab_size=vocab_size, seed=seed)
+        model = build_model(recipe.model, vocab_size=vocab_size, seed=recipe.run.seed)
     except ModelLoadError as error:  # a missing file or an unsupported model: the user's to fix
         raise RecipeError(f"model.path: {error}") from None
     engine_model = model if recipe.colocated else copy.deepcopy(model)
-    rollout, train = recipe.rollout, recipe.train
-    # Engine kernels round as the trainer's do (compiled or eager): closer logprobs.
-    sampler = Sampler(engine_model, graphs=section.cuda_graphs, eager_rounding=not train.compile)
     # Colocated, engine and trainer never run at once: one thread (one OpenMP team) for both.
     trainer_thread = ComputeThread("trainer")
     engine_thread = trainer_thread if recipe.colocated else ComputeThread("engine")
-    engine = TorchEngine(
-        sampler,
-        shared=recipe.colocated,
-        source=model,
+    engine = build_engine(
+        recipe, engine_model, shared=recipe.colocated, source=model, stop_ids=stop_ids, compute=engine_thread
+    )
+    return engine, build_trainer(recipe, model, compute=trainer_thread)
+
+
+def build_engine(
+    recipe: Any,
+    model: Decoder,
+    *,
+    shared: bool,
+    source: Decoder,
+    stop_ids: Sequence[int],
+    compute: ComputeThread,
+    replica: int = 0,
+) -> TorchEngine:
+    """The engine sampling from `model`: the trainer's own when `shared` (colocated), else a
+    copy that `refit` refreshes from `source`. Each replica of several samples its own draws."""
+    rollout, train = recipe.rollout, recipe.train
+    return TorchEngine(
+        # Engine kernels round as the trainer's do (compiled or eager): closer logprobs.
+        Sampler(model, graphs=recipe.model.cuda_graphs, eager_rounding=not train.compile),
+        shared=shared,
+        source=source,
         max_new_tokens=rollout.max_new_tokens,
         temperature=rollout.temperature,
         top_p=rollout.top_p,
         stop_token_ids=tuple(stop_ids),
-        seed=seed + 1,
-        compute=engine_thread,
+        seed=recipe.run.seed + 1 + 1000 * replica,
+        compute=compute,
         fingerprints=recipe.async_rl.handoff_checks,
     )
+
+
+def build_trainer(recipe: Any, model: Decoder, *, compute: ComputeThread) -> TorchTrainer:
+    """The AdamW GRPO trainer of `model` (and its frozen reference copy when train.kl_coef > 0)."""
+    rollout, train = recipe.rollout, recipe.train
     reference = None
     if train.kl_coef > 0:
         reference = copy.deepcopy(model).eval()
         reference.requires_grad_(False)
-    trainer = TorchTrainer(
+    return TorchTrainer(
         model,
         loss=LossConfig(
             clip_low=train.clip_low,
@@ -100,13 +120,12 @@ def build_backend(
         micro_batch_tokens=train.micro_batch_tokens,
         updates_per_step=train.updates_per_step,
         temperature=rollout.temperature,
-        seed=seed + 2,
+        seed=recipe.run.seed + 2,
         reference=reference,
         master_weights=train.master_weights,
         offload_optimizer=train.offload_optimizer,
         compiled=train.compile,
         checkpointed=train.activation_checkpointing,
-        compute=trainer_thread,
+        compute=compute,
         fingerprints=recipe.async_rl.handoff_checks,
     )
-    return engine, trainer

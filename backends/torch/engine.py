@@ -23,7 +23,7 @@ instead of failing the batched call of every request gathered with it.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -187,6 +187,18 @@ class TorchEngine:
         elif self.sampler.model is not self.source:
             for target, value in zip(self.sampler.model.parameters(), self.source.parameters(), strict=True):
                 target.copy_(value)
+        self._take_fingerprint()
+
+    async def load_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
+        """Copy `weights` (every parameter, by name) into the served model between two batches:
+        the refit of an engine whose trainer is in another process."""
+        async with self._weights:
+            await self.compute.run(self._load_weights, weights)
+
+    @torch.no_grad()
+    def _load_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
+        for name, target in self.sampler.model.named_parameters():
+            target.copy_(weights[name])
         self._take_fingerprint()
 
     def _take_fingerprint(self) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -95,3 +96,16 @@ def test_validate_and_run_exit_2_with_one_line_for_a_missing_device(tmp_path: Pa
     )
     assert (result.returncode, result.stdout, result.stderr) == (2, "", f"error: {CPU_TORCH}\n")
     assert not (tmp_path / "r").exists()
+
+
+def test_ray_placement_needs_ray_and_leaves_the_device_to_the_actors(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The controller of a GPU cluster may be a CPU machine: its own torch decides nothing.
+    preflight(pipeline.load_recipe(QUICKSTART, ["placement.backend=ray", "model.device=cuda"]))
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *rest: None if name == "ray" else real(name, *rest)
+    )
+    assert check(QUICKSTART, "placement.backend=ray") == (
+        "placement.backend: ray needs the ray package: pip install 'ray>=2.60' "
+        "(or this project's extra: pip install -e '.[ray]')"
+    )

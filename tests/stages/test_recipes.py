@@ -48,8 +48,8 @@ VALID_RUN_FIELDS = "dir, steps, seed, stop_grace_s, progress, log_every_steps, p
         ),
         pytest.param(
             "colour: blue\n",
-            "colour: unknown field; valid fields: run, async_rl, colocated, checkpoint, watchdog, wandb, "
-            "tensorboard, model, prompts, rollout, reward, train, eval, faults, gates",
+            "colour: unknown field; valid fields: run, async_rl, colocated, placement, checkpoint, watchdog, "
+            "wandb, tensorboard, model, prompts, rollout, reward, train, eval, faults, gates",
             id="unknown-section",
         ),
         pytest.param(
@@ -194,6 +194,36 @@ VALID_RUN_FIELDS = "dir, steps, seed, stop_grace_s, progress, log_every_steps, p
             "gates.fail: Expected `bool`, got `str` ('maybe')",
             id="gates-fail-not-a-bool",
         ),
+        pytest.param(
+            "placement:\n  backend: cloud\n",
+            "placement.backend: Invalid value 'cloud'; expected one of: local, ray",
+            id="placement-unknown-backend",
+        ),
+        pytest.param(
+            "placement:\n  engines: 2\n",
+            "placement.backend: required field is missing",
+            id="placement-without-backend",
+        ),
+        pytest.param(
+            "placement:\n  backend: ray\n  engines: 2\n",
+            "placement.engines: 2 needs colocated: false (colocated, the one engine shares the "
+            "trainer's actor and weights)",
+            id="placement-replicas-colocated",
+        ),
+        pytest.param(
+            "placement:\n  backend: ray\n  reward_workers: 2\nreward:\n  function: reasoning_gym\n",
+            "placement.reward_workers: reward.function 'reasoning_gym' checks answers with the prompt "
+            "source's own objects, which stay in the controller: set placement.reward_workers: 0",
+            id="placement-reward-workers-reasoning-gym",
+        ),
+        pytest.param(
+            "colocated: false\nmodel:\n  device: cuda\n  config: {vocab_size: 16}\n"
+            "placement:\n  backend: ray\n  engine_gpus: 0\n",
+            "placement.engine_gpus: 0, but model.device: cuda: Ray shows an actor only the GPUs it asks "
+            "for; leave it unset (a GPU of its own) or set 0.5 for the engine and the trainer each (the "
+            "two share one GPU)",
+            id="placement-cuda-without-gpus",
+        ),
     ],
 )
 def test_bad_recipe_message(tmp_path: Path, text: str, message: str) -> None:
@@ -251,8 +281,8 @@ def test_missing_file(tmp_path: Path) -> None:
         pytest.param(
             "nosuch.x=1",
             "{path}: override 'nosuch.x=1': nosuch: unknown field; valid fields: run, async_rl, colocated, "
-            "checkpoint, watchdog, wandb, tensorboard, model, prompts, rollout, reward, train, eval, faults, "
-            "gates",
+            "placement, checkpoint, watchdog, wandb, tensorboard, model, prompts, rollout, reward, train, "
+            "eval, faults, gates",
             id="unknown-section",
         ),
         pytest.param(

@@ -1,0 +1,134 @@
+"""Where the backend runs: in this process (`local`, the default) or on a Ray cluster (`ray`).
+
+The recipe's `placement` section picks one; nothing else in a recipe changes between a laptop
+and a cluster. `place(recipe, ...)` builds what the pipeline drives, on a worker thread:
+
+- `local`: the backend's engine and trainer in this process (today's wiring);
+- `ray` (`backends/ray/place.py`): engine replicas, the trainer and, with `reward_workers`, the
+  reward workers as Ray actors, behind proxies that keep the pipeline's `Engine` and `Trainer`
+  protocols and the reward stage's scoring function; the gate, the clock and the tickets stay
+  in the controller.
+
+Importing this module imports neither torch nor ray.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from pipeline.errors import RecipeError
+from pipeline.recipe import NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, Section
+
+# Scores a group's (prompt, completion text or None) pairs: stages.reward.score_all's contract.
+Scorer = Callable[[list[tuple[Any, str | None]]], Awaitable[list[Any]]]
+
+
+class LocalPlacement(Section, tag_field="backend", tag="local"):
+    """Engine and trainer in this process, on worker threads."""
+
+
+class RayPlacement(Section, tag_field="backend", tag="ray"):
+    """Engine replicas, the trainer and reward workers as actors of a Ray cluster."""
+
+    # None: start a Ray runtime for this run on this machine and stop it at the end (RAY_ADDRESS,
+    # if set, names a cluster to join instead, as Ray has it); "auto" or
+    # "HOST:PORT": join the cluster that `ray start --head` started (it outlives the run).
+    address: str | None = None
+    engines: PositiveInt = 1  # engine replicas (colocated: 1, inside the trainer's actor)
+    engine_cpus: NonNegativeFloat = 1.0
+    trainer_cpus: NonNegativeFloat = 1.0
+    # Unset: 1 with model.device cuda, else 0. 0.5 each: engine and trainer share one GPU.
+    engine_gpus: NonNegativeFloat | None = None
+    trainer_gpus: NonNegativeFloat | None = None
+    # Ray custom resources each actor asks for: pin engines and trainer to the nodes that
+    # declare them (`ray start --resources '{"trainer": 1}'`).
+    engine_resources: dict[str, PositiveFloat] = msgspec.field(default_factory=dict)
+    trainer_resources: dict[str, PositiveFloat] = msgspec.field(default_factory=dict)
+    # Reward workers (0: score in the controller, as `local` does): each scores up to
+    # `reward_concurrency` groups at once.
+    reward_workers: NonNegativeInt = 0
+    reward_cpus: NonNegativeFloat = 1.0
+    reward_concurrency: PositiveInt = 8
+    # Engine actors that died and were replaced, over the whole run, before it stops.
+    max_engine_restarts: NonNegativeInt = 3
+
+
+Placement = LocalPlacement | RayPlacement
+
+
+@dataclass
+class Placed:
+    """What `place` built: the engine and trainer the pipeline drives, the reward stage's
+    scorer (None: the stage scores in this process), the placement's running counts for the
+    metrics, and `close`, which lets go of everything (threads, actors, the Ray runtime)."""
+
+    engine: Any
+    trainer: Any
+    close: Callable[[], None]
+    score: Scorer | None = None
+    counters: Callable[[], dict[str, float]] = field(default=dict)
+
+
+def place(recipe: Any, *, vocab_size: int, stop_ids: Sequence[int]) -> Placed:
+    """Build the backend where `recipe.placement` says; blocking (call it on a worker thread)."""
+    if isinstance(recipe.placement, RayPlacement):
+        from backends.ray.place import place_on_ray
+
+        return place_on_ray(recipe, vocab_size=vocab_size, stop_ids=stop_ids)
+    from backends.registry import build_backend
+
+    engine, trainer = build_backend(recipe, vocab_size=vocab_size, stop_ids=stop_ids)
+
+    def close() -> None:
+        engine.close()
+        trainer.close()
+
+    return Placed(engine=engine, trainer=trainer, close=close)
+
+
+def gpus(recipe: Any, side: str) -> float:
+    """The GPUs the `side` ("engine" or "trainer") actor asks Ray for."""
+    asked = getattr(recipe.placement, f"{side}_gpus")
+    if asked is None:
+        return 1.0 if recipe.model.device.startswith("cuda") else 0.0
+    return float(asked)
+
+
+def check_ray() -> None:
+    """`placement.backend: ray` needs the ray package here (and on every node)."""
+    if importlib.util.find_spec("ray") is None:
+        raise RecipeError(
+            "placement.backend: ray needs the ray package: pip install 'ray>=2.60' "
+            "(or this project's extra: pip install -e '.[ray]')"
+        )
+
+
+def check_placement(recipe: Any) -> None:
+    """Cross-field rules of `placement` against the rest of the recipe (ValueError naming both)."""
+    section = recipe.placement
+    if not isinstance(section, RayPlacement):
+        return
+    if recipe.colocated and section.engines > 1:
+        raise ValueError(
+            f"placement.engines: {section.engines} needs colocated: false (colocated, the one "
+            "engine shares the trainer's actor and weights)"
+        )
+    if recipe.model.device.startswith("cuda"):
+        sides = ("trainer",) if recipe.colocated else ("trainer", "engine")
+        for side in sides:
+            if gpus(recipe, side) == 0:
+                raise ValueError(
+                    f"placement.{side}_gpus: 0, but model.device: {recipe.model.device}: Ray shows "
+                    f"an actor only the GPUs it asks for; leave it unset (a GPU of its own) or set "
+                    "0.5 for the engine and the trainer each (the two share one GPU)"
+                )
+    if section.reward_workers and recipe.reward.function == "reasoning_gym":
+        raise ValueError(
+            "placement.reward_workers: reward.function 'reasoning_gym' checks answers with the "
+            "prompt source's own objects, which stay in the controller: set placement.reward_workers: 0"
+        )

@@ -1,0 +1,152 @@
+"""The Ray actors: a backend part (engine, trainer, or both colocated) and a reward worker.
+
+Both are async actors: their methods run on the actor's event loop, the torch work on the
+backend's own compute threads (`backends/torch/compute.py`), so an engine replica batches the
+requests that arrive together as the in-process engine does. The controller creates them
+through `ray.remote(...)` with each one's resources (`backends/ray/place.py`) and only awaits
+their methods. Every method returns plain values (or a weights package); nothing here keeps a
+handle on the controller.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+import anyio
+
+if TYPE_CHECKING:  # importing torch here would load it before `runtime.load` could set it up
+    from backends.ray.weights import Package, Transport
+
+Role = Literal["engine", "trainer", "both"]
+# (request id, prompt tokens, samples, greedy)
+Request = tuple[int, tuple[int, ...], int, bool]
+
+
+class BackendPart:
+    """One actor's part of the backend, built from the recipe where the actor runs.
+
+    `both`: the colocated pair sharing one model, as the recipe's backend builds it in one
+    process (stand-down and wake instead of weight packages). Apart, with the torch backend's
+    builders: `engine`, a replica that samples from its own copy of the weights, refreshed by
+    `set_weights`; `trainer`, the trainer, which publishes its weights with `publish`.
+    """
+
+    def __init__(
+        self, recipe: Any, *, role: Role, vocab_size: int, stop_ids: Sequence[int], replica: int = 0
+    ) -> None:
+        from backends.torch.runtime import load
+
+        load()  # torch as the controller loads it (OpenMP's spinning, before the first import)
+        from backends.registry import build_backend
+        from backends.torch.build import build_engine, build_model, build_trainer
+        from backends.torch.compute import ComputeThread
+
+        self.role = role
+        self.version = 0  # of the weights this engine serves (set by set_weights)
+        self.served: set[int] = set()  # request ids answered: none is answered twice
+        self.engine: Any = None
+        self.trainer: Any = None
+        if role == "both":
+            self.engine, self.trainer = build_backend(recipe, vocab_size=vocab_size, stop_ids=stop_ids)
+            return
+        model = build_model(recipe.model, vocab_size=vocab_size, seed=recipe.run.seed)
+        compute = ComputeThread(role)
+        if role == "engine":
+            self.engine = build_engine(
+                recipe, model, shared=False, source=model, stop_ids=stop_ids, compute=compute, replica=replica
+            )
+        else:
+            self.trainer = build_trainer(recipe, model, compute=compute)
+
+    def where(self) -> dict[str, Any]:
+        import ray
+
+        context = ray.get_runtime_context()
+        return {
+            "pid": os.getpid(),
+            "node_id": context.get_node_id(),
+            "gpu_ids": context.get_accelerator_ids(),
+        }
+
+    async def generate(self, requests: list[Request]) -> tuple[int, int, list[Any]]:
+        """Sample every request in one batched call; (version at the start, at the end, each
+        request's completions in order). A refit between two batches moves the version."""
+        for request_id, *_ in requests:
+            assert request_id not in self.served, f"request {request_id} answered twice"
+        first = self.version
+        results: list[Any] = [None] * len(requests)
+
+        async def one(index: int, request: Request) -> None:
+            _, tokens, n, greedy = request
+            try:
+                results[index] = await self.engine.generate(tokens, n, greedy=greedy)
+            except Exception as error:  # handed back per request, as the in-process engine does
+                results[index] = error
+
+        async with anyio.create_task_group() as group:
+            for index, request in enumerate(requests):
+                group.start_soon(one, index, request)
+        self.served.update(request_id for request_id, *_ in requests)
+        return first, self.version, results
+
+    async def stand_down(self) -> int | None:
+        await self.engine.stand_down()
+        return self.engine.memory_in_use()
+
+    async def wake(self) -> dict[str, int] | None:
+        await self.engine.wake()
+        return self.engine.fingerprint()
+
+    async def set_weights(self, version: int, package: Package) -> dict[str, int] | None:
+        """Serve `package` from the next batch on; it must be the announced `version`."""
+        from backends.ray.weights import unpack
+
+        model = self.engine.sampler.model
+        await self.engine.load_weights(unpack(package, version=version, like=model.named_parameters()))
+        self.version = version
+        return self.engine.fingerprint()
+
+    async def publish(self, version: int, transport: Transport) -> Package:
+        from backends.ray.weights import pack
+
+        return await self.trainer.compute.run(
+            pack, version, list(self.trainer.model.named_parameters()), transport
+        )
+
+    async def train_step(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[dict[str, float], dict[str, int] | None, int]:
+        metrics = await self.trainer.train_step(*args, **kwargs)
+        return dict(metrics), self.trainer.fingerprint(), self.trainer.completed_steps
+
+    def fingerprint(self) -> dict[str, int] | None:
+        return self.trainer.fingerprint()  # type: ignore[no-any-return]
+
+    async def save(self, part: Literal["engine", "trainer"], directory: str) -> None:
+        """The part's own checkpoint files, written into `directory` (storage this node sees)."""
+        await anyio.to_thread.run_sync(getattr(self, part).save, Path(directory))
+
+    async def load(self, part: Literal["engine", "trainer"], directory: str) -> int:
+        """Load the part's files from `directory`; the trainer's completed steps after it."""
+        await anyio.to_thread.run_sync(getattr(self, part).load, Path(directory))
+        return self.trainer.completed_steps if part == "trainer" else 0
+
+
+class RewardWorker:
+    """Scores groups with the recipe's reward function, up to the actor's concurrency at once."""
+
+    def __init__(self, function: str) -> None:
+        from stages.reward import resolve
+
+        self.fn = resolve(function)
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    async def score(self, pairs: list[tuple[Any, str | None]]) -> list[Any]:
+        from stages.reward import score_all
+
+        return await score_all(self.fn, pairs)

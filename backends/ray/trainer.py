@@ -1,0 +1,76 @@
+"""The pipeline's `Trainer` over the trainer's Ray actors, one per rank.
+
+Every rank runs each step; rank 0's metrics and fingerprint are the step's (the torch backend
+has one rank). A rank whose actor dies stops the run with `BackendLost`, naming the rank, its
+process and node and the step: its optimizer state exists nowhere else, so there is nothing to
+save, and the last committed checkpoint stays the one a rerun resumes from.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import anyio
+import ray
+
+from backends.ray.lost import ACTOR_LOST, cause, unwrapped
+from backends.ray.weights import Transport
+from pipeline.errors import BackendLost
+
+
+class RayTrainer:
+    def __init__(self, ranks: Sequence[tuple[Any, dict[str, Any]]], *, transport: Transport) -> None:
+        """`ranks`: each rank's (actor, where it runs)."""
+        self.ranks = list(ranks)
+        self.transport = transport
+        self.completed_steps = 0
+        self._published: Mapping[str, int] | None = None
+
+    async def train_step(self, *args: Any, **kwargs: Any) -> Mapping[str, float]:
+        answers: list[Any] = [None] * len(self.ranks)
+
+        async def one(rank: int, actor: Any) -> None:
+            try:
+                answers[rank] = await actor.train_step.remote(args, kwargs)
+            except ACTOR_LOST as error:
+                raise self._lost(rank, f"during step {self.completed_steps + 1}", error) from None
+
+        async with anyio.create_task_group() as group:
+            for rank, (actor, _) in enumerate(self.ranks):
+                group.start_soon(one, rank, actor)
+        metrics, self._published, self.completed_steps = answers[0]
+        return metrics
+
+    def _lost(self, rank: int, when: str, error: BaseException) -> BackendLost:
+        where = self.ranks[rank][1]
+        return BackendLost(
+            f"placement: trainer rank {rank} (pid {where['pid']}, node {where['node_id'][:12]}) died "
+            f"{when}: {cause(error)}; the run stops here: its last committed checkpoint is intact, "
+            "run again to resume from it"
+        )
+
+    def publish(self) -> tuple[int, Any]:
+        """Rank 0's weights as of now, packed where they are: (version, object reference). Not
+        awaited here: the engines fetch the package from the object store themselves."""
+        actor = self.ranks[0][0]
+        return self.completed_steps, actor.publish.remote(self.completed_steps, self.transport)
+
+    def fingerprint(self) -> Mapping[str, int] | None:
+        return self._published
+
+    def save(self, directory: Path) -> None:
+        """Rank 0's files, written by its actor into `directory` (on storage its node sees)."""
+        try:
+            unwrapped(self.ranks[0][0].save.remote("trainer", str(directory)))
+        except ACTOR_LOST as error:
+            raise self._lost(0, "while it saved a checkpoint", error) from None
+
+    def load(self, directory: Path) -> None:
+        done = unwrapped([actor.load.remote("trainer", str(directory)) for actor, _ in self.ranks])
+        self.completed_steps = done[0]
+        self._published = ray.get(self.ranks[0][0].fingerprint.remote())
+
+    def close(self) -> None:
+        """Nothing here: the placement kills the actors (`Placed.close`)."""

@@ -1,0 +1,72 @@
+"""Weights on their way from the trainer's actor to the engines': one package per version.
+
+The trainer packs its parameters once per published version (`pack`); the controller hands
+the package's object reference to every engine replica, which checks it on arrival (`unpack`)
+before it copies anything in: the version must be the one the controller announced for this
+refit, and every parameter must be there with the engine's own shape and dtype. So a replica
+serves one announced version at a time, never a mix of two.
+
+Transports:
+- `object_store`: the tensors, copied to CPU, travel through Ray's object store (any two
+  machines);
+- `cuda_ipc`: engine and trainer share one GPU (two actors in one placement-group bundle): the
+  package holds CUDA IPC handles of the trainer's own parameter tensors (torch's
+  multiprocessing reductions), and the engine copies from them device to device. The trainer
+  does not change its parameters until the refit that reads them has finished (the gate trains
+  the next step only after it), so the handles stay valid while they are read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+Transport = Literal["object_store", "cuda_ipc"]
+
+
+class WeightsMismatch(RuntimeError):
+    """A package that is not what the engine was told to expect: a bug, never bad input."""
+
+
+@dataclass(frozen=True)
+class Package:
+    version: int
+    transport: Transport
+    tensors: dict[str, Any]  # name -> tensor (object store) or (rebuild, args) (CUDA IPC)
+
+
+def pack(version: int, parameters: Iterable[tuple[str, torch.Tensor]], transport: Transport) -> Package:
+    if transport == "cuda_ipc":
+        from torch.multiprocessing.reductions import reduce_tensor
+
+        return Package(version, transport, {name: reduce_tensor(p.detach()) for name, p in parameters})
+    return Package(version, transport, {name: p.detach().to("cpu", copy=True) for name, p in parameters})
+
+
+def unpack(
+    package: Package, *, version: int, like: Iterable[tuple[str, torch.Tensor]]
+) -> dict[str, torch.Tensor]:
+    """The package's tensors by name, checked against the announced `version` and the engine's
+    own parameters `like` (names, shapes, dtypes)."""
+    if package.version != version:
+        raise WeightsMismatch(
+            f"weights of version {package.version} arrived for the refit to version {version}"
+        )
+    tensors = package.tensors
+    if package.transport == "cuda_ipc":
+        tensors = {name: rebuild(*args) for name, (rebuild, args) in tensors.items()}
+    expected = dict(like)
+    if tensors.keys() != expected.keys():
+        missing, extra = sorted(expected.keys() - tensors.keys()), sorted(tensors.keys() - expected.keys())
+        raise WeightsMismatch(f"weights of version {version}: missing {missing}, unexpected {extra}")
+    for name, target in expected.items():
+        got = tensors[name]
+        if got.shape != target.shape or got.dtype != target.dtype:
+            raise WeightsMismatch(
+                f"weights of version {version}: {name} is {tuple(got.shape)} {got.dtype}, "
+                f"the engine's is {tuple(target.shape)} {target.dtype}"
+            )
+    return tensors

@@ -1,0 +1,207 @@
+"""The quickstart on the session's two-node CPU Ray cluster: it learns, and it survives the
+death of an engine replica or a reward worker; a dead trainer stops it with its checkpoint intact.
+
+Each test runs the real pipeline (`run_program`) with `placement.backend: ray`; the Placed
+backend the program builds is captured, so the tests can find the actors' processes and kill
+them with SIGKILL while they hold work.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+
+import pipeline
+from backends.placement import Placed, place
+from pipeline.errors import BackendLost
+from pipeline.metrics import read
+from stages import program
+from stages.checkpoint import committed
+
+RAY = [
+    "run.progress=false",
+    "run.plot=false",
+    "colocated=false",
+    "model.threads=1",
+    "placement.backend=ray",
+    "placement.engine_cpus=0.25",
+    "placement.trainer_cpus=0.25",
+]
+SMALL = [
+    "prompts.prompts_per_step=8",
+    "rollout.samples_per_prompt=4",
+    "eval.every_steps=0",
+    "gates.checks=[]",
+]
+
+
+@pytest.fixture
+def placements(ray_cluster, monkeypatch) -> list[Placed]:
+    """Every backend the program places in this test, with the group ids each step trained."""
+    found: list[Placed] = []
+
+    def capture(*args: Any, **kwargs: Any) -> Placed:
+        placed = place(*args, **kwargs)
+        found.append(placed)
+        placed.trained = trained = []  # type: ignore[attr-defined]
+        # Whether the engine served the trainer's weights as each step began.
+        placed.agreed = agreed = []  # type: ignore[attr-defined]
+        step = placed.trainer.train_step
+
+        async def recording(items: Any, *rest: Any) -> Any:
+            trained.append({item.group_id for item in items})
+            agreed.append(placed.engine.fingerprint() == placed.trainer.fingerprint())
+            return await step(items, *rest)
+
+        placed.trainer.train_step = recording
+        return placed
+
+    monkeypatch.setattr(program, "place", capture)
+    return found
+
+
+def run(tmp_path: Path, *overrides: str, echo: Callable[[dict[str, Any]], None] | None = None) -> Any:
+    recipe = pipeline.load_recipe(
+        "recipes/quickstart.yaml", [f"run.dir={tmp_path / 'run'}", *RAY, *overrides]
+    )
+    return anyio.run(lambda: program.run_program(recipe, echo=echo))
+
+
+def kill_when(holds_work: Callable[[], bool], pid: Callable[[], int]) -> threading.Event:
+    """SIGKILL `pid()` from a thread the moment `holds_work()` is true (polled every 0.5 ms)."""
+    killed = threading.Event()
+
+    def watch() -> None:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not killed.is_set():
+            if holds_work():
+                os.kill(pid(), signal.SIGKILL)
+                killed.set()
+            time.sleep(0.0005)
+
+    threading.Thread(target=watch, daemon=True).start()
+    return killed
+
+
+def test_quickstart_with_two_engine_replicas_learns_with_engines_and_trainer_on_two_nodes(
+    tmp_path: Path, placements: list[Placed]
+) -> None:
+    summary = run(
+        tmp_path,
+        "run.steps=80",
+        "placement.engines=2",
+        "placement.engine_resources={node_a: 1}",
+        "placement.trainer_resources={node_b: 1}",
+        "eval.every_steps=40",
+        "eval.num_prompts=64",
+        # The quickstart's own bar at step 80, and the lag bound L = 1.
+        "gates.checks=[{metric: eval/reward, stat: at, step: 80, ge: 0.9}, "
+        "{metric: rollout/max_lag, stat: max, le: 1}]",
+    )
+    assert summary.passed, summary.verdict
+    [placed] = placements
+    nodes = {r.where["node_id"] for r in placed.engine.replicas}
+    assert len(nodes) == 1 and placed.trainer.ranks[0][1]["node_id"] not in nodes
+    records = read(tmp_path / "run" / "metrics.jsonl")
+    assert max(r["rollout/max_lag"] for r in records) <= 1
+    assert {r for _, _, r in placed.engine.events} == {0, 1}  # both replicas served
+    # A batch's groups reach a replica together, in one call (not one call each).
+    assert sum(r.calls for r in placed.engine.replicas) * 8 < len(placed.engine.events)
+
+
+def test_an_engine_killed_mid_batch_is_replaced_and_its_requests_sent_again(
+    tmp_path: Path, placements: list[Placed]
+) -> None:
+    killed: list[threading.Event] = []
+
+    def echo(record: dict[str, Any]) -> None:
+        if record["step"] == 2:  # after a refit: the new replica must get version 2's weights
+            replica = placements[0].engine.replicas[0]
+            killed.append(kill_when(lambda: replica.in_flight > 0, lambda: replica.where["pid"]))
+
+    summary = run(tmp_path, "run.steps=6", "placement.engines=2", *SMALL, echo=echo)
+    [placed] = placements
+    assert killed[0].is_set()
+    assert summary.steps_done == 6
+    last = summary.last_metrics
+    assert last["placement/engine_restarts"] == 1
+    redispatched = [rid for kind, rid, _ in placed.engine.events if kind == "redispatch"]
+    assert redispatched and last["placement/redispatched_requests"] == len(redispatched)
+    first_replica = {rid: r for kind, rid, r in placed.engine.events if kind == "dispatch"}
+    assert {first_replica[rid] for rid in redispatched} == {0}  # the same ids, lost on replica 0
+    # Every prompt trained exactly once: 6 steps of 8 distinct groups, none dropped.
+    assert [len(groups) for groups in placed.trained] == [8] * 6
+    assert len(set().union(*placed.trained)) == 48
+    assert last["rollout/dropped_groups_total"] == 0
+    assert all(placed.agreed)  # the new replica served the trainer's weights
+
+
+def test_a_reward_worker_killed_while_scoring_is_replaced_and_its_groups_rescored(
+    tmp_path: Path, placements: list[Placed]
+) -> None:
+    killed: list[threading.Event] = []
+
+    def echo(record: dict[str, Any]) -> None:
+        if record["step"] == 1:
+            pool = placements[0].score.__self__  # type: ignore[union-attr]
+            worker = pool.workers[0]
+            killed.append(kill_when(lambda: worker.in_hand > 0, lambda: worker.pid))
+
+    summary = run(
+        tmp_path, "run.steps=4", "placement.reward_workers=1", "placement.reward_cpus=0.25", *SMALL, echo=echo
+    )
+    assert killed[0].is_set()
+    last = summary.last_metrics
+    assert last["placement/reward_worker_restarts"] == 1
+    assert last["placement/rescored_groups"] >= 1
+    assert last["reward/failures"] == 0
+    records = read(tmp_path / "run" / "metrics.jsonl")
+    assert [r["rollout/unscored_samples"] for r in records] == [0] * 4
+    assert [len(groups) for groups in placements[0].trained] == [8] * 4
+
+
+def test_a_dead_trainer_stops_the_run_and_leaves_its_last_checkpoint(
+    tmp_path: Path, placements: list[Placed]
+) -> None:
+    def echo(record: dict[str, Any]) -> None:
+        if record["step"] == 2:  # saved at step 2 (checkpoint.every_steps=1): step 3 never trains
+            os.kill(placements[0].trainer.ranks[0][1]["pid"], signal.SIGKILL)
+
+    with pytest.raises(BackendLost) as raised:
+        run(tmp_path, "run.steps=6", "checkpoint.every_steps=1", *SMALL, echo=echo)
+    where = placements[0].trainer.ranks[0][1]
+    message = str(raised.value)
+    assert message.startswith(
+        f"placement: trainer rank 0 (pid {where['pid']}, node {where['node_id'][:12]}) died during step 3: "
+    )
+    assert message.endswith(
+        "; the run stops here: its last committed checkpoint is intact, run again to resume from it"
+    )
+    assert [path.name for path in committed(tmp_path / "run" / "checkpoints")] == [
+        "step-000001",
+        "step-000002",
+    ]
+
+
+def test_colocated_in_one_actor_then_resumed_on_separate_actors(
+    tmp_path: Path, placements: list[Placed]
+) -> None:
+    """Colocated, the gate stands the one actor down and wakes it (handoff checks on: the wake's
+    fingerprints are the trainer's); a resume on separate actors loads the checkpoint's weights
+    into the engine replica before it serves (else the first refit's check would fail)."""
+    first = run(tmp_path, "run.steps=2", "colocated=true", *SMALL)
+    assert first.steps_done == 2
+    assert placements[0].engine.replicas[0].actor is placements[0].trainer.ranks[0][0]
+    records = read(tmp_path / "run" / "metrics.jsonl")
+    assert all("timing/wake_s" in r and "timing/refit_s" not in r for r in records)
+    resumed = run(tmp_path, "run.steps=3", *SMALL)
+    assert (resumed.steps_done, resumed.policy_version) == (3, 3)
+    assert placements[1].agreed == [True]
