@@ -35,8 +35,8 @@ class LocalPlacement(Section, tag_field="backend", tag="local"):
 class RayPlacement(Section, tag_field="backend", tag="ray"):
     """Engine replicas, the trainer and reward workers as actors of a Ray cluster."""
 
-    # None: start a Ray runtime for this run on this machine and stop it at the end (RAY_ADDRESS,
-    # if set, names a cluster to join instead, as Ray has it); "auto" or
+    # None: start a Ray runtime for this run on this machine (even where another one runs) and
+    # stop it at the end; "auto" or
     # "HOST:PORT": join the cluster that `ray start --head` started (it outlives the run).
     address: str | None = None
     engines: PositiveInt = 1  # engine replicas (colocated: 1, inside the trainer's actor)

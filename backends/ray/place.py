@@ -49,7 +49,9 @@ def place_on_ray(recipe: Any, *, vocab_size: int, stop_ids: Sequence[int]) -> Pl
         # Ray runs its workers at niceness 15; here they do the run's compute: beside other busy
         # processes the quickstart's step took 0.243 s niced, 0.195 s not (0.16 s in-process).
         os.environ.setdefault("RAY_worker_niceness", "0")
-        ray.init(address=section.address, include_dashboard=False, logging_level=logging.WARNING)
+        # "local": a runtime of its own even where another runs (Ray would join the newest).
+        address = section.address or "local"
+        ray.init(address=address, include_dashboard=False, logging_level=logging.WARNING)
     cleanups: list[Callable[[], None]] = []
 
     def close() -> None:

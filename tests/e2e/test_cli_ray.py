@@ -48,12 +48,7 @@ def start(tmp_path: Path, marker: str, *overrides: str) -> subprocess.Popen[str]
             *overrides,
         ],
         cwd=ROOT,
-        # Without RAY_ADDRESS (a Ray cluster this test process joined sets it): Ray would join it.
-        env={
-            **{k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"},
-            "RAY_AUTH_MODE": "disabled",
-            "GRPO_TEST_MARKER": marker,
-        },
+        env={**os.environ, "RAY_AUTH_MODE": "disabled", "GRPO_TEST_MARKER": marker},
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
