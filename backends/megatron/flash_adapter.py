@@ -43,7 +43,9 @@ def install() -> None:
 
 def _full_window(window_size: tuple[int, int]) -> None:
     if tuple(window_size) != (-1, -1):
-        raise NotImplementedError(f"sliding-window attention (window_size={window_size}) is not supported here")
+        raise NotImplementedError(
+            f"sliding-window attention (window_size={window_size}) is not supported here"
+        )
 
 
 def _gathered(cache: Tensor, block_table: Tensor) -> Tensor:
@@ -53,47 +55,95 @@ def _gathered(cache: Tensor, block_table: Tensor) -> Tensor:
 
 
 def _paged(
-    q: Tensor, k_cache: Tensor, v_cache: Tensor, cu_q: Tensor, max_q: int, used: Tensor,
-    scale: float | None, causal: bool, block_table: Tensor,
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    cu_q: Tensor,
+    max_q: int,
+    used: Tensor,
+    scale: float | None,
+    causal: bool,
+    block_table: Tensor,
 ) -> tuple[Tensor, Tensor]:
     rows, blocks = block_table.shape
     width = blocks * k_cache.shape[1]
     cu_k = torch.arange(0, (rows + 1) * width, width, dtype=torch.int32, device=q.device)
     out, lse, *_ = torch.ops.aten._flash_attention_forward(
-        q, _gathered(k_cache, block_table), _gathered(v_cache, block_table), cu_q, cu_k, max_q,
-        width, 0.0, causal, False, scale=scale, seqused_k=used.to(torch.int32),
+        q,
+        _gathered(k_cache, block_table),
+        _gathered(v_cache, block_table),
+        cu_q,
+        cu_k,
+        max_q,
+        width,
+        0.0,
+        causal,
+        False,
+        scale=scale,
+        seqused_k=used.to(torch.int32),
     )
     return out, lse
 
 
 def flash_attn_varlen_func(
-    q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
-    max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float | None = None,
-    causal: bool = False, window_size: tuple[int, int] = (-1, -1),
-    block_table: Tensor | None = None, return_attn_probs: bool = False, **_: Any,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens_q: Tensor,
+    cu_seqlens_k: Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    block_table: Tensor | None = None,
+    return_attn_probs: bool = False,
+    **_: Any,
 ) -> Any:
     """flash-attn 2's variable-length attention; with `block_table`, k and v are paged caches
     and `cu_seqlens_k` gives each request's key count."""
     _full_window(window_size)
     if block_table is None:
         out, lse, *_ = torch.ops.aten._flash_attention_forward(
-            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 0.0, causal, False,
+            q,
+            k,
+            v,
+            cu_seqlens_q,
+            cu_seqlens_k,
+            max_seqlen_q,
+            max_seqlen_k,
+            0.0,
+            causal,
+            False,
             scale=softmax_scale,
         )
     else:
         rows = cu_seqlens_k.numel() - 1
         out, lse = _paged(
-            q, k, v, cu_seqlens_q, max_seqlen_q, cu_seqlens_k.diff(), softmax_scale, causal,
+            q,
+            k,
+            v,
+            cu_seqlens_q,
+            max_seqlen_q,
+            cu_seqlens_k.diff(),
+            softmax_scale,
+            causal,
             block_table[:rows],
         )
     return (out, lse, None) if return_attn_probs else out
 
 
 def flash_attn_with_kvcache(
-    q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Tensor,
-    softmax_scale: float | None = None, causal: bool = False,
-    window_size: tuple[int, int] = (-1, -1), block_table: Tensor | None = None,
-    return_softmax_lse: bool = False, **_: Any,
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    cache_seqlens: Tensor,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    block_table: Tensor | None = None,
+    return_softmax_lse: bool = False,
+    **_: Any,
 ) -> Any:
     """flash-attn 2's attention of new queries q [B, S, H, D] over a paged cache."""
     _full_window(window_size)
@@ -102,7 +152,14 @@ def flash_attn_with_kvcache(
     b, s, h, d = q.shape
     cu_q = torch.arange(0, (b + 1) * s, s, dtype=torch.int32, device=q.device)
     out, lse = _paged(
-        q.reshape(b * s, h, d), k_cache, v_cache, cu_q, s, cache_seqlens, softmax_scale, causal,
+        q.reshape(b * s, h, d),
+        k_cache,
+        v_cache,
+        cu_q,
+        s,
+        cache_seqlens,
+        softmax_scale,
+        causal,
         block_table[:b],
     )
     out = out.view(b, s, h, d)

@@ -38,8 +38,11 @@ def _reference(q: torch.Tensor, k, v, table, row: int, n: int, causal: bool) -> 
     if causal:
         mask = torch.arange(n, device="cuda")[None, :] <= torch.arange(n - s, n, device="cuda")[:, None]
     out = F.scaled_dot_product_attention(
-        q.transpose(0, 1).float(), keys.transpose(0, 1).float(), values.transpose(0, 1).float(),
-        attn_mask=mask, enable_gqa=True,
+        q.transpose(0, 1).float(),
+        keys.transpose(0, 1).float(),
+        values.transpose(0, 1).float(),
+        attn_mask=mask,
+        enable_gqa=True,
     )
     return out.transpose(0, 1)
 
@@ -51,7 +54,9 @@ def test_decode_over_a_paged_cache() -> None:
     seqlens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
     out = flash_attn_with_kvcache(q, k, v, cache_seqlens=seqlens, causal=True, block_table=table)
     for row, n in enumerate(lengths):
-        torch.testing.assert_close(out[row].float(), _reference(q[row], k, v, table, row, n, True), atol=2e-2, rtol=2e-2)
+        torch.testing.assert_close(
+            out[row].float(), _reference(q[row], k, v, table, row, n, True), atol=2e-2, rtol=2e-2
+        )
 
 
 def test_prefill_chunks_over_a_paged_cache() -> None:
@@ -63,4 +68,6 @@ def test_prefill_chunks_over_a_paged_cache() -> None:
     out = flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(new), max(lengths), causal=True, block_table=table)
     for row, n in enumerate(lengths):
         rows = slice(int(cu_q[row]), int(cu_q[row + 1]))
-        torch.testing.assert_close(out[rows].float(), _reference(q[rows], k, v, table, row, n, True), atol=2e-2, rtol=2e-2)
+        torch.testing.assert_close(
+            out[rows].float(), _reference(q[rows], k, v, table, row, n, True), atol=2e-2, rtol=2e-2
+        )
