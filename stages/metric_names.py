@@ -34,6 +34,11 @@ _TRAIN_STAGE = (
     "rollout/mean_lag",
     "rollout/samples",
     "rollout/response_len",
+    "rollout/response_len_p50",
+    "rollout/response_len_p90",
+    "rollout/response_len_max",
+    "rollout/partial_samples",
+    "rollout/reprefilled_tokens",
     "timing/wait_s",
     "train/empty_batches",
 )
@@ -51,6 +56,7 @@ _COUNTERS = (
     "metrics/nonfinite_dropped",
     "metrics/recovered",
     "eval/skipped",  # evaluations skipped so far: a count on train steps, not an evaluation's figure
+    "rollout/idle_slot_fraction",  # since the last step, from an engine with `statistics()`
 )
 # backends/torch/trainer.py's train_step (the mismatch figures are required keys); kl_ref with
 # train.kl_coef > 0, the offload figures with train.offload_optimizer.
