@@ -5,6 +5,10 @@ Parts (each can be picked with --parts):
   (CUDA graphs of compiled decode steps; first call compiles and captures, then timed calls;
   `--uncompiled`/`--eager` also time graphs of uncompiled steps / no graphs), the prefill's
   share, and the engine/recompute mismatch metrics of the generated tokens (`token_logprobs`).
+  `--bench-lengths MEDIAN,SIGMA` also times `long_tail`: the same batch (a fresh sampler, up to
+  `--new-tokens`) with each row ending at a length drawn as `rollout.bench_lengths` draws it
+  (lognormal, `backends/bench_lengths.py`; the draw and its percentiles go into the results),
+  counting only the tokens generated before each row's end (useful tokens/s).
 - `handoff`: `release` (stand-down) and `wake` times of the sampler's KV cache, a check that
   the captured graphs still
   give the same greedy tokens afterwards, and the handoff check's cost: the trainer's and the
@@ -22,6 +26,7 @@ Parts (each can be picked with --parts):
   FLOPs per token = 6 * (non-embedding params + lm_head) + 12 * layers * hidden * seq.
 
     python -m bench.gpu [--parts generate,handoff,train] [--train-modes eager,model] [--out ...]
+    python -m bench.gpu --parts generate --new-tokens 2048 --bench-lengths 256,0.9
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from typing import Any
 
 import torch
 
+from backends.bench_lengths import BenchLengths, LengthDraw
 from backends.torch.config import ModelConfig
 from backends.torch.fingerprint import Fingerprinter, parameter_probes
 from backends.torch.grouped import response_logprobs
@@ -121,7 +127,42 @@ def bench_generate(model: Decoder, args: argparse.Namespace) -> dict[str, Any]:
         sampler.cache.pool.free()
         del sampler
         torch.cuda.empty_cache()
+    if args.bench_lengths:
+        out["long_tail"] = _long_tail(model, prompts, args)
+        print("long_tail", json.dumps(out["long_tail"]), flush=True)
     return out
+
+
+def _long_tail(model: Decoder, prompts: list[list[int]], args: argparse.Namespace) -> dict[str, Any]:
+    """The generate part's batch with each row ending at a drawn length (`--bench-lengths`)."""
+    median, sigma = args.bench_lengths
+    lengths = BenchLengths(median_tokens=median, sigma=sigma)
+    limits = LengthDraw(lengths, max_new_tokens=args.new_tokens, seed=0).draw(len(prompts))
+    ordered = sorted(limits)
+    sampler = Sampler(model)  # a fresh one: its cache and graphs sized for this call
+    gen = torch.Generator("cuda").manual_seed(0)
+    kw = dict(max_new_tokens=args.new_tokens, temperature=1.0, generator=gen, limits=limits)
+    requests = [(p, 1) for p in prompts]
+    sampler.generate(requests, **kw)  # allocates, compiles, captures
+    times = []
+    for _ in range(args.repeats):
+        start = _sync_time()
+        outs = [c for (c,) in sampler.generate(requests, **kw)]
+        times.append(_sync_time() - start)
+    tokens = sum(len(o.tokens) for o in outs)
+    sampler.cache.pool.free()
+    del sampler
+    torch.cuda.empty_cache()
+    return {
+        "bench_lengths": lengths.describe(args.new_tokens),
+        "lengths_p50": ordered[len(ordered) // 2],
+        "lengths_p90": ordered[int(0.9 * (len(ordered) - 1))],
+        "lengths_max": ordered[-1],
+        "lengths_mean": tokens / len(outs),
+        "call_s": times,
+        "tokens": tokens,
+        "tokens_per_s": tokens / min(times),
+    }
 
 
 @torch.no_grad()
@@ -304,6 +345,17 @@ def bench_train(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
+def _median_sigma(text: str) -> tuple[int, float]:
+    try:
+        median, sigma = text.split(",")
+        value = int(median), float(sigma)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"give MEDIAN,SIGMA (e.g. 256,0.9), got {text!r}") from None
+    if value[0] < 1 or value[1] <= 0:
+        raise argparse.ArgumentTypeError(f"MEDIAN must be >= 1 and SIGMA > 0, got {text!r}")
+    return value
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--parts", default="generate,handoff,train")
@@ -325,6 +377,11 @@ def main() -> None:
         "trainer (the trainer's pass with train.compile), megatron (the megatron backend's step)",
     )
     parser.add_argument("--residual", choices=["model", "float32"], default="model")
+    parser.add_argument(
+        "--bench-lengths",
+        type=_median_sigma,
+        help="MEDIAN,SIGMA: also time the generate part with lognormal response lengths",
+    )
     parser.add_argument("--out", default="bench/results-h200.json")
     args = parser.parse_args()
     if args.new_tokens < 2:

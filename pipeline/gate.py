@@ -17,6 +17,12 @@ hold no memory it reports (`memory_in_use()` is 0 or None), and after each wake 
 engine's weight fingerprint must equal the trainer's (`fingerprint()`, taken by each side at
 the handoff itself); otherwise the step fails with `HandoffMismatch` naming the tensors.
 
+Partial rollouts (an engine with `partial_rollouts`): the stand-down does not wait for the
+calls in flight; the engine freezes them (`Engine` says how) and they continue after the wake,
+their `serving()` held throughout. The engine tags each stretch of a sequence with its count of
+wakes (`wakes`); `version_after(wakes)` turns that into the weights version it served, and
+`frozen_window(wakes)` gives the time from the stand-down before that wake to serving again.
+
 Generation calls enter through `serving()`, which waits while the gate is not serving and
 counts in-flight calls. Each transition's duration is returned by `step` and kept in
 `statistics()`; the optional `on_transition(name, start, end)` hook feeds the trace.
@@ -81,10 +87,23 @@ class EngineGate:
         self._timings: dict[str, float] = {}
         self._memory_after_stand_down: int | None = None
         self._on_transition = on_transition
+        self.partial = bool(getattr(engine, "partial_rollouts", False))
+        # Partial rollouts: the version served, and the frozen window, per count of engine wakes.
+        self._versions: dict[int, int] = {engine.wakes: version} if self.partial else {}  # type: ignore[attr-defined]
+        self._windows: dict[int, tuple[float, float]] = {}
+        self._down_since = 0.0
 
     @property
     def state(self) -> GateState:
         return self._state
+
+    def version_after(self, wakes: int) -> int:
+        """The weights version the engine served after its `wakes`-th wake (partial rollouts)."""
+        return self._versions[wakes]
+
+    def frozen_window(self, wakes: int) -> tuple[float, float]:
+        """From the stand-down before the engine's `wakes`-th wake to serving again."""
+        return self._windows[wakes]
 
     @asynccontextmanager
     async def serving(self) -> AsyncIterator[int]:
@@ -140,8 +159,8 @@ class EngineGate:
     async def _stand_down(self) -> None:
         self._set_state(GateState.STANDING_DOWN)
         self.clock.suspend()
-        start = self.clock.source.now()
-        while self._in_flight:
+        start = self._down_since = self.clock.source.now()
+        while self._in_flight and not self.partial:  # a partial engine freezes them instead
             await self._wait_changed()
         await self.engine.stand_down()
         memory = self._memory_after_stand_down = self.engine.memory_in_use()
@@ -156,6 +175,10 @@ class EngineGate:
             if not self.engine.wake_carries_weights:
                 await self._timed("refit", self.engine.refit)
             await self._timed("wake", self.engine.wake)
+            if self.partial:
+                wakes = self.engine.wakes  # type: ignore[attr-defined]
+                self._versions[wakes] = self.engine_version
+                self._windows[wakes] = (self._down_since, self.clock.source.now())
             if check:
                 self._check_weights("wake", self.engine_version)
         finally:

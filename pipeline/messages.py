@@ -22,11 +22,21 @@ class Prompt(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class Completion(msgspec.Struct, frozen=True, kw_only=True):
-    """What an engine returns for one sampled sequence."""
+    """What an engine returns for one sampled sequence.
+
+    An engine with partial rollouts (`Engine.partial_rollouts`) may generate one sequence in
+    stretches under different weights: `segments` gives, for each stretch, the index of its
+    first token and the number of `wake` calls the engine had served when it generated it
+    (its `wakes` then); `reprefilled_tokens` counts the tokens prefilled again to continue it
+    (its prompt plus its tokens so far, at each continuation). Empty `segments`: every token
+    under the weights served when the request started.
+    """
 
     tokens: tuple[int, ...]
-    logprobs: tuple[float, ...]
+    logprobs: tuple[float, ...]  # each token's behaviour logprob, as generated
     finish_reason: str  # "stop" | "length"
+    segments: tuple[tuple[int, int], ...] = ()
+    reprefilled_tokens: int = 0
 
 
 class Sample(msgspec.Struct, frozen=True, kw_only=True):
@@ -34,7 +44,7 @@ class Sample(msgspec.Struct, frozen=True, kw_only=True):
     group_id: str
     sample_index: int
     target_step: int
-    gen_version: tuple[int, int]
+    gen_version: tuple[int, int]  # the weights version of its first and its last token
     tokens: tuple[int, ...]
     logprobs: tuple[float, ...]
     finish_reason: str
@@ -42,6 +52,10 @@ class Sample(msgspec.Struct, frozen=True, kw_only=True):
     text: str = ""
     reward: float | None = None  # None: not scored (before the reward stage, or its failure)
     reward_info: dict[str, float] = msgspec.field(default_factory=dict)
+    # (first token index, weights version) of each stretch generated under one version: more
+    # than one when a partial rollout continued after a train step. Empty: all gen_version[0].
+    versions: tuple[tuple[int, int], ...] = ()
+    reprefilled_tokens: int = 0  # tokens prefilled again to continue it (partial rollouts)
 
     @property
     def usable(self) -> bool:

@@ -38,6 +38,13 @@ class Engine(Checkpointable, Protocol):
 
     `blocks_training`: it shares the trainer's devices and must stand down for each train step.
     `wake_carries_weights`: waking it serves the newest weights, so no separate refit is needed.
+
+    Partial rollouts, an optional capability (`rollout.partial`; an engine without the
+    attribute has it off): an engine with `partial_rollouts` true freezes the `generate` calls
+    in flight at `stand_down` (their tokens so far kept, their device memory released) and
+    continues them after `wake` under the new weights; the calls return only when done. It
+    counts its `wake` calls in `wakes` and tags each stretch of a completion with that count
+    (`Completion.segments`), so every token's weights version is known.
     """
 
     blocks_training: bool

@@ -98,6 +98,10 @@ class FakeEngine:
     the exception it raises (a `RuntimeError`, say: a bug in the engine); the first greedy calls
     (the evaluation's) raise `greedy_errors`, one each, in order. `fingerprint()` returns
     `served` (None: no handoff check); `memory_in_use()` returns `held_when_down` while stood down.
+
+    `partial_rollouts=True`: a call makes its tokens one at a time, `latency / response_len`
+    apart, and a stand-down freezes it at its next token until the wake (each stretch tagged
+    with `wakes` in `Completion.segments`); a token's logprob is -1 - (wakes when generated).
     """
 
     def __init__(
@@ -114,7 +118,12 @@ class FakeEngine:
         errors: Mapping[int, Exception] | None = None,
         greedy_errors: Sequence[Exception] = (),
         events: list[str] | None = None,
+        partial_rollouts: bool = False,
     ) -> None:
+        self.partial_rollouts = partial_rollouts
+        self.wakes = 0
+        self.frozen = 0  # calls frozen at a stand-down, in all
+        self._woken = anyio.Event()
         self.time = time
         self.latency = latency
         self.blocks_training = blocks_training
@@ -140,8 +149,10 @@ class FakeEngine:
         if self.down:
             raise AssertionError("FakeEngine.generate called while stood down")
         latency = self.latency(call) if callable(self.latency) else self.latency
+        if self.partial_rollouts:
+            return await self._generate_partial(prompt_tokens, n, latency)
         if latency:
-            await (self.time.sleep(latency) if self.time is not None else anyio.sleep(latency))
+            await self._sleep(latency)
         if call in self.crash_calls:
             raise EngineCrash(f"fake engine crashed on call {call}")
         if call in self.reject_calls:
@@ -161,6 +172,35 @@ class FakeEngine:
             for i in range(n)
         ]
 
+    async def _sleep(self, seconds: float) -> None:
+        await (self.time.sleep(seconds) if self.time is not None else anyio.sleep(seconds))
+
+    async def _generate_partial(
+        self, prompt_tokens: Sequence[int], n: int, latency: float
+    ) -> list[Completion]:
+        first = prompt_tokens[0] if prompt_tokens else 0
+        logprobs: list[float] = []
+        segments: list[tuple[int, int]] = []
+        for index in range(self.response_len):
+            if self.down:
+                self.frozen += 1
+                await self._woken.wait()
+            if latency:
+                await self._sleep(latency / self.response_len)
+            if not segments or segments[-1][1] != self.wakes:
+                segments.append((index, self.wakes))
+            logprobs.append(-1.0 - self.wakes)
+        return [
+            Completion(
+                tokens=tuple(first + i for _ in range(self.response_len)),
+                logprobs=tuple(logprobs),
+                finish_reason="length",
+                segments=tuple(segments),
+                reprefilled_tokens=sum(len(prompt_tokens) + start for start, _ in segments[1:]),
+            )
+            for i in range(n)
+        ]
+
     async def stand_down(self) -> None:
         self.events.append("stand_down")
         self.down = True
@@ -168,6 +208,9 @@ class FakeEngine:
     async def wake(self) -> None:
         self.events.append("wake")
         self.down = False
+        self.wakes += 1
+        self._woken.set()
+        self._woken = anyio.Event()
 
     async def refit(self) -> None:
         self.events.append("refit")

@@ -21,6 +21,14 @@ import msgspec
 _WRITE_CHUNK = 2_000  # events encoded at once by `Trace.write`
 
 
+class Lane:
+    """A lane span being recorded: `args` are added to it, `track` is its row."""
+
+    def __init__(self, track: str) -> None:
+        self.track = track
+        self.args: dict[str, Any] = {}
+
+
 class Trace:
     def __init__(self, now: Callable[[], float], *, max_events: int = 200_000) -> None:
         self.now = now
@@ -68,18 +76,19 @@ class Trace:
         )
 
     @contextmanager
-    def lane(self, family: str, name: str, **args: Any) -> Iterator[dict[str, Any]]:
-        """A span on the lowest free row of `family`; the yielded dict adds args to it."""
+    def lane(self, family: str, name: str, **args: Any) -> Iterator[Lane]:
+        """A span on the lowest free row of `family`; the yielded `Lane` adds args to it and
+        names its row, for spans nested inside it."""
         busy = self._busy.setdefault(family, set())
         index = next(i for i in range(len(busy) + 1) if i not in busy)
         busy.add(index)
         start = self.now()
-        extra: dict[str, Any] = {}
+        lane = Lane(track=f"{family} {index}")
         try:
-            yield extra
+            yield lane
         finally:
             busy.discard(index)
-            self.span(name, start, self.now(), track=f"{family} {index}", **args, **extra)
+            self.span(name, start, self.now(), track=lane.track, **args, **lane.args)
 
     def counters(self, name: str, values: dict[str, float]) -> None:
         """A counter sample (drawn as a graph per key) at the current time."""

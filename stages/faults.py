@@ -46,6 +46,11 @@ class FaultyEngine:
         self.rng = random.Random(f"faults-{seed}")
         self.blocks_training = engine.blocks_training
         self.wake_carries_weights = engine.wake_carries_weights
+        self.partial_rollouts = getattr(engine, "partial_rollouts", False)
+
+    @property
+    def wakes(self) -> int:
+        return self.engine.wakes  # type: ignore[attr-defined]
 
     async def generate(
         self, prompt_tokens: Sequence[int], n: int, *, greedy: bool = False

@@ -35,6 +35,11 @@ _TRAIN_STAGE = (
     "rollout/mean_lag",
     "rollout/samples",
     "rollout/response_len",
+    "rollout/response_len_p50",
+    "rollout/response_len_p90",
+    "rollout/response_len_max",
+    "rollout/partial_samples",
+    "rollout/reprefilled_tokens",
     "timing/wait_s",
     "train/empty_batches",
 )
@@ -52,6 +57,7 @@ _COUNTERS = (
     "metrics/nonfinite_dropped",
     "metrics/recovered",
     "eval/skipped",  # evaluations skipped so far: a count on train steps, not an evaluation's figure
+    "rollout/idle_slot_fraction",  # since the last step, from an engine with `statistics()`
 )
 # The Ray placement's running counts (backends/ray/place.py), with placement.backend: ray.
 PLACEMENT_COUNTERS = (

@@ -305,6 +305,7 @@ class _Pipeline:
         self.trainer = trainer
         self.checkpoints = checkpoints
         self.backend_engine = engine  # checkpoints hold its state; the fault wrapper has none
+        self._slots_before = (0, 0)  # the engine's slot steps and busy slot steps at the last step
         if recipe.faults.enabled:
             engine = FaultyEngine(engine, recipe.faults, time=context.clock.source, seed=recipe.run.seed)
         trace = context.trace
@@ -408,9 +409,23 @@ class _Pipeline:
     def snapshot(self) -> dict[str, Any]:
         return {"gate": self.gate.state.value, "queues": self.depths()}
 
+    def idle_slots(self) -> dict[str, float]:
+        """The fraction of the engine's batch slots (row x decode step) with no row still
+        generating since the last step (finished rows riding along to the longest), from an
+        engine with `statistics()`."""
+        statistics = getattr(self.backend_engine, "statistics", None)
+        if statistics is None:
+            return {}
+        stats = statistics()
+        slots = stats.slot_steps - self._slots_before[0]
+        busy = stats.busy_slot_steps - self._slots_before[1]
+        self._slots_before = (stats.slot_steps, stats.busy_slot_steps)
+        return {"rollout/idle_slot_fraction": 1 - busy / slots} if slots else {}
+
     def counters(self) -> dict[str, float]:
         rollout, reward = self.rollout.counts, self.reward.counts
         return {
+            **self.idle_slots(),
             "rollout/timeouts": rollout["timeouts"],
             "rollout/retries": rollout["retries"],
             "rollout/engine_errors": rollout["engine_errors"],

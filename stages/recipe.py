@@ -49,6 +49,11 @@ class Recipe(Section):
     gates: GatesSection = msgspec.field(default_factory=GatesSection)
 
     def __post_init__(self) -> None:
+        if self.rollout.partial and not self.colocated:
+            raise ValueError(
+                "rollout.partial: true needs colocated: true (a separate engine never stands "
+                "down, so nothing would freeze); set rollout.partial: false"
+            )
         if self.eval.every_steps and not self.prompts.source.num_heldout:
             raise ValueError(
                 "eval.every_steps needs held-out prompts: set prompts.source.num_heldout > 0 "

@@ -22,6 +22,7 @@ from typing import Annotated, TypeVar
 import anyio
 import msgspec
 
+from backends.bench_lengths import BenchLengths
 from pipeline.channel import Channel
 from pipeline.clock import DeadlineClock
 from pipeline.errors import DeadlineExceeded, DropBudgetExceeded, RequestRejected, RetryableEngineError
@@ -45,6 +46,12 @@ class RolloutSection(Section):
     max_retries: NonNegativeInt = 2
     backoff_s: NonNegativeFloat = 0.5
     max_dropped_groups: NonNegativeInt = 64
+    # Colocated: at a stand-down the requests in flight freeze with their tokens so far and
+    # continue after the wake under the new weights, instead of the stand-down waiting for them.
+    partial: bool = False
+    # A benchmark aid (off by default): end each sample at a length drawn from a lognormal
+    # distribution, as if the model had emitted end-of-sequence (`backends/bench_lengths.py`).
+    bench_lengths: BenchLengths | None = None
 
 
 class GiveUp(Exception):
@@ -160,13 +167,16 @@ class RolloutStage:
                 group_id=group_id,
                 sample_index=i,
                 target_step=batch,
-                gen_version=versions,
+                gen_version=(stretches[0][1], stretches[-1][1]) if c.segments else versions,
                 tokens=c.tokens,
                 logprobs=c.logprobs,
                 finish_reason=c.finish_reason,
                 poisoned=not all(math.isfinite(x) for x in c.logprobs),
+                versions=stretches,
+                reprefilled_tokens=c.reprefilled_tokens,
             )
             for i, c in enumerate(completions)
+            for stretches in [self._versions(c, versions[0])]
         )
         self.timings.span(batch, "generate", start, self.clock.source.now())
         self.counts["poisoned_samples"] += sum(s.poisoned for s in samples)
@@ -179,14 +189,30 @@ class RolloutStage:
         async def attempt(number: int) -> tuple[list[Completion], tuple[int, int]]:
             with self.watchdog.waiting(self.name, "the generation engine"):
                 async with self.gate.serving() as first_version:
-                    with self.trace.lane("rollout", f"generate {group_id}", attempt=number) as span:
+                    with self.trace.lane("rollout", f"generate {group_id}", attempt=number) as lane:
                         completions = await self.gate.engine.generate(
                             prompt.tokens, self.section.samples_per_prompt
                         )
-                        span["version"] = first_version
+                        lane.args["version"] = first_version
+                        self._trace_frozen(completions, lane.track)
                     return completions, (first_version, self.gate.engine_version)
 
         return await with_retries(attempt, self.section, self.clock, self.counts, prompt.prompt_id)
+
+    def _versions(self, completion: Completion, first_version: int) -> tuple[tuple[int, int], ...]:
+        """(first token index, weights version) of each stretch of ``completion``."""
+        if not completion.segments:
+            return ((0, first_version),)
+        return tuple((start, self.gate.version_after(wakes)) for start, wakes in completion.segments)
+
+    def _trace_frozen(self, completions: list[Completion], track: str) -> None:
+        """A `frozen` span inside the request's own for each stand-down it lived through
+        between its first token and its last (partial rollouts)."""
+        wakes = [w for c in completions for _, w in c.segments]
+        if wakes:
+            for wake in range(min(wakes) + 1, max(wakes) + 1):
+                start, end = self.gate.frozen_window(wake)
+                self.trace.span("frozen", start, end, track=track, wake=wake)
 
     async def _drop(
         self, prompt: Prompt, group_id: str, batch: int, reason: str, pending: dict[str, Prompt]

@@ -1,7 +1,8 @@
 """The step record: one train step's metrics line, built before and after the step.
 
 `rollout(batch, groups, dropped, version)` gives what the batch itself says (drops, poisoned and
-unscored samples, rewards, lag against the engine's `version`, response lengths); `finish`
+unscored samples, rewards, lag against the engine's `version`, response lengths and their
+percentiles, partial rollouts); `finish`
 adds, once the step's weights are published, the gate's and the stages' timings, the step's
 seconds (from the previous step's end, evaluations not charged), throughput, queue depths and
 the run's counters. Metric names are listed in `stages.metric_names`.
@@ -68,6 +69,10 @@ class StepRecorder:
             },
             "rollout/samples": len(samples),
             "rollout/response_len": self._response_tokens / len(samples),
+            **_length_figures(samples),
+            # Partial rollouts: samples continued after a stand-down, and what that re-prefilled.
+            "rollout/partial_samples": sum(s.reprefilled_tokens > 0 for s in samples),
+            "rollout/reprefilled_tokens": sum(s.reprefilled_tokens for s in samples),
         }
 
     def finish(
@@ -100,6 +105,20 @@ class StepRecorder:
         trace = self.context.trace
         trace.counters("queues", queue_depths)
         trace.counters("lag", {"mean": record["rollout/mean_lag"], "max": record["rollout/max_lag"]})
+
+
+def _length_figures(samples: Sequence[Sample]) -> dict[str, float]:
+    """Response-length percentiles (nearest rank) and maximum, in tokens."""
+    lengths = sorted(len(s.tokens) for s in samples)
+
+    def rank(q: float) -> int:
+        return lengths[max(0, math.ceil(q * len(lengths)) - 1)]
+
+    return {
+        "rollout/response_len_p50": rank(0.5),
+        "rollout/response_len_p90": rank(0.9),
+        "rollout/response_len_max": lengths[-1],
+    }
 
 
 def _info_means(samples: Sequence[Sample]) -> dict[str, float]:

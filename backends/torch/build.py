@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from backends.bench_lengths import LengthDraw
 from backends.torch.compute import ComputeThread
 from backends.torch.engine import TorchEngine
 from backends.torch.errors import ModelLoadError
@@ -89,6 +90,10 @@ def build_engine(
         seed=recipe.run.seed + 1 + 1000 * replica,
         compute=compute,
         fingerprints=recipe.async_rl.handoff_checks,
+        partial=rollout.partial,
+        lengths=None
+        if rollout.bench_lengths is None
+        else LengthDraw(rollout.bench_lengths, max_new_tokens=rollout.max_new_tokens, seed=seed),
     )
 
 

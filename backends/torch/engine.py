@@ -19,17 +19,34 @@ before the new weights are served and fingerprinted.
 Each request's own arguments are checked before it joins a batch: one that the model cannot
 serve (a prompt too long for learned position embeddings) is refused with `RequestRejected`
 instead of failing the batched call of every request gathered with it.
+
+Partial rollouts (``partial=True``, colocated): `stand_down` does not wait for the batch in
+flight. It raises a flag that the sampler's loop reads at its next step boundary; the call
+returns the rows' tokens so far, and the rows that had not finished stay with their request,
+frozen, while the KV cache is released. No sampler call starts while the engine is down. After
+the `wake` each frozen row continues under the new weights, as a prompt of its prompt plus its
+tokens so far (prefilled again, `reprefilled_tokens`) with what is left of its length. Each
+stretch of a row's tokens is tagged with `wakes` as it was generated (`Completion.segments`),
+and every token keeps the logprob it was generated with. A frozen request lives only here: a
+checkpoint never holds one (its batch is not trained yet, so a resume draws its prompt again).
+
+``lengths`` (`rollout.bench_lengths`, a benchmark aid) ends each row at a length drawn for it
+when its request arrives, with finish_reason "stop", as if the model had emitted its
+end-of-sequence token there.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import anyio
+import msgspec
 import torch
 
+from backends.bench_lengths import LengthDraw
 from backends.torch.compute import ComputeThread
 from backends.torch.fingerprint import Fingerprinter, parameter_probes
 from backends.torch.model import Decoder
@@ -40,15 +57,67 @@ from pipeline.errors import RequestRejected
 from pipeline.messages import Completion
 
 
-class _Request:
-    __slots__ = ("done", "greedy", "n", "prompt", "result")
+class EngineStatistics(msgspec.Struct, frozen=True, kw_only=True):
+    """Running totals since the engine was built. A slot is one row of a batched sampler call
+    for one decode step; it is busy while its row is still generating."""
 
-    def __init__(self, prompt: Sequence[int], n: int, greedy: bool) -> None:
+    slot_steps: int
+    busy_slot_steps: int
+    frozen_rows: int  # rows frozen at a stand-down, in all
+    reprefilled_tokens: int  # tokens prefilled again to continue frozen rows
+    frozen_now: int  # rows frozen and not yet continued
+
+
+class _Row:
+    """One sampled sequence of a request, generated in one or more stretches."""
+
+    __slots__ = ("frozen", "limit", "logprobs", "reason", "reprefilled", "segments", "tokens")
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit  # its length limit (max_new_tokens, or a bench length below it)
+        self.tokens: list[int] = []
+        self.logprobs: list[float] = []
+        self.segments: list[tuple[int, int]] = []
+        self.reprefilled = 0
+        self.frozen = False
+        self.reason: str | None = None  # its finish_reason, once finished
+
+    def completion(self, partial: bool) -> Completion:
+        assert self.reason is not None
+        return Completion(
+            tokens=tuple(self.tokens),
+            logprobs=tuple(self.logprobs),
+            finish_reason=self.reason,
+            segments=tuple(self.segments) if partial else (),
+            reprefilled_tokens=self.reprefilled,
+        )
+
+
+class _Request:
+    __slots__ = ("cancelled", "done", "greedy", "n", "prompt", "result", "rows")
+
+    def __init__(self, prompt: Sequence[int], greedy: bool, limits: list[int]) -> None:
         self.prompt = list(prompt)
-        self.n = n
+        self.n = len(limits)
         self.greedy = greedy
+        self.rows = [_Row(limit) for limit in limits]
         self.result: list[Completion] | BaseException | None = None
         self.done = False
+        self.cancelled = False
+
+
+def _sampler_requests(batch: list[_Request]) -> list[tuple[list[int], int]]:
+    """The sampler's (prompt, n) requests for the unfinished rows of ``batch``, in order: a
+    request whose rows have no tokens yet shares its prompt's prefill; a continued row is a
+    request of its own (its prompt plus its tokens so far)."""
+    requests: list[tuple[list[int], int]] = []
+    for request in batch:
+        waiting = [row for row in request.rows if row.reason is None]
+        if waiting and not any(row.tokens for row in waiting):
+            requests.append((request.prompt, len(waiting)))
+        else:
+            requests.extend((request.prompt + row.tokens, 1) for row in waiting)
+    return requests
 
 
 class TorchEngine:
@@ -66,8 +135,20 @@ class TorchEngine:
         compute: ComputeThread | None = None,
         fingerprints: bool = False,
         refresh_weights: Callable[[], None] | None = None,
+        partial: bool = False,
+        lengths: LengthDraw | None = None,
     ) -> None:
+        assert shared or not partial, "partial rollouts need an engine that stands down"
         self.sampler = sampler
+        self.partial_rollouts = partial
+        self.lengths = lengths
+        self.wakes = 0  # `wake` calls served (tags partial rollouts' stretches)
+        self._freeze = threading.Event()  # read by the sampler's loop (partial rollouts)
+        self._down = False
+        self._slot_steps = 0
+        self._busy_slot_steps = 0
+        self._frozen_rows = 0
+        self._reprefilled = 0
         self.fingerprints = fingerprints
         self.refresh_weights = refresh_weights
         self._fingerprinter: Fingerprinter | None = None
@@ -99,7 +180,8 @@ class TorchEngine:
             )
         except ValueError as error:
             raise RequestRejected(str(error)) from None
-        request = _Request(prompt_tokens, n, greedy)
+        limits = self.lengths.draw(n) if self.lengths is not None else [self.max_new_tokens] * n
+        request = _Request(prompt_tokens, greedy, limits)
         self._queue.append(request)
         try:
             while not request.done:
@@ -115,7 +197,8 @@ class TorchEngine:
                     self._leading = False
                     self._notify()
         finally:
-            if request in self._queue:  # cancelled while queued: nobody should sample for it
+            request.cancelled = True  # answered, or given up: nobody should sample for it
+            if request in self._queue:
                 self._queue.remove(request)
         if isinstance(request.result, BaseException):
             raise request.result
@@ -132,30 +215,73 @@ class TorchEngine:
             seen = len(self._queue)
 
     async def _run_batch(self) -> None:
+        while self._down:  # frozen rows and new requests wait for the wake
+            await self._changed.wait()
         greedy = self._queue[0].greedy
         batch = [r for r in self._queue if r.greedy == greedy]
         self._queue = [r for r in self._queue if r.greedy != greedy]
         with anyio.CancelScope(shield=True):
             async with self._weights:
                 try:
-                    results = await self.compute.run(self._sample, batch)
+                    await self.compute.run(self._sample, batch)
                 except Exception as error:
                     for request in batch:
                         request.result, request.done = error, True
                     return
-        for request, completions in zip(batch, results, strict=True):
-            request.result, request.done = completions, True
+        for request in batch:
+            if all(row.reason is not None for row in request.rows):
+                request.result = [row.completion(self.partial_rollouts) for row in request.rows]
+                request.done = True
+        # Requests with frozen rows go first again, ahead of those that arrived since.
+        self._queue[:0] = [r for r in batch if not r.done and not r.cancelled]
         self._notify()
 
-    def _sample(self, batch: list[_Request]) -> list[list[Completion]]:
+    def _sample(self, batch: list[_Request]) -> None:
+        """One sampler call over every unfinished row of ``batch``; updates the rows."""
         self.calls += 1
-        return self.sampler.generate(
-            [(r.prompt, r.n) for r in batch],
-            max_new_tokens=self.max_new_tokens,
-            temperature=0.0 if batch[0].greedy else self.temperature,
-            top_p=self.top_p,
-            stop_token_ids=self.stop_token_ids,
-            generator=self.generator,
+        rows = [(r, row) for r in batch for row in r.rows if row.reason is None]
+        for request, row in rows:
+            if row.frozen:
+                row.reprefilled += len(request.prompt) + len(row.tokens)
+                self._reprefilled += len(request.prompt) + len(row.tokens)
+                row.frozen = False
+        left = [row.limit - len(row.tokens) for _, row in rows]
+        out = [
+            c
+            for group in self.sampler.generate(
+                _sampler_requests(batch),
+                max_new_tokens=max(left),
+                temperature=0.0 if batch[0].greedy else self.temperature,
+                top_p=self.top_p,
+                stop_token_ids=self.stop_token_ids,
+                generator=self.generator,
+                limits=None if min(left) == max(left) else left,
+                freeze=self._freeze if self.partial_rollouts else None,
+            )
+            for c in group
+        ]
+        self._slot_steps += len(rows) * max(len(c.tokens) for c in out)
+        self._busy_slot_steps += sum(len(c.tokens) for c in out)
+        for (_, row), completion in zip(rows, out, strict=True):
+            if completion.tokens:
+                row.segments.append((len(row.tokens), self.wakes))
+                row.tokens.extend(completion.tokens)
+                row.logprobs.extend(completion.logprobs)
+            if completion.finish_reason == "frozen":
+                row.frozen = True
+                self._frozen_rows += 1
+            elif completion.finish_reason == "length" and len(row.tokens) < self.max_new_tokens:
+                row.reason = "stop"  # its bench length: as if it had emitted end-of-sequence
+            else:
+                row.reason = completion.finish_reason
+
+    def statistics(self) -> EngineStatistics:
+        return EngineStatistics(
+            slot_steps=self._slot_steps,
+            busy_slot_steps=self._busy_slot_steps,
+            frozen_rows=self._frozen_rows,
+            reprefilled_tokens=self._reprefilled,
+            frozen_now=sum(row.frozen for r in self._queue for row in r.rows),
         )
 
     def _notify(self) -> None:
@@ -163,12 +289,21 @@ class TorchEngine:
         self._changed = anyio.Event()
 
     async def stand_down(self) -> None:
+        """Release the KV cache. With partial rollouts, first freeze the batch in flight (the
+        release runs on the compute thread after the sampler's call has returned)."""
+        self._down = True
+        if self.partial_rollouts:
+            self._freeze.set()
         await self.compute.run(self.sampler.release)
 
     async def wake(self) -> None:
         """No weights to load: colocated, the engine reads the trainer's tensors. The sampler
-        maps its KV cache's memory again."""
+        maps its KV cache's memory again; frozen rows continue."""
+        self.wakes += 1
         await self.compute.run(self._wake)
+        self._freeze.clear()
+        self._down = False
+        self._notify()
 
     def _wake(self) -> None:
         if self.refresh_weights is not None:
@@ -220,11 +355,17 @@ class TorchEngine:
         self.load_state(load_state(directory / ENGINE_FILE))
 
     def state(self) -> dict[str, Any]:
-        return {"generator": self.generator.get_state()}
+        """The sampling RNG (and the bench lengths' draw); frozen requests are never saved."""
+        state: dict[str, Any] = {"generator": self.generator.get_state()}
+        if self.lengths is not None:
+            state["lengths"] = self.lengths.state()
+        return state
 
     def load_state(self, state: dict[str, Any]) -> None:
         """Restore the sampling RNG; weights come from the trainer (shared, or a refit)."""
         self.generator.set_state(state["generator"])
+        if self.lengths is not None and "lengths" in state:
+            self.lengths.load_state(state["lengths"])
         self._copy_weights()
 
     def close(self) -> None:

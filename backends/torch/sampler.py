@@ -28,6 +28,7 @@ valid), else the graphs are dropped and captured again on the next call.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 
 import torch
@@ -145,21 +146,38 @@ class Sampler:
         top_p: float = 1.0,
         stop_token_ids: Sequence[int] = (),
         generator: torch.Generator,
+        limits: Sequence[int] | None = None,
+        freeze: threading.Event | None = None,
     ) -> list[list[Completion]]:
         """Up to ``max_new_tokens`` tokens after each request's prompt, n times: one list of n
         Completions per ``(prompt, n)`` request. ``temperature`` 0 is greedy (``top_p`` then
-        unused)."""
+        unused).
+
+        ``limits``: one per row (the requests' rows in order): row i ends after ``limits[i]``
+        tokens (finish_reason "length") unless a stop token ends it first; the limits are a
+        tensor compared on the device at each step, and a finished row's position stays put, so
+        the cache needs only each row's prompt plus its own limit. ``freeze``: a host flag read
+        at each step boundary; once set, the call returns at once, the rows that had not
+        finished with finish_reason "frozen" and their tokens so far (partial rollouts).
+        """
         prompts = [list(prompt) for prompt, _ in requests]
-        check_arguments(
-            prompts, max_new_tokens, temperature, top_p, max_positions=self.model.config.position_limit
-        )
         counts = [n for _, n in requests]
+        row_prompts = [p for p, n in zip(prompts, counts, strict=True) for _ in range(n)]
+        check_arguments(
+            row_prompts if limits is not None else prompts,
+            max_new_tokens,
+            temperature,
+            top_p,
+            max_positions=self.model.config.position_limit,
+            limits=limits,
+        )
         batch = sum(counts)
         if not batch:
             return [[] for _ in requests]
         lengths = [len(p) for p in prompts]
         rows = _bucket(batch) if self._bucketed else batch
-        self._ensure(rows, max(lengths) + max_new_tokens)
+        bounds = limits if limits is not None else [max_new_tokens] * batch
+        self._ensure(rows, max(len(p) + b for p, b in zip(row_prompts, bounds, strict=True)))
         dev = self.device
         greedy = temperature == 0
         step = self.steps.get(rows, draws=greedy or top_p == 1)
@@ -174,6 +192,11 @@ class Sampler:
             step.noise.fill_(1.0)
 
         stop = torch.tensor(list(stop_token_ids), dtype=torch.long, device=dev)
+        limit = None
+        if limits is not None:
+            limit = torch.full((rows,), max_new_tokens, dtype=torch.long, device=dev)
+            limit[:batch] = torch.tensor(list(limits), device=dev)
+        ends = bool(stop.numel()) or limit is not None  # rows may finish before max_new_tokens
         tokens = torch.empty(rows, max_new_tokens, dtype=torch.long, device=dev)
         logprobs = torch.empty(rows, max_new_tokens, dtype=torch.float32, device=dev)
         generated = torch.zeros(rows, dtype=torch.long, device=dev)
@@ -189,19 +212,26 @@ class Sampler:
         else:
             token, logprob = draw(self.model.lm_head(hidden).float(), temperature, top_p, generator)
         count = 0
+        frozen = False
         early: _HostColumns | None = None
         while True:
             tokens[:, count] = token
             logprobs[:, count] = logprob
-            if stop.numel():  # without stop tokens every row generates `count`
+            if ends:  # otherwise every row generates `count`
                 generated += ~done
-                done |= torch.isin(token, stop)
+                if stop.numel():
+                    done |= torch.isin(token, stop)
+                if limit is not None:
+                    done |= generated >= limit
             count += 1
             if count == max_new_tokens:
                 break
             if count == max_new_tokens - _HOST_TAIL and dev.type == "cuda":
                 early = _HostColumns(tokens[:batch, :count], logprobs[:batch, :count])
-            if stop.numel() and count % self.check_every == 0 and bool(done.all()):
+            if ends and count % self.check_every == 0 and bool(done.all()):
+                break
+            if freeze is not None and freeze.is_set():  # a host flag: no device sync
+                frozen = True
                 break
             if token is not step.token:
                 step.token.copy_(token)
@@ -210,8 +240,9 @@ class Sampler:
                     step.seed.random_(generator=generator)
                 else:
                     step.noise.exponential_(generator=generator)
-            self.steps.run(step, max(lengths) + count)
-            step.position += 1
+            self.steps.run(step, min(max(lengths) + count, self.cache.length))
+            # A finished row's position stays put, inside its prompt plus its own limit.
+            step.position += 1 if limit is None else ~done
             if step.draws:
                 # Read (by the copies above) before the next replay overwrites them.
                 token, logprob = step.token, step.logprob
@@ -219,7 +250,7 @@ class Sampler:
                 # step.logits holds logits / temperature.
                 token, logprob = draw(step.logits, 1.0, top_p, generator)
 
-        if not stop.numel():
+        if not ends:
             generated.fill_(count)
         # The early columns were copied while the last steps ran; they become lists while the
         # GPU decodes the tail (about a quarter second), then only the tail is converted.
@@ -232,6 +263,7 @@ class Sampler:
             [a + b for a, b in zip(head_tokens, tail_tokens, strict=True)],
             [a + b for a, b in zip(head_logprobs, tail_logprobs, strict=True)],
             stop_token_ids,
+            (~done[:batch]).tolist() if frozen else None,
         )
         out, first = [], 0
         for n in counts:

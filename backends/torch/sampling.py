@@ -24,27 +24,39 @@ def check_arguments(
     top_p: float,
     *,
     max_positions: int | None = None,
+    limits: Sequence[int] | None = None,
 ) -> None:
     """Raise ValueError for bad sampling arguments; `max_positions` bounds prompt + new tokens
-    (a model with learned position embeddings has no row past its table)."""
+    (a model with learned position embeddings has no row past its table); `limits` bound each
+    row's new tokens, each in 1..max_new_tokens."""
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0, got {temperature}")
     if not 0 < top_p <= 1:
         raise ValueError(f"top_p must be in (0, 1], got {top_p}")
-    check_prompts(prompts, max_new_tokens, max_positions=max_positions)
+    if limits is not None and not all(1 <= n <= max_new_tokens for n in limits):
+        raise ValueError(f"limits must be in 1..max_new_tokens {max_new_tokens}, got {list(limits)}")
+    check_prompts(prompts, max_new_tokens, max_positions=max_positions, limits=limits)
 
 
-def check_prompts(prompts: list[list[int]], max_new_tokens: int, *, max_positions: int | None) -> None:
-    """`check_arguments`'s checks of the prompts alone (the other arguments known good)."""
+def check_prompts(
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    *,
+    max_positions: int | None,
+    limits: Sequence[int] | None = None,
+) -> None:
+    """`check_arguments`'s checks of the prompts alone (the other arguments known good);
+    `limits`: each row's own bound on new tokens (`generate`'s), in place of `max_new_tokens`."""
     if prompts and min(len(p) for p in prompts) == 0:
         raise ValueError("prompts must be non-empty")
     if max_positions is not None and prompts:
-        longest = max(len(p) for p in prompts)
-        if longest + max_new_tokens > max_positions:
+        bounds = limits if limits is not None else [max_new_tokens] * len(prompts)
+        length, new = max(((len(p), n) for p, n in zip(prompts, bounds, strict=True)), key=sum)
+        if length + new > max_positions:
             raise ValueError(
-                f"a prompt of {longest} tokens + max_new_tokens {max_new_tokens} exceeds "
+                f"a prompt of {length} tokens + max_new_tokens {new} exceeds "
                 f"model.config.max_position_embeddings {max_positions} (learned position embeddings)"
             )
 
@@ -77,13 +89,20 @@ def draw(
 
 
 def completions(
-    generated: list[int], tokens: list[list[int]], logprobs: list[list[float]], stop_token_ids: Sequence[int]
+    generated: list[int],
+    tokens: list[list[int]],
+    logprobs: list[list[float]],
+    stop_token_ids: Sequence[int],
+    frozen: list[bool] | None = None,
 ) -> list[Completion]:
-    """One Completion per row: its first `generated[row]` tokens and their logprobs."""
+    """One Completion per row: its first `generated[row]` tokens and their logprobs; rows
+    `frozen` (cut by a freeze before they finished) get finish_reason "frozen"."""
     stop_ids = set(stop_token_ids)
     results = []
-    for n, toks, lps in zip(generated, tokens, logprobs, strict=True):
-        reason: Literal["stop", "length"] = "stop" if toks[n - 1] in stop_ids else "length"
+    for row, (n, toks, lps) in enumerate(zip(generated, tokens, logprobs, strict=True)):
+        reason: Literal["stop", "length", "frozen"] = "stop" if toks[n - 1] in stop_ids else "length"
+        if frozen is not None and frozen[row]:
+            reason = "frozen"
         if n < len(toks):
             toks, lps = toks[:n], lps[:n]
         results.append(Completion(tokens=tuple(toks), logprobs=tuple(lps), finish_reason=reason))
