@@ -326,3 +326,57 @@ def test_sampler_ignores_what_fresh_cache_memory_holds(stable: bool) -> None:
         assert all(math.isfinite(lp) for o in got for lp in o.logprobs)
         cuda.release()
         cuda.wake()
+
+
+def _samplers() -> list[Any]:
+    """The eager sampler, and a compiled one (as on a GPU: rows padded to a bucket, whose
+    padding rows take no limit), over the same model."""
+    plain = _sampler(learned_position_embeddings=True)
+    return [plain, Sampler(plain.model, compiled=True)]
+
+
+@pytest.mark.parametrize("which", [0, 1], ids=["eager", "compiled"])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_row_limits_end_each_row_at_its_own_length_and_change_no_other_token(
+    which: int, temperature: float
+) -> None:
+    """`limits` (the bench lengths; a continued row's remaining length) end each row where it
+    says, with the same tokens and logprobs as an unlimited call up to there; a finished row's
+    position stays put, so a long prompt with a short limit fits a learned position table."""
+    sampler = _samplers()[which]
+    prompts = [*PROMPTS, PROMPTS[0]]
+    limits = [2, 6, 1, 4, 3]
+    free = _generate(sampler, prompts, temperature=temperature)
+    got = _generate(sampler, prompts, temperature=temperature, limits=limits)
+    assert [len(o.tokens) for o in got] == limits
+    assert {o.finish_reason for o in got} == {"length"}
+    for mine, theirs in zip(got, free, strict=True):
+        assert mine.tokens == theirs.tokens[: len(mine.tokens)]
+        assert mine.logprobs == pytest.approx(theirs.logprobs[: len(mine.tokens)], abs=1e-5)
+    table = sampler.model.config.max_position_embeddings
+    long, short = [5] * (table - 2), PROMPTS[0]
+    both = _generate(sampler, [long, short], temperature=0.0, limits=[2, 6])
+    alone = [
+        _generate(sampler, [p], temperature=0.0, max_new_tokens=n)[0] for p, n in ((long, 2), (short, 6))
+    ]
+    assert [o.tokens for o in both] == [o.tokens for o in alone]
+    with pytest.raises(ValueError, match=f"a prompt of {table - 2} tokens \\+ max_new_tokens 3 exceeds"):
+        _generate(sampler, [long], limits=[3])
+
+
+@pytest.mark.parametrize("which", [0, 1], ids=["eager", "compiled"])
+def test_a_freeze_returns_the_unfinished_rows_with_their_tokens_so_far(which: int) -> None:
+    """Partial rollouts: with the freeze flag up the call returns at its next step boundary,
+    rows that had not finished marked "frozen" with the tokens drawn so far, a row that had
+    already stopped as it was."""
+    import threading
+
+    sampler = _samplers()[which]
+    free = _generate(sampler, PROMPTS, temperature=0.0)
+    stop = free[1].tokens[0]  # row 1 stops at its first token; so may others that draw it
+    freeze = threading.Event()
+    freeze.set()
+    got = _generate(sampler, PROMPTS, temperature=0.0, stop_token_ids=(stop,), freeze=freeze)
+    assert [o.tokens for o in got] == [o.tokens[:1] for o in free]
+    assert [o.logprobs[0] for o in got] == pytest.approx([o.logprobs[0] for o in free], abs=1e-5)
+    assert [o.finish_reason for o in got] == ["stop" if o.tokens[0] == stop else "frozen" for o in free]

@@ -19,7 +19,7 @@ import pytest
 import stages.program
 from pipeline.channel import Channel
 from pipeline.errors import DropBudgetExceeded, NothingTrained, StageFailed
-from pipeline.messages import Batch, Dropped, Group, TrainGroup
+from pipeline.messages import Batch, Dropped, Group, Sample, TrainGroup
 from pipeline.metrics import REQUIRED_KEYS
 from pipeline.recipe import convert
 from pipeline.testing import EngineCrash, FakeEngine, FakeTime, FakeTrainer, FaultInjector, InjectedFault
@@ -595,3 +595,98 @@ async def test_an_evaluation_whose_scoring_hangs_is_skipped_at_its_deadline(
         "(reward.reward_s for each 2 answers)"
         for step in (0, 2)
     ]
+
+
+# -- partial rollouts ------------------------------------------------------------------------
+
+
+def partial_recipe(tmp_path: Path, **sections: Any) -> Recipe:
+    return make_recipe(tmp_path, steps=5, lookahead=1, **merge({"rollout": {"partial": True}}, sections))
+
+
+def partial_engine(fake: FakeTime) -> FakeEngine:
+    """Odd batches' requests (calls 2-3, 6-7, ...) take 40 s, even ones 8 s: at L = 1 the first
+    step (batch 0, 20 s) stands down while batch 1 is in flight, one token into its four."""
+    return FakeEngine(
+        time=fake, latency=lambda call: 40.0 if call // 2 % 2 else 8.0, response_len=4, partial_rollouts=True
+    )
+
+
+def recording(trained: list[tuple[int, list[Sample]]], scored: dict[str, Group]) -> Any:
+    """A FakeTrainer's `on_step` that keeps, for each step, the samples its groups came from."""
+
+    def on_step(version: int, groups: Sequence[TrainGroup]) -> None:
+        trained.append((version, [s for g in groups for s in scored[g.group_id].samples if s.usable]))
+
+    return on_step
+
+
+async def test_partial_rollouts_freeze_in_flight_requests_and_keep_each_tokens_version(
+    tmp_path: Path, fake: FakeTime, scored: dict[str, Group]
+) -> None:
+    """Colocated at L = 1: the stand-down freezes the next batch's requests instead of waiting
+    for them; they finish after the wake, their first stretch still tagged (version and
+    behaviour logprob) with the weights that made it, and the lag counts their first version."""
+    trained: list[tuple[int, list[Sample]]] = []
+    recipe = partial_recipe(tmp_path)
+    engine = partial_engine(fake)
+    trainer = FakeTrainer(time=fake, latency=20.0, on_step=recording(trained, scored))
+    summary = await drive(recipe, engine, trainer, fake)
+    assert summary.steps_done == 5
+    assert engine.frozen > 0
+    continued = [s for _, samples in trained for s in samples if len(s.versions) > 1]
+    assert continued
+    for sample in continued:  # a token of version 0, then three of version 1 after the wake
+        assert sample.versions == ((0, 0), (1, 1))
+        assert sample.logprobs == (-1.0, -2.0, -2.0, -2.0)  # the fake's: -1 - its wakes then
+    for version, samples in trained:
+        for sample in samples:
+            assert sample.gen_version == (sample.versions[0][1], sample.versions[-1][1])
+            assert 0 <= version - sample.gen_version[0] <= 1
+    lines = metrics(recipe)
+    assert max(m["rollout/max_lag"] for m in lines) == 1
+    assert sum(m["rollout/partial_samples"] for m in lines) == len(continued)
+    assert all(m["rollout/reprefilled_tokens"] > 0 for m in lines if m["rollout/partial_samples"])
+    trace = json.loads((tmp_path / "run" / "trace.json").read_text())
+    tracks = {e["tid"]: e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "thread_name"}
+    frozen = [e for e in trace["traceEvents"] if e["name"] == "frozen"]
+    assert frozen and all(tracks[e["tid"]].startswith("rollout ") for e in frozen)
+    assert all(e["dur"] >= 20e6 for e in frozen)  # the whole stand-down, train and wake
+
+
+async def test_a_request_frozen_when_a_stop_cuts_the_drain_is_generated_again_after_the_resume(
+    tmp_path: Path, fake: FakeTime, scored: dict[str, Group]
+) -> None:
+    """A frozen request is never saved: a stop during step 1 (batch 1 frozen) whose grace ends
+    before batch 1 finishes leaves the checkpoint of step 1 (next batch 1); the resumed run
+    draws batch 1's prompts again and generates them whole under its own weights. Every prompt
+    is trained exactly once across both runs."""
+    from pipeline.runner import StopRequest
+
+    recipe = partial_recipe(tmp_path, run={"steps": 4, "stop_grace_s": 1.0}, checkpoint={"every_steps": 1})
+    stop = StopRequest()
+    trained: list[tuple[int, list[Sample]]] = []
+    engine = partial_engine(fake)
+    frozen_at_stop: list[int] = []
+    record = recording(trained, scored)
+
+    def on_step(version: int, groups: Sequence[TrainGroup]) -> None:
+        record(version, groups)
+        if version == 0:  # step 1, while the engine is down with batch 1 frozen
+            frozen_at_stop.append(engine.frozen)
+            stop.request("test stop")
+
+    summary = await drive(
+        recipe, engine, FakeTrainer(time=fake, latency=20.0, on_step=on_step), fake, stop=stop
+    )
+    assert summary.stopped and summary.steps_done == 1
+    assert frozen_at_stop == [PROMPTS_PER_STEP]
+    trainer = FakeTrainer(time=fake, latency=20.0, on_step=recording(trained, scored))
+    summary = await drive(recipe, partial_engine(fake), trainer, fake)
+    assert summary.steps_done == 4
+    assert [version for version, _ in trained] == [0, 1, 2, 3]
+    prompts = [s.prompt_id for _, samples in trained for s in samples if s.sample_index == 0]
+    assert sorted(prompts) == sorted(set(prompts)) and len(prompts) == 4 * PROMPTS_PER_STEP
+    batch_1 = trained[1][1]
+    assert {s.target_step for s in batch_1} == {1}
+    assert all(s.versions == ((0, 1),) and s.reprefilled_tokens == 0 for s in batch_1)

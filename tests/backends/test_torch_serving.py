@@ -1,0 +1,148 @@
+"""The torch engine: partial rollouts across a stand-down, and the bench lengths."""
+
+from __future__ import annotations
+
+import copy
+import threading
+from typing import Any
+
+import anyio
+import pytest
+import torch
+
+from backends.bench_lengths import BenchLengths, LengthDraw
+from backends.torch.config import ModelConfig
+from backends.torch.engine import TorchEngine
+from backends.torch.model import Decoder
+from backends.torch.sampler import Sampler
+from pipeline.clock import DeadlineClock
+from pipeline.gate import EngineGate
+
+PROMPT = [1, 2, 3, 4]
+
+
+def _model() -> Decoder:
+    torch.manual_seed(0)
+    model = Decoder(ModelConfig(vocab_size=29, hidden_size=64, max_position_embeddings=64))
+    with torch.no_grad():  # sharper, so greedy choices are not near-ties
+        model.model.embed_tokens.weight.mul_(3)
+    return model
+
+
+def _engine(model: Decoder, **options: Any) -> TorchEngine:
+    return TorchEngine(
+        Sampler(model),
+        shared=True,
+        source=model,
+        max_new_tokens=8,
+        temperature=1.0,
+        top_p=1.0,
+        stop_token_ids=(),
+        seed=0,
+        **options,
+    )
+
+
+def _greedy(model: Decoder, prompt: list[int], n: int) -> tuple[tuple[int, ...], tuple[float, ...]]:
+    ((out,),) = Sampler(model).generate(
+        [(prompt, 1)], max_new_tokens=n, temperature=0.0, generator=torch.Generator().manual_seed(0)
+    )
+    return out.tokens, out.logprobs
+
+
+async def test_a_request_frozen_at_a_stand_down_finishes_after_the_wake_with_its_tokens_and_versions() -> (
+    None
+):
+    """The real engine and gate: a stand-down during a greedy request freezes it after its
+    third token (the gate does not wait for it); the train step changes the weights; after
+    the wake the request continues from its prompt and those three tokens under the new
+    weights. The first three tokens and their logprobs are the old weights', the rest the new
+    weights' continuation, and the stretches are tagged with the versions that made them."""
+    model = _model()
+    before = copy.deepcopy(model)
+    engine = _engine(model, partial=True)
+    gate = EngineGate(engine, DeadlineClock())
+    at_third, go = threading.Event(), threading.Event()
+    heads = 0
+
+    def pause_at_the_third_token(*_: Any) -> None:  # on the compute thread, in the sampler's loop
+        nonlocal heads
+        heads += 1
+        if heads == 3:
+            at_third.set()
+            go.wait(timeout=30)
+
+    model.lm_head.register_forward_hook(pause_at_the_third_token)
+    result: dict[str, Any] = {}
+
+    async def request() -> None:
+        async with gate.serving():
+            (result["completion"],) = await engine.generate(PROMPT, 1, greedy=True)
+
+    async def train() -> None:
+        assert not result, "the request finished before the step"
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.mlp.gate_up_proj.weight.mul_(-1)
+
+    try:
+        with anyio.fail_after(60):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(request)
+                while not at_third.is_set():
+                    await anyio.sleep(0.01)
+                tg.start_soon(gate.step, train)
+                while not engine._freeze.is_set():
+                    await anyio.sleep(0.01)
+                go.set()
+    finally:
+        engine.close()
+    done = result["completion"]
+    old_tokens, old_logprobs = _greedy(before, PROMPT, 3)
+    new_tokens, new_logprobs = _greedy(model, PROMPT + list(old_tokens), 5)
+    assert done.tokens == old_tokens + new_tokens
+    assert done.logprobs == pytest.approx(old_logprobs + new_logprobs, abs=1e-5)
+    assert done.finish_reason == "length"
+    assert done.segments == ((0, 0), (3, 1))
+    assert done.reprefilled_tokens == len(PROMPT) + 3
+    assert [gate.version_after(wakes) for wakes in (0, 1)] == [0, 1]
+    stats = engine.statistics()
+    assert (stats.frozen_rows, stats.reprefilled_tokens, stats.frozen_now) == (1, 7, 0)
+
+
+async def test_bench_lengths_end_each_sample_as_drawn_and_continue_across_a_resume() -> None:
+    """`rollout.bench_lengths`: each sample ends at its drawn length ("stop"; a draw cut at
+    max_new_tokens: "length"); the draw is the run seed's, and its state, saved with the
+    engine's, continues the same sequence in a resumed engine."""
+    lengths = BenchLengths(median_tokens=3, sigma=1.0)
+    expected = LengthDraw(lengths, max_new_tokens=8, seed=5).draw(24)
+    assert 8 in expected and min(expected) < 8  # both endings occur in these draws
+    model = _model()
+    engine = _engine(model, lengths=LengthDraw(lengths, max_new_tokens=8, seed=5))
+    try:
+        first = await engine.generate(PROMPT, 12)
+        state = engine.state()
+    finally:
+        engine.close()
+    resumed = _engine(model, lengths=LengthDraw(lengths, max_new_tokens=8, seed=5))
+    try:
+        resumed.load_state(state)
+        second = await resumed.generate(PROMPT, 12)
+    finally:
+        resumed.close()
+    got = [len(c.tokens) for c in first + second]
+    assert got == expected
+    assert [c.finish_reason for c in first + second] == ["stop" if n < 8 else "length" for n in expected]
+    stats = resumed.statistics()
+    assert stats.busy_slot_steps == sum(expected[12:])
+    assert stats.slot_steps == 12 * max(expected[12:])
+
+
+def test_the_lognormal_draw_has_the_stated_median_and_is_cut_at_max_new_tokens() -> None:
+    draw = LengthDraw(BenchLengths(median_tokens=256, sigma=0.9), max_new_tokens=2048, seed=0).draw(20000)
+    ordered = sorted(draw)
+    assert 246 <= ordered[len(ordered) // 2] <= 266
+    assert max(draw) == 2048 and min(draw) >= 1
+    assert 0.005 < sum(n == 2048 for n in draw) / len(draw) < 0.02  # about 1% past p99
+    other = LengthDraw(BenchLengths(median_tokens=256, sigma=0.9), max_new_tokens=2048, seed=1).draw(20)
+    assert other != draw[:20]
