@@ -15,6 +15,7 @@ from pipeline.plot import PlotError, new_figure
 
 _COLOURS = {
     "generate": "#4c9be8",
+    "frozen": "#1f3f73",  # a partial rollout frozen through a stand-down, inside its request
     "score": "#8fcf6b",
     "stand_down": "#e8894c",
     "wake": "#e8c14c",

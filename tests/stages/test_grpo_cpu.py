@@ -47,22 +47,30 @@ def test_on_policy_step_engine_and_trainer_agree(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("colocated", "lookahead"), [(True, 0), (False, 2)], ids=["colocated-L0", "separate-L2"]
+    ("colocated", "lookahead", "steps"),
+    [(True, 0, 100), (True, 1, 100), (True, 2, 100), (False, 2, 200)],
+    ids=["colocated-L0-partial", "colocated-L1-partial", "colocated-L2-partial", "separate-L2"],
 )
-def test_quickstart_learns(tmp_path: Path, colocated: bool, lookahead: int) -> None:
+def test_quickstart_learns(tmp_path: Path, colocated: bool, lookahead: int, steps: int) -> None:
+    """Colocated with partial rollouts on (at L >= 1 the next batch's requests freeze at each
+    stand-down and finish under the new weights), and separate without."""
     records = _run(
         tmp_path,
-        "run.steps=200",
+        f"run.steps={steps}",
         "eval.every_steps=100",
         "eval.num_prompts=128",
         f"colocated={str(colocated).lower()}",
+        f"rollout.partial={str(colocated).lower()}",
         f"async_rl.max_lookahead_versions={lookahead}",
     )
-    assert len(records) == 200
+    assert len(records) == steps
     evals = [r["eval/reward"] for r in read(tmp_path / "run" / "eval.jsonl")]
-    assert len(evals) == 3  # before training, at step 100 and at step 200
+    assert len(evals) == 1 + steps // 100  # before training, then every 100 steps
     assert evals[0] < 0.3
     assert evals[-1] > 0.8
+    assert max(r["rollout/max_lag"] for r in records) <= lookahead
+    partial = sum(r["rollout/partial_samples"] for r in records)
+    assert (partial > 0) == (colocated and lookahead > 0)
 
 
 @pytest.mark.slow

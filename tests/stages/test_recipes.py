@@ -31,6 +31,7 @@ def test_the_recipes_with_figures_in_the_readme_carry_gates() -> None:
         "bench-h200-colocated.yaml",
         "bench-h200-separate.yaml",
         "bench-h200-8b-offload.yaml",
+        "bench-h200-long-tail.yaml",
         "gpu-reverse-16.yaml",
     }
 
@@ -99,6 +100,17 @@ VALID_RUN_FIELDS = "dir, steps, seed, stop_grace_s, progress, log_every_steps, p
             "prompts:\n  source:\n    kind: synthetic\n    min_digits: 6\n    max_digits: 5\n",
             "prompts.source: min_digits (6) must be <= max_digits (5)",
             id="cross-field",
+        ),
+        pytest.param(
+            "colocated: false\nrollout:\n  partial: true\n",
+            "rollout.partial: true needs colocated: true (a separate engine never stands down, so "
+            "nothing would freeze); set rollout.partial: false",
+            id="partial-rollouts-separate",
+        ),
+        pytest.param(
+            "rollout:\n  bench_lengths: {median_tokens: 256, sigma: 0}\n",
+            "rollout.bench_lengths.sigma: Expected `float` > 0.0, got 0",
+            id="bench-lengths-sigma",
         ),
         pytest.param(
             "prompts:\n  system_prompt: Be brief.\n",
