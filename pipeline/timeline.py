@@ -98,7 +98,9 @@ def write_timeline(run_dir: Path, out: Path, *, first: int | None = None, last: 
         # A step's label sits above its transitions' (which cover the step's middle); any label
         # only where its bar has room for it, so none overlaps another or runs off the axes.
         on_top = span["name"].startswith("step ")
-        if first_lane and len(label) * _CHAR_WIDTH * (end - start) / 1e3 < width * 0.9:
+        # A frozen span sits inside its request's, whose label covers it: the legend names it.
+        fits = len(label) * _CHAR_WIDTH * (end - start) / 1e3 < width * 0.9
+        if first_lane and fits and span["name"] != "frozen":
             ax.text(
                 left + width / 2,
                 row[span["tid"]] - (0.3 if on_top else 0),
