@@ -183,3 +183,25 @@ def test_growing_the_cache_after_captures_and_waking_in_either_dtype(dtype: torc
         want = _generate(Sampler(model), prompts, **kw)
         assert [o.tokens for o in got] == [o.tokens for o in again] == [o.tokens for o in want]
     assert sampler.captures == 3
+
+
+def test_row_limits_and_a_freeze_under_graphs() -> None:
+    """The bench lengths' per-row limits (a device tensor compared each step, finished rows'
+    positions held) and the partial rollouts' freeze (a host flag at each step boundary) with
+    captured graphs: limited rows are the unlimited ones' prefixes, a frozen call returns each
+    row's first token."""
+    import threading
+
+    sampler = Sampler(_model(torch.bfloat16))
+    prompts = _prompts(12)
+    kw = dict(max_new_tokens=40, temperature=0.0, generator=torch.Generator("cuda"))
+    free = _generate(sampler, prompts, **kw)
+    limits = [1 + 3 * i for i in range(12)]
+    got = _generate(sampler, prompts, limits=limits, **kw)
+    assert [len(o.tokens) for o in got] == limits
+    assert [o.tokens for o in got] == [f.tokens[:n] for f, n in zip(free, limits, strict=True)]
+    freeze = threading.Event()
+    freeze.set()
+    cut = _generate(sampler, prompts, freeze=freeze, **kw)
+    assert [o.tokens for o in cut] == [f.tokens[:1] for f in free]
+    assert {o.finish_reason for o in cut} == {"frozen"}
