@@ -64,7 +64,7 @@ class EngineStatistics(msgspec.Struct, frozen=True, kw_only=True):
     slot_steps: int
     busy_slot_steps: int
     frozen_rows: int  # rows frozen at a stand-down, in all
-    reprefilled_tokens: int  # tokens prefilled again to continue frozen rows
+    reprefilled_tokens: int  # tokens prefilled again to continue frozen rows (shared: once)
     frozen_now: int  # rows frozen and not yet continued
 
 
@@ -106,17 +106,17 @@ class _Request:
         self.cancelled = False
 
 
-def _sampler_requests(batch: list[_Request]) -> list[tuple[list[int], int]]:
-    """The sampler's (prompt, n) requests for the unfinished rows of ``batch``, in order: a
-    request whose rows have no tokens yet shares its prompt's prefill; a continued row is a
-    request of its own (its prompt plus its tokens so far)."""
-    requests: list[tuple[list[int], int]] = []
+def _sampler_requests(batch: list[_Request]) -> list[tuple[list[int], list[_Row]]]:
+    """The unfinished rows of ``batch`` as the sampler's (prompt, n) requests, each with its
+    rows: rows of one request with the same tokens so far (all rows before any freeze) share
+    one prompt and its prefill; a continued row's prompt is its prompt plus its tokens so far."""
+    requests: list[tuple[list[int], list[_Row]]] = []
     for request in batch:
-        waiting = [row for row in request.rows if row.reason is None]
-        if waiting and not any(row.tokens for row in waiting):
-            requests.append((request.prompt, len(waiting)))
-        else:
-            requests.extend((request.prompt + row.tokens, 1) for row in waiting)
+        alike: dict[tuple[int, ...], list[_Row]] = {}
+        for row in request.rows:
+            if row.reason is None:
+                alike.setdefault(tuple(row.tokens), []).append(row)
+        requests.extend((request.prompt + list(tokens), rows) for tokens, rows in alike.items())
     return requests
 
 
@@ -239,17 +239,20 @@ class TorchEngine:
     def _sample(self, batch: list[_Request]) -> None:
         """One sampler call over every unfinished row of ``batch``; updates the rows."""
         self.calls += 1
-        rows = [(r, row) for r in batch for row in r.rows if row.reason is None]
-        for request, row in rows:
-            if row.frozen:
-                row.reprefilled += len(request.prompt) + len(row.tokens)
-                self._reprefilled += len(request.prompt) + len(row.tokens)
-                row.frozen = False
-        left = [row.limit - len(row.tokens) for _, row in rows]
+        requests = _sampler_requests(batch)
+        rows = [row for _, same in requests for row in same]
+        for prompt, same in requests:
+            if same[0].frozen:  # rows that share a prompt were frozen together
+                self._reprefilled += len(prompt)  # the work: one prefill for them all
+            for row in same:
+                if row.frozen:
+                    row.reprefilled += len(prompt)  # what continuing it alone would take
+                    row.frozen = False
+        left = [row.limit - len(row.tokens) for row in rows]
         out = [
             c
             for group in self.sampler.generate(
-                _sampler_requests(batch),
+                [(prompt, len(same)) for prompt, same in requests],
                 max_new_tokens=max(left),
                 temperature=0.0 if batch[0].greedy else self.temperature,
                 top_p=self.top_p,
@@ -262,7 +265,7 @@ class TorchEngine:
         ]
         self._slot_steps += len(rows) * max(len(c.tokens) for c in out)
         self._busy_slot_steps += sum(len(c.tokens) for c in out)
-        for (_, row), completion in zip(rows, out, strict=True):
+        for row, completion in zip(rows, out, strict=True):
             if completion.tokens:
                 row.segments.append((len(row.tokens), self.wakes))
                 row.tokens.extend(completion.tokens)
