@@ -93,7 +93,11 @@ def build_engine(
         partial=rollout.partial,
         lengths=None
         if rollout.bench_lengths is None
-        else LengthDraw(rollout.bench_lengths, max_new_tokens=rollout.max_new_tokens, seed=seed),
+        else LengthDraw(
+            rollout.bench_lengths,
+            max_new_tokens=rollout.max_new_tokens,
+            seed=recipe.run.seed + 1000 * replica,
+        ),
     )
 
 
