@@ -146,3 +146,20 @@ def test_the_lognormal_draw_has_the_stated_median_and_is_cut_at_max_new_tokens()
     assert 0.005 < sum(n == 2048 for n in draw) / len(draw) < 0.02  # about 1% past p99
     other = LengthDraw(BenchLengths(median_tokens=256, sigma=0.9), max_new_tokens=2048, seed=1).draw(20)
     assert other != draw[:20]
+
+
+def test_the_recipe_wires_bench_lengths_and_partial_rollouts_into_the_engine() -> None:
+    """`rollout.bench_lengths` and `rollout.partial` reach the engine the torch backend builds."""
+    import pipeline
+    from backends.torch.build import build_backend
+
+    recipe = pipeline.load_recipe(
+        "recipes/quickstart.yaml", ["rollout.partial=true", "rollout.bench_lengths={median_tokens: 2}"]
+    )
+    engine, trainer = build_backend(recipe, vocab_size=16, stop_ids=())
+    try:
+        assert engine.partial_rollouts
+        assert engine.lengths is not None and set(engine.lengths.draw(50)) <= set(range(1, 6))
+    finally:
+        engine.close()
+        trainer.close()
