@@ -80,7 +80,7 @@ def build_backend(recipe: Any, *, vocab_size: int, stop_ids: Sequence[int]) -> t
         raise RecipeError(f"model.path: {error}") from None
     config = decoder.config
     device = next(decoder.parameters()).device
-    parallel.initialise(device=device)
+    parallel.initialise(device=device, seed=recipe.run.seed)
     model = build_gpt_model(config, dtype=DTYPES[section.dtype], device=device)
     layout.load_hf(model, decoder.state_dict(), config)
     step = (MegatronAdam if device.type == "cuda" else TorchAdamW)(
