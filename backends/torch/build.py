@@ -110,13 +110,7 @@ def build_trainer(recipe: Any, model: Decoder, *, compute: ComputeThread) -> Tor
         reference.requires_grad_(False)
     return TorchTrainer(
         model,
-        loss=LossConfig(
-            clip_low=train.clip_low,
-            clip_high=train.clip_high,
-            kl_coef=train.kl_coef,
-            is_correction=train.is_correction,
-            is_cap=train.is_cap,
-        ),
+        loss=LossConfig.of(train),
         lr=train.lr,
         betas=(train.beta1, train.beta2),
         weight_decay=train.weight_decay,

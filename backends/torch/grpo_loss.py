@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -14,6 +15,17 @@ class LossConfig:
     kl_coef: float
     is_correction: str  # "none" | "tis" | "icepop"
     is_cap: float
+
+    @classmethod
+    def of(cls, train: Any) -> LossConfig:
+        """The loss options of a recipe's `train` section (every backend's)."""
+        return cls(
+            clip_low=train.clip_low,
+            clip_high=train.clip_high,
+            kl_coef=train.kl_coef,
+            is_correction=train.is_correction,
+            is_cap=train.is_cap,
+        )
 
 
 def grpo_token_loss(
