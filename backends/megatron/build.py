@@ -16,6 +16,7 @@ import functools
 from collections.abc import Sequence
 from typing import Any
 
+from backends.bench_lengths import LengthDraw
 from backends.torch.build import DTYPES, build_model
 from backends.torch.compute import ComputeThread
 from backends.torch.engine import TorchEngine
@@ -122,5 +123,9 @@ def build_backend(recipe: Any, *, vocab_size: int, stop_ids: Sequence[int]) -> t
         compute=trainer_thread if recipe.colocated else ComputeThread("engine"),
         fingerprints=recipe.async_rl.handoff_checks,
         refresh_weights=functools.partial(reshard.copy_into, decoder, model, config),
+        partial=rollout.partial,
+        lengths=None
+        if rollout.bench_lengths is None
+        else LengthDraw(rollout.bench_lengths, max_new_tokens=rollout.max_new_tokens, seed=seed),
     )
     return engine, trainer

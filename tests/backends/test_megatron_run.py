@@ -53,3 +53,18 @@ def test_a_resumed_run_logs_what_an_uninterrupted_one_does(tmp_path: Path) -> No
     assert [[r[k] for k in keys] for r in resumed] == [[r[k] for k in keys] for r in straight]
     saved = {p.name for p in (tmp_path / "stopped/checkpoints/step-000004").iterdir()}
     assert {"megatron", "megatron-trainer.pt"} <= saved
+
+
+def test_partial_rollouts_continue_across_megatron_steps(tmp_path: Path) -> None:
+    """`rollout.partial` reaches the engine over the megatron policy: rows frozen at each
+    stand-down continue after the reshard, and the lag bound holds."""
+    records = _run(
+        tmp_path,
+        "run.steps=6",
+        "eval.every_steps=0",
+        "rollout.partial=true",
+        "async_rl.max_lookahead_versions=1",
+    )
+    assert len(records) == 6
+    assert any(r["rollout/partial_samples"] > 0 for r in records)
+    assert max(r["rollout/max_lag"] for r in records) <= 1
