@@ -127,6 +127,12 @@ def check_placement(recipe: Any) -> None:
                     f"an actor only the GPUs it asks for; leave it unset (a GPU of its own) or set "
                     "0.5 for the engine and the trainer each (the two share one GPU)"
                 )
+    if recipe.rollout.partial:
+        raise ValueError(
+            "rollout.partial: true is not built for placement.backend ray yet (an engine actor "
+            "does not freeze its rows at a stand-down): set rollout.partial: false or "
+            "placement.backend: local"
+        )
     if section.reward_workers and recipe.reward.function == "reasoning_gym":
         raise ValueError(
             "placement.reward_workers: reward.function 'reasoning_gym' checks answers with the "
