@@ -88,7 +88,7 @@ def build_gpt_model(
         position_embedding_type="rope",
         rotary_base=int(config.rope_theta),
         share_embeddings_and_output_weights=config.tie_word_embeddings,
-    ).to(device)
+    ).to(device=device, dtype=dtype)  # the local spec's norms are built in float32 whatever params_dtype says
     model.rotary_pos_emb.inv_freq = rope_inv_freq(config).to(device)
     if config.learned_position_embeddings:
         table = torch.nn.Embedding(

@@ -43,3 +43,12 @@ def test_every_megatron_parameter_must_be_given() -> None:
     del state["model.embed_positions.weight"]
     with pytest.raises(ValueError, match=r"\['embedding.position_embeddings.weight'\] do not match"):
         layout.load_hf(model, state, config)
+
+
+@pytest.mark.parametrize("name", ["qwen3-qk-norm-tied", "qwen2-bias"])
+def test_every_parameter_has_the_model_dtype(name: str) -> None:
+    """The local spec builds its RMSNorms in float32 whatever `params_dtype` says; the engine's
+    Decoder holds them in the model dtype, so a bf16 policy must too (else the wake's fingerprints
+    differ and the norms train at a precision the engine never serves)."""
+    model = build_gpt_model(CONFIGS[name], dtype=torch.bfloat16, device=CPU)
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
