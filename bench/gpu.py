@@ -247,11 +247,10 @@ def _flops_per_token(config: ModelConfig, seq: int) -> float:
 
 def _megatron_step(args: argparse.Namespace) -> Any:
     """The megatron trainer's forward, loss and optimizer step on full sequences."""
-    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
-
     from backends.megatron import parallel
     from backends.megatron.model import build_gpt_model
     from backends.megatron.optimizer import MegatronAdam
+    from backends.megatron.trainer import response_logprobs
 
     device = torch.device("cuda")
     parallel.initialise(device=device)
@@ -259,11 +258,11 @@ def _megatron_step(args: argparse.Namespace) -> Any:
     model = build_gpt_model(QWEN_1_5B, dtype=torch.bfloat16, device=device)
     optimizer = MegatronAdam(model, lr=1e-5, betas=(0.9, 0.999), weight_decay=0.0, grad_clip=1.0)
     ids = torch.randint(3, QWEN_1_5B.vocab_size, (args.micro_batch, args.seq), device=device)
-    positions = torch.arange(args.seq - 1, device=device).expand(args.micro_batch, -1)
+    index = torch.arange(args.seq - 1, device=device).expand(args.micro_batch, -1)
+    mask = torch.ones(index.shape, device=device)
 
     def step() -> None:
-        logits = optimizer.model(ids[:, :-1], positions, attention_mask=None)
-        loss = vocab_parallel_cross_entropy(logits.float(), ids[:, 1:]).mean()
+        loss = -response_logprobs(optimizer.model, ids, index, mask, 1.0).mean()
         loss.backward()
         optimizer.step(1e-5)
 

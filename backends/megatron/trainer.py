@@ -9,9 +9,9 @@ its importance-sampling correction, a token mean over the step, and the step rep
 updates a step, the pre-step logprobs are computed first; with one they are the forward's own.
 
 Each sample is one right-padded sequence, prompt then response (megatron's model takes whole
-sequences; the torch trainer computes a group's prompt once instead), and its response
-logprobs come from megatron's vocabulary-parallel cross entropy, so tensor-parallel ranks never
-gather the logits. Under tensor parallelism every rank is given the same groups.
+sequences; the torch trainer computes a group's prompt once instead); only the response
+positions go through the output layer (`response_logprobs`). Under tensor parallelism every
+rank is given the same groups.
 
 With `fingerprints` (`async_rl.handoff_checks`) each step and each load takes the fingerprint of
 the weights it publishes as the engine's `Decoder` holds them (`reshard.served`: gathered over
@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state
 from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
 from backends.megatron import checkpoint, reshard
@@ -40,6 +41,7 @@ from backends.torch.compute import ComputeThread
 from backends.torch.config import ModelConfig
 from backends.torch.fingerprint import Fingerprinter, parameter_probes
 from backends.torch.grpo_loss import LossConfig, grpo_token_loss, mismatch_metrics
+from backends.torch.logprobs import picked_logprobs
 from backends.torch.schedule import lr_factor
 from backends.torch.state_file import load_state, save_state
 from pipeline.messages import TrainGroup
@@ -72,6 +74,31 @@ class _Chunk:
         self.advantages = torch.tensor([s.advantage for _, s in samples], dtype=torch.float32, device=device)
         self.tokens = float(lengths.sum())
         self.old: torch.Tensor | None = None
+
+
+def response_logprobs(
+    model: Any, ids: torch.Tensor, index: torch.Tensor, mask: torch.Tensor, temperature: float
+) -> torch.Tensor:
+    """float32 [N, R]: log p(ids[n, index[n, r] + 1]) at temperature, times `mask`, from a
+    `GPTModel` (or megatron's DDP of one) over the sequences `ids` [N, S] (the last token is only
+    a target). Only the `index` positions' final-norm hidden states go through the output layer
+    (`GPTModel`'s output hook): at one tensor-parallel rank by the torch trainer's
+    `picked_logprobs` (no float32 logits), at several by megatron's vocabulary-parallel cross
+    entropy, so ranks never gather the logits."""
+
+    def hook(*, hidden_states: torch.Tensor, output_layer: Any, output_weight: Any, **_: Any) -> torch.Tensor:
+        hidden = hidden_states.transpose(0, 1)  # [N, S-1, H] from megatron's [S-1, N, H]
+        picked = hidden.gather(1, index[..., None].expand(-1, -1, hidden.shape[-1]))  # [N, R, H]
+        targets = ids.gather(1, index + 1)
+        if parallel_state.get_tensor_model_parallel_world_size() == 1:
+            weight = output_weight if output_weight is not None else output_layer.weight
+            return picked_logprobs(picked, weight, targets, temperature)
+        rows = picked.transpose(0, 1).contiguous()  # [R, N, H]
+        logits, _ = output_layer(rows, weight=output_weight, runtime_gather_output=False)
+        return -vocab_parallel_cross_entropy(logits.float() / temperature, targets.T.contiguous()).T
+
+    positions = torch.arange(ids.shape[1] - 1, device=ids.device).expand(ids.shape[0], -1)
+    return model(ids[:, :-1], positions, attention_mask=None, output_processor=hook) * mask
 
 
 class MegatronTrainer:
@@ -154,11 +181,7 @@ class MegatronTrainer:
 
     def logprobs(self, chunk: _Chunk) -> torch.Tensor:
         """Response logprobs [N, R] (0 past each response) of the model at its current weights."""
-        ids = chunk.ids
-        positions = torch.arange(ids.shape[1] - 1, device=ids.device).expand(ids.shape[0], -1)
-        logits = self.optimizer.model(ids[:, :-1], positions, attention_mask=None)  # [N, S-1, V/tp]
-        picked = -vocab_parallel_cross_entropy(logits.float() / self.temperature, ids[:, 1:])
-        return picked.gather(1, chunk.index) * chunk.mask
+        return response_logprobs(self.optimizer.model, chunk.ids, chunk.index, chunk.mask, self.temperature)
 
     def _train_step(self, groups: list[TrainGroup]) -> dict[str, float]:
         self.model.train()
