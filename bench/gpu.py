@@ -22,7 +22,8 @@ Parts (each can be picked with --parts):
   one variable-length flash call), or `megatron`: the megatron backend's training step
   (`backends/megatron`: GPTModel with SDPA core attention inside megatron's DDP, its
   distributed optimizer stepping bf16 weights through float32 masters, the trainer's
-  vocabulary-parallel logprobs). The trainer end to end is measured by the `recipes/bench-h200-*.yaml` runs.
+  `response_logprobs`), `megatron-compiled` the same with each layer compiled (`train.compile`).
+  The trainer end to end is measured by the `recipes/bench-h200-*.yaml` runs.
   FLOPs per token = 6 * (non-embedding params + lm_head) + 12 * layers * hidden * seq.
 
     python -m bench.gpu [--parts generate,handoff,train] [--train-modes eager,model] [--out ...]
@@ -245,8 +246,9 @@ def _flops_per_token(config: ModelConfig, seq: int) -> float:
     return 6 * dense + 12 * layers * q * seq
 
 
-def _megatron_step(args: argparse.Namespace) -> Any:
-    """The megatron trainer's forward, loss and optimizer step on full sequences."""
+def _megatron_step(args: argparse.Namespace, *, compiled: bool) -> Any:
+    """The megatron trainer's forward, loss and optimizer step on full sequences (``compiled``:
+    each layer torch.compile'd, as `train.compile` does)."""
     from backends.megatron import parallel
     from backends.megatron.model import build_gpt_model
     from backends.megatron.optimizer import MegatronAdam
@@ -256,6 +258,9 @@ def _megatron_step(args: argparse.Namespace) -> Any:
     parallel.initialise(device=device)
     torch.manual_seed(0)
     model = build_gpt_model(QWEN_1_5B, dtype=torch.bfloat16, device=device)
+    if compiled:
+        for layer in model.decoder.layers:
+            layer.compile()
     optimizer = MegatronAdam(model, lr=1e-5, betas=(0.9, 0.999), weight_decay=0.0, grad_clip=1.0)
     ids = torch.randint(3, QWEN_1_5B.vocab_size, (args.micro_batch, args.seq), device=device)
     index = torch.arange(args.seq - 1, device=device).expand(args.micro_batch, -1)
@@ -274,8 +279,8 @@ def _train_variant(mode: str, args: argparse.Namespace) -> dict[str, float]:
     ``model``: the whole forward to the final norm (`Decoder.hidden_states`) compiled;
     ``trainer``: `response_logprobs` with compiled layer parts. The logprob head
     (`picked_logprobs`) is the trainer's in all (its per-chunk float32 work fused on CUDA)."""
-    if mode == "megatron":
-        return _timed_steps(_megatron_step(args), args)
+    if mode.startswith("megatron"):
+        return _timed_steps(_megatron_step(args, compiled=mode == "megatron-compiled"), args)
     model = _model(args.residual)
     model.train()
     hidden_states = model.hidden_states
@@ -334,9 +339,10 @@ def bench_train(args: argparse.Namespace) -> dict[str, Any]:
         "flops_per_token": _flops_per_token(QWEN_1_5B, args.seq),
     }
     for name in args.train_modes.split(","):
-        if name not in ("eager", "layers", "model", "trainer", "megatron"):
+        if name not in ("eager", "layers", "model", "trainer", "megatron", "megatron-compiled"):
             raise SystemExit(
-                f"--train-modes: unknown mode {name!r} (eager, layers, model, trainer, megatron)"
+                f"--train-modes: unknown mode {name!r} "
+                "(eager, layers, model, trainer, megatron, megatron-compiled)"
             )
         result[name] = _train_variant(name, args)
         print("train", name, json.dumps(result[name]), flush=True)
@@ -373,7 +379,8 @@ def main() -> None:
         "--train-modes",
         default="eager,model",
         help="comma list of eager, layers (each layer compiled), model (forward compiled), "
-        "trainer (the trainer's pass with train.compile), megatron (the megatron backend's step)",
+        "trainer (the trainer's pass with train.compile), megatron (the megatron backend's step), "
+        "megatron-compiled (its layers compiled)",
     )
     parser.add_argument("--residual", choices=["model", "float32"], default="model")
     parser.add_argument(

@@ -30,7 +30,6 @@ _NOT_YET = {
     "kl_coef": (0.0, "a reference model"),
     "micro_batch_tokens": (0, "token-budgeted micro-batches"),
     "offload_optimizer": (False, "optimizer offload"),
-    "compile": (False, "torch.compile of the layers"),
     "activation_checkpointing": (False, "activation recomputation"),
     "master_weights": (True, "bf16 weights stepped without float32 masters"),
 }
@@ -84,6 +83,9 @@ def build_backend(recipe: Any, *, vocab_size: int, stop_ids: Sequence[int]) -> t
     parallel.initialise(device=device, seed=recipe.run.seed)
     model = build_gpt_model(config, dtype=DTYPES[section.dtype], device=device)
     layout.load_hf(model, decoder.state_dict(), config)
+    if train.compile:  # each TransformerLayer whole (fused norms, rotary, SwiGLU; its SDPA core)
+        for layer in model.decoder.layers:
+            layer.compile()
     step = (MegatronAdam if device.type == "cuda" else TorchAdamW)(
         model,
         lr=train.lr,
@@ -111,8 +113,8 @@ def build_backend(recipe: Any, *, vocab_size: int, stop_ids: Sequence[int]) -> t
         fingerprints=recipe.async_rl.handoff_checks,
     )
     engine = TorchEngine(
-        # Engine kernels round as the trainer's eager megatron layers do: closer logprobs.
-        Sampler(decoder, graphs=section.cuda_graphs, eager_rounding=True),
+        # Engine kernels round as the trainer's megatron layers do (compiled or eager).
+        Sampler(decoder, graphs=section.cuda_graphs, eager_rounding=not train.compile),
         shared=recipe.colocated,
         source=decoder,
         max_new_tokens=rollout.max_new_tokens,

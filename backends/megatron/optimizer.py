@@ -33,7 +33,10 @@ class Step(Protocol):
         update is skipped, and the gradients dropped, when it is not finite)."""
         ...
 
-    def sharded_state_dict(self, model_state: Any) -> Any: ...
+    def sharded_state_dict(self, model_state: Any, *, loading: bool) -> Any:
+        """The optimizer's state as `dist_checkpointing` shards, for a save or (``loading``) as
+        the template a load fills."""
+        ...
 
     def load_state_dict(self, state: Any) -> None: ...
 
@@ -80,7 +83,7 @@ class TorchAdamW:
         self.optimizer.step()
         return grad_norm
 
-    def sharded_state_dict(self, model_state: Any) -> Any:
+    def sharded_state_dict(self, model_state: Any, *, loading: bool) -> Any:
         from megatron.core.dist_checkpointing.optimizer import (
             get_param_id_to_sharded_param_map,
             optim_state_to_sharding_state,
@@ -156,8 +159,14 @@ class MegatronAdam:
         self.zero_grad()
         return grad_norm
 
-    def sharded_state_dict(self, model_state: Any) -> Any:
-        return self.optimizer.sharded_state_dict(model_state)
+    def sharded_state_dict(self, model_state: Any, *, loading: bool) -> Any:
+        # In parameter space (each parameter's moments whole, gathered on save): a checkpoint
+        # that loads at any tensor-parallel or data-parallel size. 0.19's default,
+        # "fully_sharded_model_space", refuses to save ("ShardedTensor.flattened_range is not
+        # supported").
+        return self.optimizer.sharded_state_dict(
+            model_state, is_loading=loading, metadata={"distrib_optim_sharding_type": "fully_reshardable"}
+        )
 
     def load_state_dict(self, state: Any) -> None:
         self.optimizer.load_state_dict(state)

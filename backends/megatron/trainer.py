@@ -248,12 +248,13 @@ class MegatronTrainer:
         self._take_fingerprint()
         return metrics
 
-    def _sharded_state(self) -> dict[str, Any]:
+    def _sharded_state(self, *, loading: bool) -> dict[str, Any]:
         model_state = self.model.sharded_state_dict()
-        return {"model": model_state, "optimizer": self.optimizer.sharded_state_dict(model_state)}
+        optimizer_state = self.optimizer.sharded_state_dict(model_state, loading=loading)
+        return {"model": model_state, "optimizer": optimizer_state}
 
     def save(self, directory: Path) -> None:
-        checkpoint.save(self._sharded_state(), directory / MODEL_DIR)
+        checkpoint.save(self._sharded_state(loading=False), directory / MODEL_DIR)
         if dist.get_rank() == 0:  # the same on every rank
             save_state(
                 directory / STATE_FILE,
@@ -267,7 +268,7 @@ class MegatronTrainer:
 
     def load(self, directory: Path) -> None:
         """Read both files whole and verified before any state changes."""
-        loaded = checkpoint.load(self._sharded_state(), directory / MODEL_DIR)
+        loaded = checkpoint.load(self._sharded_state(loading=True), directory / MODEL_DIR)
         state = load_state(directory / STATE_FILE)
         self.model.load_state_dict(loaded["model"])
         self.optimizer.load_state_dict(loaded["optimizer"])

@@ -56,6 +56,21 @@ async def test_the_engine_serves_the_trained_weights_after_its_hand_off(colocate
         trainer.close()
 
 
+def test_train_compile_compiles_each_megatron_layer_and_the_engine_rounds_alike() -> None:
+    """Wiring only: the compiled step itself is measured on the GPU (bench.gpu's megatron mode)."""
+    for compiled in (False, True):
+        engine, trainer = build_backend(
+            _recipe(f"train.compile={str(compiled).lower()}"), vocab_size=16, stop_ids=[1]
+        )
+        try:
+            layers = list(trainer.model.decoder.layers)
+            assert [layer._compiled_call_impl is not None for layer in layers] == [compiled] * len(layers)
+            assert engine.sampler.eager_rounding is not compiled
+        finally:
+            engine.close()
+            trainer.close()
+
+
 def test_train_options_it_lacks_are_refused_by_name() -> None:
     with pytest.raises(RecipeError) as error:
         build_backend(_recipe("train.kl_coef=0.1"), vocab_size=16, stop_ids=[1])
