@@ -21,8 +21,15 @@ def initialise(*, tensor_parallel: int = 1, device: torch.device, seed: int = 0)
     if device.type == "cpu":
         cpu_shims.apply()
     if not dist.is_initialized():
-        backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        cuda = device.type == "cuda"
+        dist.init_process_group(
+            "nccl" if cuda else "gloo",
+            store=dist.HashStore(),
+            rank=0,
+            world_size=1,
+            # NCCL's barriers (dist_checkpointing's) warn at every call unless told the device.
+            device_id=torch.device("cuda", torch.cuda.current_device()) if cuda else None,
+        )
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel)
     elif parallel_state.get_tensor_model_parallel_world_size() != tensor_parallel:

@@ -9,6 +9,7 @@ written (`NonFiniteState`); one that is missing, does not load or is not finite 
 from __future__ import annotations
 
 import math
+import shutil
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -25,7 +26,15 @@ def save_state(path: Path, state: Any) -> None:
     where = nonfinite(state)
     if where is not None:
         raise NonFiniteState(f"{path.name} would hold non-finite values at {where}")
-    torch.save(state, path)
+    try:
+        torch.save(state, path)
+    except RuntimeError as error:
+        # torch's zip writer reports a short write (a full disk) as a RuntimeError.
+        if "inline_container" not in str(error) and "PytorchStreamWriter" not in str(error):
+            raise
+        free = shutil.disk_usage(path.parent).free
+        where = f"{free / 2**30:.1f} GiB free on its disk"
+        raise OSError(f"writing {path.name} failed ({where}): {error}") from None
 
 
 def load_state(path: Path, *, mmap: bool = False) -> Any:

@@ -46,3 +46,22 @@ def test_a_torn_or_missing_file_is_damaged(tmp_path: Path) -> None:
     with pytest.raises(DamagedState) as torn:
         trainer.load(tmp_path)
     assert str(torn.value).startswith("trainer.pt does not load: ")
+
+
+def test_a_short_write_is_an_os_error_naming_the_file_and_the_free_space(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """torch reports a full disk as a RuntimeError of its zip writer: the checkpoint writer
+    must see it as the I/O failure it is (an `OSError`, which it turns into a one-line error
+    keeping the last good checkpoint), not as a bug."""
+
+    def short_write(*_: object) -> None:
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 3087591168 vs 30875")
+
+    monkeypatch.setattr(torch, "save", short_write)
+    free = r"\([0-9.]+ GiB free on its disk\)"
+    with pytest.raises(OSError, match=rf"^writing trainer.pt failed {free}: \[enforce fail at inline_"):
+        save_state(tmp_path / TRAINER_FILE, {"step": 1})
+    monkeypatch.setattr(torch, "save", lambda *_: 1 / 0)
+    with pytest.raises(ZeroDivisionError):  # anything else is a bug, raised as it is
+        save_state(tmp_path / TRAINER_FILE, {"step": 1})
