@@ -37,7 +37,7 @@ def main() -> None:
     os.environ.setdefault("RAY_worker_niceness", "0")  # as a runtime the pipeline starts has
     import ray
 
-    ray.init(num_cpus=2, include_dashboard=False, logging_level=logging.WARNING)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level=logging.WARNING)
     base = ["async_rl.max_lookahead_versions=1", "colocated=true", "gates.checks=[]", *args.overrides]
     rounds: list[dict[str, Any]] = []
     for index in range(args.rounds):
