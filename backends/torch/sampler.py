@@ -1,18 +1,23 @@
-"""The sampler: completions with per-token logprobs for batches of ``(prompt, n)`` requests,
-over a `Decoder`, on any device.
+"""The sampler: completions with per-token logprobs for ``(prompt, n)`` requests, over a
+`Decoder`, on any device.
 
-`Sampler.generate` gives each request n rows of the batch. The prefill runs each request's
-prompt once (right-padded, causal: padding never reaches a real token) and writes its keys
-and values into each of its rows of the `KVCache`; the first token of every row is drawn from
-the prefill's last hidden state, and each further one by a decode step (`decode_step.py`:
-replayed from a CUDA graph on a GPU, eager elsewhere). Each `Completion`'s ``logprobs[i]`` is
-log_softmax(logits / T)[tokens[i]] before any top-p truncation (temperature 1 when greedy); a
-stop token, when hit, is the last token. All randomness comes from the caller's generator, on
-the sampler's device: equal generator state and inputs give equal outputs.
+One decode loop, continuous (`Sampler.serve`): a fixed number of slots, each a row of the
+`KVCache` and of the decode step. An admission (n rows of one prompt) is prefilled once
+(right-padded, causal: padding never reaches a real token) into its n free slots; the first
+token of every row is drawn from the prefill's last hidden state, and each further one by a
+decode step (`decode_step.py`: replayed from a CUDA graph on a GPU, eager elsewhere) over
+every slot. A row finishes at a stop token or its own limit; an admission whose rows have all
+finished is handed back at the next check, and its slots are refilled from what waits, while
+the other rows go on. `Sampler.generate` is that loop given every request up front. Each
+`Completion`'s ``logprobs[i]`` is log_softmax(logits / T)[tokens[i]] before any top-p
+truncation (temperature 1 when greedy); a stop token, when hit, is the last token. All
+randomness comes from the caller's generator, on the sampler's device: equal generator state,
+inputs and admission order give equal outputs.
 
-Rows. With graphs (or compiled parts) a batch is padded to a bucket of rows (`_BUCKETS`) so few
-shapes are captured or compiled; the cache grows to the largest bucket and length seen, and
-growing it drops the steps and their graphs. Eager (CPU), a batch has exactly its rows.
+Rows. With graphs (or compiled parts) a loop's width is its first admissions' rows padded to a
+bucket (`_BUCKETS`) so few shapes are captured or compiled, and one graph serves the whole
+loop; the cache grows (between loops only) to the largest bucket and length seen, and growing
+it drops the steps and their graphs. Eager (CPU), the width is exactly those rows.
 
 Rounding. Compiled kernels keep float32 intermediates where eager ops round to bf16; the
 engine's logprobs agree best with a trainer that rounds the same way. By default the sampler
@@ -29,14 +34,15 @@ valid), else the graphs are dropped and captured again on the next call.
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
 
 from backends.torch import race
 from backends.torch.attention import attend
-from backends.torch.decode_step import DecodeSteps, flash_works
+from backends.torch.decode_step import DecodeStep, DecodeSteps, flash_works
 from backends.torch.kv_cache import KVCache
 from backends.torch.kv_pool import KVPool, make_pool
 from backends.torch.model import PLAIN_PARTS, Decoder, compiled_layer_parts
@@ -46,8 +52,6 @@ from pipeline.messages import Completion
 _BUCKETS = (8, 16, 32, 64, 128, 256, 512, 1024, 2048)
 # Tokens of the prefill forward at once (bounds prefill activation memory).
 _PREFILL_TOKENS = 32768
-# Decode steps left when the tokens so far start their copy to the host (`_HostColumns`).
-_HOST_TAIL = 64
 
 
 def _bucket(n: int) -> int:
@@ -57,12 +61,35 @@ def _bucket(n: int) -> int:
     return -(-n // _BUCKETS[-1]) * _BUCKETS[-1]
 
 
+class Admission(NamedTuple):
+    """``len(limits)`` rows continuing ``prompt`` (prefilled once for them all): row i ends
+    after ``limits[i]`` new tokens unless a stop token ends it first. ``key``: the source's,
+    handed back with the Completions."""
+
+    prompt: list[int]
+    limits: list[int]
+    key: Any = None
+
+
+# `Sampler.serve`'s source(rows, positions) gives admissions; its sink takes each one back
+# with one Completion per row, once all its rows have finished (or at a freeze).
+Source = Callable[[int | None, int | None], Sequence[Admission]]
+Sink = Callable[[Admission, list[Completion]], None]
+
+
+class LoopStatistics(NamedTuple):
+    """A `serve` loop's ``width`` (slots) and ``steps`` (tokens drawn per slot)."""
+
+    width: int
+    steps: int
+
+
 class Sampler:
     """``graphs``: capture decode steps (CUDA only). ``flash``: variable-length flash attention
     for decode (CUDA in half precision only; otherwise `attend` with a length mask).
     ``compiled`` (default: when capturing graphs): torch.compile'd parts around attention, for
-    decode and prefill. ``check_every``: decode steps between checks that every row has
-    stopped (each check waits for the device; default 32 on CUDA, 1 elsewhere)."""
+    decode and prefill. ``check_every``: decode steps between a loop's checks for finished rows
+    and free slots (each check waits for the device; default 32 on CUDA, 1 elsewhere)."""
 
     def __init__(
         self,
@@ -151,14 +178,11 @@ class Sampler:
     ) -> list[list[Completion]]:
         """Up to ``max_new_tokens`` tokens after each request's prompt, n times: one list of n
         Completions per ``(prompt, n)`` request. ``temperature`` 0 is greedy (``top_p`` then
-        unused).
+        unused). One `serve` loop given every request up front (all admitted at once).
 
         ``limits``: one per row (the requests' rows in order): row i ends after ``limits[i]``
-        tokens (finish_reason "length") unless a stop token ends it first; the limits are a
-        tensor compared on the device at each step, and a finished row's position stays put, so
-        the cache needs only each row's prompt plus its own limit. ``freeze``: a host flag read
-        at each step boundary; once set, the call returns at once, the rows that had not
-        finished with finish_reason "frozen" and their tokens so far (partial rollouts).
+        tokens (finish_reason "length") unless a stop token ends it first. ``freeze``: as in
+        `serve` (the rows that had not finished come back "frozen" with their tokens so far).
         """
         prompts = [list(prompt) for prompt, _ in requests]
         counts = [n for _, n in requests]
@@ -171,68 +195,135 @@ class Sampler:
             max_positions=self.model.config.position_limit,
             limits=limits,
         )
-        batch = sum(counts)
-        if not batch:
-            return [[] for _ in requests]
-        lengths = [len(p) for p in prompts]
-        rows = _bucket(batch) if self._bucketed else batch
-        bounds = limits if limits is not None else [max_new_tokens] * batch
-        self._ensure(rows, max(len(p) + b for p, b in zip(row_prompts, bounds, strict=True)))
+        bounds = list(limits) if limits is not None else [max_new_tokens] * len(row_prompts)
+        admissions, first = [], 0
+        for i, (prompt, n) in enumerate(zip(prompts, counts, strict=True)):
+            if n:
+                admissions.append(Admission(prompt, bounds[first : first + n], i))
+            first += n
+        out: list[list[Completion]] = [[] for _ in requests]
+
+        def source(rows: int | None, positions: int | None) -> list[Admission]:
+            given = admissions[:] if rows is None else []
+            admissions.clear()
+            return given
+
+        def sink(admission: Admission, done: list[Completion]) -> None:
+            out[admission.key] = done
+
+        self.serve(
+            source,
+            sink,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            stop_token_ids=stop_token_ids,
+            generator=generator,
+            freeze=freeze,
+        )
+        return out
+
+    @torch.inference_mode()
+    def serve(
+        self,
+        source: Source,
+        sink: Sink,
+        *,
+        max_new_tokens: int,
+        temperature: float,
+        top_p: float = 1.0,
+        stop_token_ids: Sequence[int] = (),
+        generator: torch.Generator,
+        freeze: threading.Event | None = None,
+    ) -> LoopStatistics:
+        """The continuous decode loop: a fixed number of slots (rows of the cache and of the
+        decode step), filled from ``source`` and emptied into ``sink``; returns once no row is
+        live and the source gives nothing.
+
+        Slots. The first call ``source(None, None)`` gives what is waiting; the loop's width is
+        its rows (bucketed with graphs, so one captured step serves the whole loop) and the
+        cache is grown, if it must, to fit each of its rows' prompt plus limit. Growing happens
+        only here, between loops. Every ``check_every`` steps (and once every live row must
+        have reached its limit) the loop waits for the device, hands each admission whose rows
+        have all finished to ``sink`` with its Completions (in slot order), and offers the free
+        slots to ``source(rows, positions)``, which gives admissions of at most ``rows`` rows in
+        all, each row's prompt plus limit at most ``positions`` (the cache's length) and each
+        limit at most ``max_new_tokens``. An admission's prompt is prefilled once into exactly
+        its slots (the lowest free ones, in order), its rows' positions, limits and first tokens
+        set; a finished row's slot computes a wasted row until it is refilled. Admissions of a
+        refill are drawn and decoded after the rows already live, in the order given, so equal
+        generator state, inputs and admission order give equal outputs.
+
+        ``freeze``: a host flag read at each step boundary; once set, the loop hands every live
+        admission to ``sink`` at once, the rows that had not finished with finish_reason
+        "frozen" and their tokens so far (partial rollouts), and returns without asking the
+        source again.
+        """
+        first = list(source(None, None))
+        if not first:
+            return LoopStatistics(width=0, steps=0)
         dev = self.device
+        batch = sum(len(a.limits) for a in first)
+        rows = _bucket(batch) if self._bucketed else batch
+        self._ensure(rows, max(len(a.prompt) + max(a.limits) for a in first))
+        positions = self.cache.length
         greedy = temperature == 0
         step = self.steps.get(rows, draws=greedy or top_p == 1)
-
-        hidden = self._prefill(prompts, counts, rows)
-        row_lengths = [length for length, n in zip(lengths, counts, strict=True) for _ in range(n)]
-        step.position[:batch] = torch.tensor(row_lengths, device=dev)
-        step.position[batch:] = 0
         step.inv_temperature.fill_(1.0 if greedy else 1.0 / temperature)
         step.noisy.fill_(0.0 if greedy else 1.0)
         if greedy and step.draws and not step.race:
             step.noise.fill_(1.0)
 
         stop = torch.tensor(list(stop_token_ids), dtype=torch.long, device=dev)
-        limit = None
-        if limits is not None:
-            limit = torch.full((rows,), max_new_tokens, dtype=torch.long, device=dev)
-            limit[:batch] = torch.tensor(list(limits), device=dev)
-        ends = bool(stop.numel()) or limit is not None  # rows may finish before max_new_tokens
-        tokens = torch.empty(rows, max_new_tokens, dtype=torch.long, device=dev)
-        logprobs = torch.empty(rows, max_new_tokens, dtype=torch.float32, device=dev)
+        # Per slot; column `generated` takes the next token (one spare column for finished rows).
+        tokens = torch.zeros(rows, max_new_tokens + 1, dtype=torch.long, device=dev)
+        logprobs = torch.zeros(rows, max_new_tokens + 1, dtype=torch.float32, device=dev)
         generated = torch.zeros(rows, dtype=torch.long, device=dev)
-        done = torch.zeros(rows, dtype=torch.bool, device=dev)
-        done[batch:] = True
-
-        # The first token comes from the prefill's hidden states, outside the graphs.
-        if step.race:
-            step.seed.random_(generator=generator)
-            token, logprob = race.race_draw(
-                self.model.lm_head(hidden), step.inv_temperature, step.seed, step.noisy
-            )
-        else:
-            token, logprob = draw(self.model.lm_head(hidden).float(), temperature, top_p, generator)
+        limit = torch.zeros(rows, dtype=torch.long, device=dev)
+        done = torch.ones(rows, dtype=torch.bool, device=dev)
+        token = torch.zeros(rows, dtype=torch.long, device=dev)
+        logprob = torch.zeros(rows, dtype=torch.float32, device=dev)
+        loop = _Slots(rows)
+        pending = first
         count = 0
-        frozen = False
-        early: _HostColumns | None = None
         while True:
-            tokens[:, count] = token
-            logprobs[:, count] = logprob
-            if ends:  # otherwise every row generates `count`
-                generated += ~done
-                if stop.numel():
-                    done |= torch.isin(token, stop)
-                if limit is not None:
-                    done |= generated >= limit
+            if pending:
+                slots = loop.admit(pending, count)
+                index = torch.tensor(slots, device=dev)
+                step.position[index] = torch.tensor(
+                    [len(a.prompt) for a in pending for _ in a.limits], device=dev
+                )
+                limit[index] = torch.tensor([n for a in pending for n in a.limits], device=dev)
+                generated[index] = 0
+                done[index] = False
+                first_token, first_logprob = self._first_tokens(
+                    pending, slots, step, temperature, top_p, generator
+                )
+                token[index], logprob[index] = first_token, first_logprob
+            tokens.scatter_(1, generated.unsqueeze(1), token.unsqueeze(1))
+            logprobs.scatter_(1, generated.unsqueeze(1), logprob.unsqueeze(1))
+            generated += ~done
+            if stop.numel():
+                done |= torch.isin(token, stop)
+            done |= generated >= limit
             count += 1
-            if count == max_new_tokens:
-                break
-            if count == max_new_tokens - _HOST_TAIL and dev.type == "cuda":
-                early = _HostColumns(tokens[:batch, :count], logprobs[:batch, :count])
-            if ends and count % self.check_every == 0 and bool(done.all()):
-                break
-            if freeze is not None and freeze.is_set():  # a host flag: no device sync
-                frozen = True
-                break
+            frozen = freeze is not None and freeze.is_set()  # a host flag: no device sync
+            pending = []
+            if frozen or count % self.check_every == 0 or count >= loop.last:
+                now = done.tolist()
+                finished = loop.harvest(now, everything=frozen)
+                if finished:
+                    self._hand_over(finished, now, generated, tokens, logprobs, stop_token_ids, sink, frozen)
+                if frozen:
+                    break
+                if loop.free:
+                    pending = list(source(len(loop.free), positions))
+                    assert all(
+                        len(a.prompt) + max(a.limits) <= positions and max(a.limits) <= max_new_tokens
+                        for a in pending
+                    ), "the source broke its bounds"
+                if not loop.live and not pending:
+                    break
             if token is not step.token:
                 step.token.copy_(token)
             if step.draws and not greedy:
@@ -240,44 +331,72 @@ class Sampler:
                     step.seed.random_(generator=generator)
                 else:
                     step.noise.exponential_(generator=generator)
-            self.steps.run(step, min(max(lengths) + count, self.cache.length))
+            self.steps.run(step, min(loop.reach + count, positions))
             # A finished row's position stays put, inside its prompt plus its own limit.
-            step.position += 1 if limit is None else ~done
+            step.position += ~done
             if step.draws:
                 # Read (by the copies above) before the next replay overwrites them.
                 token, logprob = step.token, step.logprob
             else:
                 # step.logits holds logits / temperature.
                 token, logprob = draw(step.logits, 1.0, top_p, generator)
+        return LoopStatistics(width=rows, steps=count)
 
-        if not ends:
-            generated.fill_(count)
-        # The early columns were copied while the last steps ran; they become lists while the
-        # GPU decodes the tail (about a quarter second), then only the tail is converted.
-        head_tokens, head_logprobs = early.lists() if early else ([[]] * batch, [[]] * batch)
-        start = early.columns if early else 0
-        tail_tokens = tokens[:batch, start:count].tolist()
-        tail_logprobs = logprobs[:batch, start:count].tolist()
-        flat = completions(
-            generated[:batch].tolist(),
-            [a + b for a, b in zip(head_tokens, tail_tokens, strict=True)],
-            [a + b for a, b in zip(head_logprobs, tail_logprobs, strict=True)],
+    def _first_tokens(
+        self,
+        admissions: list[Admission],
+        slots: list[int],
+        step: DecodeStep,
+        temperature: float,
+        top_p: float,
+        generator: torch.Generator,
+    ) -> tuple[Tensor, Tensor]:
+        """Prefill ``admissions`` into their ``slots``; each row's first token and its logprob,
+        drawn from the prefill's last hidden states (outside the graphs)."""
+        hidden = self._prefill([a.prompt for a in admissions], [len(a.limits) for a in admissions], slots)
+        logits = self.model.lm_head(hidden)
+        if step.race:
+            step.seed.random_(generator=generator)
+            return race.race_draw(logits, step.inv_temperature, step.seed, step.noisy)
+        return draw(logits.float(), temperature, top_p, generator)
+
+    @staticmethod
+    def _hand_over(
+        finished: list[_Live],
+        done: list[bool],
+        generated: Tensor,
+        tokens: Tensor,
+        logprobs: Tensor,
+        stop_token_ids: Sequence[int],
+        sink: Sink,
+        frozen: bool,
+    ) -> None:
+        """Each finished admission's Completions to ``sink`` (one copy to the host for all);
+        ``frozen``: its rows not ``done`` were cut by a freeze."""
+        slots = [s for live in finished for s in live.slots]
+        index = torch.tensor(slots, device=tokens.device)
+        counts = generated[index].tolist()
+        columns = max(counts)
+        rows = completions(
+            counts,
+            tokens[index, :columns].tolist(),
+            logprobs[index, :columns].tolist(),
             stop_token_ids,
-            (~done[:batch]).tolist() if frozen else None,
+            [not done[s] for s in slots] if frozen else None,
         )
-        out, first = [], 0
-        for n in counts:
-            out.append(flat[first : first + n])
-            first += n
-        return out
+        first = 0
+        for live in finished:
+            sink(live.admission, rows[first : first + len(live.slots)])
+            first += len(live.slots)
 
-    def _prefill(self, prompts: list[list[int]], counts: list[int], rows: int) -> Tensor:
-        """Fill the cache for every request's rows; returns hidden states [rows, hidden] at
-        each row's prompt's last position (zeros for padding rows)."""
+    def _prefill(self, prompts: list[list[int]], counts: list[int], slots: list[int]) -> Tensor:
+        """Write each prompt's keys and values into its ``counts[i]`` cache rows (the next ones
+        of ``slots``, in order); returns hidden states [len(slots), hidden] at each row's
+        prompt's last position."""
         dev = self.device
         width = max(len(p) for p in prompts)
         m = self.model
-        hidden_out = torch.zeros(rows, m.config.hidden_size, dtype=self.cache.dtype, device=dev)
+        hidden_out = torch.empty(len(slots), m.config.hidden_size, dtype=self.cache.dtype, device=dev)
         starts = [0]
         for n in counts:
             starts.append(starts[-1] + n)
@@ -290,15 +409,16 @@ class Sampler:
             ids = torch.tensor(
                 [prompts[i] + [0] * (longest - len(prompts[i])) for i in part], dtype=torch.long, device=dev
             )
-            # Each row of the batch whose prompt is in this part, and which of the part it takes.
-            dest = torch.tensor([r for i in part for r in range(starts[i], starts[i + 1])], device=dev)
+            # Each row of the part's prompts (an index into `slots`), and which prompt it takes.
+            rows = torch.tensor([r for i in part for r in range(starts[i], starts[i + 1])], device=dev)
+            dest = torch.tensor([slots[r] for i in part for r in range(starts[i], starts[i + 1])], device=dev)
             src = torch.tensor([i - first for i in part for _ in range(counts[i])], device=dev)
             positions = torch.arange(longest, device=dev)
             cos, sin = m.rotary(positions)  # [T, 1, D]
             attention = _Prefill(self.cache, dest, src)
             hidden = m.model.norm(m.run_layers(m.embed(ids, positions), cos, sin, attention, parts))
             last = torch.tensor([len(prompts[i]) - 1 for i in part], device=dev)
-            hidden_out[dest] = hidden[src, last[src]]
+            hidden_out[rows] = hidden[src, last[src]]
         return hidden_out
 
 
@@ -320,19 +440,44 @@ class _Prefill:
         return attend(q.transpose(1, 2), k, v, None, True).transpose(1, 2).reshape(u, t, -1)
 
 
-class _HostColumns:
-    """The first columns of a call's tokens and logprobs, copied to pinned host memory without
-    waiting, so that turning them into Python lists overlaps the GPU's last decode steps."""
+class _Live(NamedTuple):
+    admission: Admission
+    slots: list[int]
+    at: int  # the loop step that recorded its first tokens
 
-    def __init__(self, tokens: Tensor, logprobs: Tensor) -> None:
-        self.columns = tokens.shape[1]
-        self.tokens = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-        self.logprobs = torch.empty(logprobs.shape, dtype=logprobs.dtype, pin_memory=True)
-        self.tokens.copy_(tokens, non_blocking=True)
-        self.logprobs.copy_(logprobs, non_blocking=True)
-        self.copied = torch.cuda.Event()
-        self.copied.record()
 
-    def lists(self) -> tuple[list[list[int]], list[list[float]]]:
-        self.copied.synchronize()
-        return self.tokens.tolist(), self.logprobs.tolist()
+class _Slots:
+    """A `serve` loop's host-side book of its slots: which live admission holds which, the
+    free ones (lowest first), ``last``: the step by which every live row has reached its limit,
+    and ``reach``: with the step count added, the positions an eager step reads."""
+
+    def __init__(self, rows: int) -> None:
+        self.free = list(range(rows))
+        self.live: list[_Live] = []
+        self.last = 0
+        self.reach = 0
+
+    def admit(self, admissions: list[Admission], count: int) -> list[int]:
+        """Give each admission the lowest free slots, in order; all their slots."""
+        taken: list[int] = []
+        for admission in admissions:
+            n = len(admission.limits)
+            assert n <= len(self.free), "the source gave more rows than free slots"
+            slots, self.free = self.free[:n], self.free[n:]
+            self.live.append(_Live(admission, slots, count))
+            taken += slots
+        self._bounds()
+        return taken
+
+    def harvest(self, done: list[bool], *, everything: bool) -> list[_Live]:
+        """The live admissions whose rows are all ``done`` (or every one), their slots freed."""
+        finished = [live for live in self.live if everything or all(done[s] for s in live.slots)]
+        if finished:
+            self.live = [live for live in self.live if not any(live is f for f in finished)]
+            self.free = sorted(self.free + [s for live in finished for s in live.slots])
+            self._bounds()
+        return finished
+
+    def _bounds(self) -> None:
+        self.last = max((live.at + max(live.admission.limits) for live in self.live), default=0)
+        self.reach = max((len(live.admission.prompt) - live.at for live in self.live), default=0)
