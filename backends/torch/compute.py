@@ -9,7 +9,8 @@ trainer share one (they never run at once); separate, each has its own, so gener
 running while the trainer works.
 
 `run` behaves like `anyio.to_thread.run_sync` without abandoning: a cancelled caller waits
-for the call to finish, then sees the cancellation. asyncio event loops only (uvloop too).
+for the call to finish, then sees the cancellation; `submit` starts a call without waiting.
+asyncio event loops only (uvloop too).
 """
 
 from __future__ import annotations
@@ -36,6 +37,12 @@ class ComputeThread:
             result = await future
         await anyio.lowlevel.checkpoint_if_cancelled()
         return result
+
+    def submit(self, fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
+        """Queue ``fn(*args)`` behind the calls before it and return its future at once, for
+        work that outlives any one caller (the engine's decode loop): whoever submits it owns
+        the future and its exception."""
+        return asyncio.get_running_loop().run_in_executor(self._executor, functools.partial(fn, *args))
 
     def close(self) -> None:
         self._executor.shutdown(wait=False)

@@ -37,6 +37,8 @@ end-of-sequence token there.
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -50,7 +52,7 @@ from backends.bench_lengths import LengthDraw
 from backends.torch.compute import ComputeThread
 from backends.torch.fingerprint import Fingerprinter, parameter_probes
 from backends.torch.model import Decoder
-from backends.torch.sampler import Sampler
+from backends.torch.sampler import Admission, Sampler
 from backends.torch.sampling import check_arguments, check_prompts
 from backends.torch.state_file import ENGINE_FILE, load_state, save_state
 from pipeline.errors import RequestRejected
@@ -163,11 +165,15 @@ class TorchEngine:
         self.top_p = top_p
         self.stop_token_ids = tuple(stop_token_ids)
         self.generator = torch.Generator(device=sampler.device).manual_seed(seed)
+        # The queue is read and changed by the event loop and by the loop's source (compute thread).
+        self._lock = threading.Lock()
         self._queue: list[_Request] = []
-        self._leading = False
+        self._loop: asyncio.Future[None] | None = None  # the decode loop in flight
+        self._event_loop: asyncio.AbstractEventLoop | None = None
+        self._starting = False
+        self._paused = 0  # refits waiting for the loop to end
         self._changed = anyio.Event()
-        self._weights = anyio.Lock()
-        self.calls = 0
+        self.calls = 0  # decode loops run
 
     async def generate(
         self, prompt_tokens: Sequence[int], n: int, *, greedy: bool = False
@@ -182,24 +188,26 @@ class TorchEngine:
             raise RequestRejected(str(error)) from None
         limits = self.lengths.draw(n) if self.lengths is not None else [self.max_new_tokens] * n
         request = _Request(prompt_tokens, greedy, limits)
-        self._queue.append(request)
+        with self._lock:
+            self._queue.append(request)
         try:
             while not request.done:
-                if self._leading:
-                    await self._changed.wait()
+                if self._loop is None and not self._starting and self._may_start():
+                    self._starting = True
+                    try:
+                        await self._gather()
+                        if self._may_start():
+                            self._start_loop()
+                    finally:
+                        self._starting = False
+                        self._notify()  # a loop runs now, or another caller may start one
                     continue
-                self._leading = True
-                try:
-                    await self._gather()
-                    while not request.done:
-                        await self._run_batch()
-                finally:
-                    self._leading = False
-                    self._notify()
+                await self._changed.wait()
         finally:
             request.cancelled = True  # answered, or given up: nobody should sample for it
-            if request in self._queue:
-                self._queue.remove(request)
+            with self._lock:
+                if request in self._queue:
+                    self._queue.remove(request)
         if isinstance(request.result, BaseException):
             raise request.result
         assert request.result is not None
@@ -207,63 +215,99 @@ class TorchEngine:
 
     async def _gather(self) -> None:
         """Yield to the event loop until no new request arrived for two rounds, so the groups
-        started together (a batch's prompts) are sampled in one call, not the first alone."""
+        started together (a batch's prompts) open one loop together, not the first alone."""
         quiet, seen = 0, len(self._queue)
         while quiet < 2:
             await anyio.lowlevel.checkpoint()
             quiet = quiet + 1 if len(self._queue) == seen else 0
             seen = len(self._queue)
 
-    async def _run_batch(self) -> None:
-        while self._down:  # frozen rows and new requests wait for the wake
-            await self._changed.wait()
-        greedy = self._queue[0].greedy
-        batch = [r for r in self._queue if r.greedy == greedy]
-        self._queue = [r for r in self._queue if r.greedy != greedy]
-        with anyio.CancelScope(shield=True):
-            async with self._weights:
-                try:
-                    await self.compute.run(self._sample, batch)
-                except Exception as error:
-                    for request in batch:
-                        request.result, request.done = error, True
-                    return
-        for request in batch:
-            if all(row.reason is not None for row in request.rows):
-                request.result = [row.completion(self.partial_rollouts) for row in request.rows]
-                request.done = True
-        # Requests with frozen rows go first again, ahead of those that arrived since.
-        self._queue[:0] = [r for r in batch if not r.done and not r.cancelled]
+    def _may_start(self) -> bool:
+        return bool(self._queue) and not self._down and not self._paused
+
+    def _start_loop(self) -> None:
+        """Run one decode loop on the compute thread; it outlives the caller that starts it
+        (every waiting caller is answered through `_finish`, and the next loop is started by
+        whichever caller still waits when this one ends)."""
+        self._event_loop = asyncio.get_running_loop()
+        self._loop = self.compute.submit(self._serve, self._queue[0].greedy)
+        self._loop.add_done_callback(self._loop_ended)
+
+    def _loop_ended(self, loop: asyncio.Future[None]) -> None:
+        self._loop = None
+        if not loop.cancelled() and (error := loop.exception()) is not None:
+            for request in self._queue:  # a bug in the loop itself: nobody should wait on
+                request.result, request.done = error, True
         self._notify()
 
-    def _sample(self, batch: list[_Request]) -> None:
-        """One sampler call over every unfinished row of ``batch``; updates the rows."""
+    def _serve(self, greedy: bool) -> None:
+        """One decode loop (compute thread) over the requests of one mode (greedy or not),
+        admitted from the queue as slots free up; requests with frozen rows go back to the
+        front of the queue when it ends."""
         self.calls += 1
-        requests = _sampler_requests(batch)
-        rows = [row for _, same in requests for row in same]
-        for prompt, same in requests:
-            if same[0].frozen:  # rows that share a prompt were frozen together
-                self._reprefilled += len(prompt)  # the work: one prefill for them all
-            for row in same:
-                if row.frozen:
-                    row.reprefilled += len(prompt)  # what continuing it alone would take
-                    row.frozen = False
-        left = [row.limit - len(row.tokens) for row in rows]
-        out = [
-            c
-            for group in self.sampler.generate(
-                [(prompt, len(same)) for prompt, same in requests],
-                max_new_tokens=max(left),
-                temperature=0.0 if batch[0].greedy else self.temperature,
+        active: list[_Request] = []
+        try:
+            loop = self.sampler.serve(
+                functools.partial(self._admit, greedy, active),
+                self._finish,
+                max_new_tokens=self.max_new_tokens,
+                temperature=0.0 if greedy else self.temperature,
                 top_p=self.top_p,
                 stop_token_ids=self.stop_token_ids,
                 generator=self.generator,
-                limits=None if min(left) == max(left) else left,
                 freeze=self._freeze if self.partial_rollouts else None,
             )
-            for c in group
-        ]
-        self._slot_steps += len(rows) * max(len(c.tokens) for c in out)
+        except Exception as error:
+            for request in active:
+                if not request.done:
+                    request.result, request.done = error, True
+            self._wake_callers()
+            return
+        self._slot_steps += loop.width * loop.steps
+        with self._lock:
+            # Requests with frozen rows go first again, ahead of those that arrived since.
+            self._queue[:0] = [r for r in active if not r.done and not r.cancelled]
+        self._wake_callers()
+
+    def _admit(
+        self, greedy: bool, active: list[_Request], rows: int | None, positions: int | None
+    ) -> list[Admission]:
+        """The sampler's source (compute thread): requests from the front of the queue, in
+        order, while they are of the loop's mode and fit the free ``rows`` and the cache's
+        ``positions`` (all of them at the loop's start); none while the engine stands down or
+        a refit waits (the loop then ends once its rows finish)."""
+        admissions: list[Admission] = []
+        with self._lock:
+            while self._queue and not (self._down or self._paused or self._freeze.is_set()):
+                request = self._queue[0]
+                if request.greedy != greedy:
+                    break
+                parts = _sampler_requests([request])
+                wanted = sum(len(same) for _, same in parts)
+                longest = max(
+                    len(prompt) + row.limit - len(row.tokens) for prompt, same in parts for row in same
+                )
+                if rows is not None and positions is not None and (wanted > rows or longest > positions):
+                    break
+                self._queue.pop(0)
+                active.append(request)
+                if rows is not None:
+                    rows -= wanted
+                for prompt, same in parts:
+                    if same[0].frozen:  # rows that share a prompt were frozen together
+                        self._reprefilled += len(prompt)  # the work: one prefill for them all
+                    for row in same:
+                        if row.frozen:
+                            row.reprefilled += len(prompt)  # what continuing it alone would take
+                            row.frozen = False
+                    limits = [row.limit - len(row.tokens) for row in same]
+                    admissions.append(Admission(prompt, limits, (request, same)))
+        return admissions
+
+    def _finish(self, admission: Admission, out: list[Completion]) -> None:
+        """The sampler's sink (compute thread): an admission's rows are back, finished or
+        frozen; a request whose rows have all finished is answered."""
+        request, rows = admission.key
         self._busy_slot_steps += sum(len(c.tokens) for c in out)
         for row, completion in zip(rows, out, strict=True):
             if completion.tokens:
@@ -277,6 +321,15 @@ class TorchEngine:
                 row.reason = "stop"  # its bench length: as if it had emitted end-of-sequence
             else:
                 row.reason = completion.finish_reason
+        if all(row.reason is not None for row in request.rows):
+            request.result = [row.completion(self.partial_rollouts) for row in request.rows]
+            request.done = True
+            self._wake_callers()
+
+    def _wake_callers(self) -> None:
+        """From the compute thread: let the event loop's waiting callers look again."""
+        assert self._event_loop is not None, "set when the loop started"
+        self._event_loop.call_soon_threadsafe(self._notify)
 
     def statistics(self) -> EngineStatistics:
         return EngineStatistics(
@@ -284,8 +337,12 @@ class TorchEngine:
             busy_slot_steps=self._busy_slot_steps,
             frozen_rows=self._frozen_rows,
             reprefilled_tokens=self._reprefilled,
-            frozen_now=sum(row.frozen for r in self._queue for row in r.rows),
+            frozen_now=self._frozen_now(),
         )
+
+    def _frozen_now(self) -> int:
+        with self._lock:
+            return sum(row.frozen for r in self._queue for row in r.rows)
 
     def _notify(self) -> None:
         self._changed.set()
@@ -315,8 +372,17 @@ class TorchEngine:
         self._take_fingerprint()
 
     async def refit(self) -> None:
-        async with self._weights:
-            await self.compute.run(self._copy_weights)
+        await self._between_loops(self._copy_weights)
+
+    async def _between_loops(self, fn: Callable[..., None], *args: Any) -> None:
+        """Run ``fn`` on the compute thread once the loop in flight has ended: no loop admits
+        while a refit waits, and the thread runs one call at a time in order."""
+        self._paused += 1
+        try:
+            await self.compute.run(fn, *args)
+        finally:
+            self._paused -= 1
+            self._notify()
 
     @torch.no_grad()
     def _copy_weights(self) -> None:
@@ -330,8 +396,7 @@ class TorchEngine:
     async def load_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
         """Copy `weights` (every parameter, by name) into the served model between two batches:
         the refit of an engine whose trainer is in another process."""
-        async with self._weights:
-            await self.compute.run(self._load_weights, weights)
+        await self._between_loops(self._load_weights, weights)
 
     @torch.no_grad()
     def _load_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
