@@ -147,7 +147,6 @@ class TorchEngine:
         self.wakes = 0  # `wake` calls served (tags partial rollouts' stretches)
         self._freeze = threading.Event()  # read by the sampler's loop (partial rollouts)
         self._down = False
-        self._slot_steps = 0
         self._busy_slot_steps = 0
         self._frozen_rows = 0
         self._reprefilled = 0
@@ -247,7 +246,7 @@ class TorchEngine:
         self.calls += 1
         active: list[_Request] = []
         try:
-            loop = self.sampler.serve(
+            self.sampler.serve(
                 functools.partial(self._admit, greedy, active),
                 self._finish,
                 max_new_tokens=self.max_new_tokens,
@@ -263,7 +262,6 @@ class TorchEngine:
                     request.result, request.done = error, True
             self._wake_callers()
             return
-        self._slot_steps += loop.width * loop.steps
         with self._lock:
             # Requests with frozen rows go first again, ahead of those that arrived since.
             self._queue[:0] = [r for r in active if not r.done and not r.cancelled]
@@ -333,7 +331,7 @@ class TorchEngine:
 
     def statistics(self) -> EngineStatistics:
         return EngineStatistics(
-            slot_steps=self._slot_steps,
+            slot_steps=self.sampler.slot_steps,
             busy_slot_steps=self._busy_slot_steps,
             frozen_rows=self._frozen_rows,
             reprefilled_tokens=self._reprefilled,

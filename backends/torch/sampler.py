@@ -77,13 +77,6 @@ Source = Callable[[int | None, int | None], Sequence[Admission]]
 Sink = Callable[[Admission, list[Completion]], None]
 
 
-class LoopStatistics(NamedTuple):
-    """A `serve` loop's ``width`` (slots) and ``steps`` (tokens drawn per slot)."""
-
-    width: int
-    steps: int
-
-
 class Sampler:
     """``graphs``: capture decode steps (CUDA only). ``flash``: variable-length flash attention
     for decode (CUDA in half precision only; otherwise `attend` with a length mask).
@@ -127,6 +120,7 @@ class Sampler:
         )
         self._bucketed = graphs or self.compiled
         self._down = False
+        self.slot_steps = 0  # slots x decode steps of every loop so far, counted at each check
 
     @property
     def captures(self) -> int:
@@ -235,7 +229,7 @@ class Sampler:
         stop_token_ids: Sequence[int] = (),
         generator: torch.Generator,
         freeze: threading.Event | None = None,
-    ) -> LoopStatistics:
+    ) -> None:
         """The continuous decode loop: a fixed number of slots (rows of the cache and of the
         decode step), filled from ``source`` and emptied into ``sink``; returns once no row is
         live and the source gives nothing.
@@ -261,7 +255,7 @@ class Sampler:
         """
         first = list(source(None, None))
         if not first:
-            return LoopStatistics(width=0, steps=0)
+            return
         dev = self.device
         batch = sum(len(a.limits) for a in first)
         rows = _bucket(batch) if self._bucketed else batch
@@ -285,7 +279,7 @@ class Sampler:
         logprob = torch.zeros(rows, dtype=torch.float32, device=dev)
         loop = _Slots(rows)
         pending = first
-        count = 0
+        count = checked = 0
         while True:
             if pending:
                 slots = loop.admit(pending, count)
@@ -310,10 +304,11 @@ class Sampler:
             frozen = freeze is not None and freeze.is_set()  # a host flag: no device sync
             pending = []
             if frozen or count % self.check_every == 0 or count >= loop.last:
-                now = done.tolist()
-                finished = loop.harvest(now, everything=frozen)
-                if finished:
-                    self._hand_over(finished, now, generated, tokens, logprobs, stop_token_ids, sink, frozen)
+                self.slot_steps += rows * (count - checked)
+                checked = count
+                self._hand_over(
+                    loop, done.tolist(), generated, tokens, logprobs, stop_token_ids, sink, frozen
+                )
                 if frozen:
                     break
                 if loop.free:
@@ -340,7 +335,6 @@ class Sampler:
             else:
                 # step.logits holds logits / temperature.
                 token, logprob = draw(step.logits, 1.0, top_p, generator)
-        return LoopStatistics(width=rows, steps=count)
 
     def _first_tokens(
         self,
@@ -362,7 +356,7 @@ class Sampler:
 
     @staticmethod
     def _hand_over(
-        finished: list[_Live],
+        loop: _Slots,
         done: list[bool],
         generated: Tensor,
         tokens: Tensor,
@@ -371,23 +365,26 @@ class Sampler:
         sink: Sink,
         frozen: bool,
     ) -> None:
-        """Each finished admission's Completions to ``sink`` (one copy to the host for all);
-        ``frozen``: its rows not ``done`` were cut by a freeze."""
-        slots = [s for live in finished for s in live.slots]
-        index = torch.tensor(slots, device=tokens.device)
+        """Take every finished row (every live row at a freeze, those not ``done`` "frozen")
+        off the device in one copy and free its slot; hand each admission whose rows are all
+        back to ``sink``."""
+        rows = loop.finished(done, everything=frozen)
+        if not rows:
+            return
+        index = torch.tensor([slot for _, _, slot in rows], device=tokens.device)
         counts = generated[index].tolist()
         columns = max(counts)
-        rows = completions(
+        out = completions(
             counts,
             tokens[index, :columns].tolist(),
             logprobs[index, :columns].tolist(),
             stop_token_ids,
-            [not done[s] for s in slots] if frozen else None,
+            [not done[slot] for _, _, slot in rows] if frozen else None,
         )
-        first = 0
-        for live in finished:
-            sink(live.admission, rows[first : first + len(live.slots)])
-            first += len(live.slots)
+        for (live, row, _), completion in zip(rows, out, strict=True):
+            live.out[row] = completion
+        for live in loop.release(rows):
+            sink(live.admission, [c for c in live.out if c is not None])
 
     def _prefill(self, prompts: list[list[int]], counts: list[int], slots: list[int]) -> Tensor:
         """Write each prompt's keys and values into its ``counts[i]`` cache rows (the next ones
@@ -440,16 +437,22 @@ class _Prefill:
         return attend(q.transpose(1, 2), k, v, None, True).transpose(1, 2).reshape(u, t, -1)
 
 
-class _Live(NamedTuple):
-    admission: Admission
-    slots: list[int]
-    at: int  # the loop step that recorded its first tokens
+class _Live:
+    """An admission in a loop: its slots, the step that recorded its first tokens, and its
+    rows' Completions as they come back."""
+
+    __slots__ = ("admission", "at", "out", "slots")
+
+    def __init__(self, admission: Admission, slots: list[int], at: int) -> None:
+        self.admission, self.slots, self.at = admission, slots, at
+        self.out: list[Completion | None] = [None] * len(slots)
 
 
 class _Slots:
-    """A `serve` loop's host-side book of its slots: which live admission holds which, the
-    free ones (lowest first), ``last``: the step by which every live row has reached its limit,
-    and ``reach``: with the step count added, the positions an eager step reads."""
+    """A `serve` loop's host-side book of its slots: the live admissions and which rows of
+    theirs still decode where, the free slots (lowest first), ``last``: the step by which
+    every live row has reached its limit, and ``reach``: with the step count added, the
+    positions an eager step reads."""
 
     def __init__(self, rows: int) -> None:
         self.free = list(range(rows))
@@ -469,14 +472,22 @@ class _Slots:
         self._bounds()
         return taken
 
-    def harvest(self, done: list[bool], *, everything: bool) -> list[_Live]:
-        """The live admissions whose rows are all ``done`` (or every one), their slots freed."""
-        finished = [live for live in self.live if everything or all(done[s] for s in live.slots)]
-        if finished:
-            self.live = [live for live in self.live if not any(live is f for f in finished)]
-            self.free = sorted(self.free + [s for live in finished for s in live.slots])
-            self._bounds()
-        return finished
+    def finished(self, done: list[bool], *, everything: bool) -> list[tuple[_Live, int, int]]:
+        """(admission, row, slot) of each row still out that is ``done`` (or of every one)."""
+        return [
+            (live, row, slot)
+            for live in self.live
+            for row, slot in enumerate(live.slots)
+            if live.out[row] is None and (everything or done[slot])
+        ]
+
+    def release(self, rows: list[tuple[_Live, int, int]]) -> list[_Live]:
+        """Free the slots of ``rows`` (their Completions taken); the admissions now all back."""
+        self.free = sorted(self.free + [slot for _, _, slot in rows])
+        back = [live for live in self.live if all(c is not None for c in live.out)]
+        self.live = [live for live in self.live if any(c is None for c in live.out)]
+        self._bounds()
+        return back
 
     def _bounds(self) -> None:
         self.last = max((live.at + max(live.admission.limits) for live in self.live), default=0)

@@ -380,3 +380,44 @@ def test_a_freeze_returns_the_unfinished_rows_with_their_tokens_so_far(which: in
     assert [o.tokens for o in got] == [o.tokens[:1] for o in free]
     assert [o.logprobs[0] for o in got] == pytest.approx([o.logprobs[0] for o in free], abs=1e-5)
     assert [o.finish_reason for o in got] == ["stop" if o.tokens[0] == stop else "frozen" for o in free]
+
+
+@pytest.mark.parametrize("which", [0, 1], ids=["eager", "compiled"])
+def test_a_finished_row_frees_its_slot_for_a_waiting_request_before_the_longest_row_ends(which: int) -> None:
+    """The continuous loop: A (2 tokens) and B (9) open a loop; the source gives C once A is
+    back, and D once C is back: each takes the lowest free slot, A's, and both finish before
+    B does, in one loop of 9 steps. Greedy, every request's tokens and logprobs equal its own
+    call alone: C's prefill (a longer prompt) and D's (shorter, over C's stale keys) and their
+    positions are their own, and B is undisturbed."""
+    from backends.torch.sampler import Admission
+
+    sampler = _samplers()[which]
+    a, b = Admission(PROMPTS[1], [2], "A"), Admission(PROMPTS[2], [9], "B")
+    c, d = Admission(PROMPTS[0], [3], "C"), Admission(PROMPTS[3], [2], "D")
+    after = {"A": c, "C": d}  # who waits for whom to be back
+    free_when_given: list[int | None] = []
+    handed: dict[str, Completion] = {}
+
+    def source(rows: int | None, positions: int | None) -> list[Admission]:
+        if rows is None:
+            return [a, b]
+        assert positions is not None and positions >= len(c.prompt) + 3
+        ready = [after.pop(key) for key in list(after) if key in handed]
+        free_when_given.extend(rows for _ in ready)
+        return ready
+
+    def sink(admission: Admission, out: list[Completion]) -> None:
+        (handed[admission.key],) = out
+
+    sampler.serve(source, sink, max_new_tokens=9, temperature=0.0, generator=torch.Generator().manual_seed(0))
+    width = 8 if which else 2  # compiled: the rows padded to the first bucket
+    assert list(handed) == ["A", "C", "D", "B"]
+    assert free_when_given == [width - 1] * 2  # B's slot taken, A's then C's free
+    assert sampler.slot_steps == width * 9
+    for admission in (a, b, c, d):
+        ((alone,),) = _requests(
+            sampler, [(admission.prompt, 1)], temperature=0.0, max_new_tokens=admission.limits[0]
+        )
+        got = handed[admission.key]
+        assert got.tokens == alone.tokens and len(got.tokens) == admission.limits[0], admission.key
+        assert got.logprobs == pytest.approx(alone.logprobs, abs=1e-5), admission.key

@@ -110,6 +110,75 @@ async def test_a_request_frozen_at_a_stand_down_finishes_after_the_wake_with_its
     assert (stats.frozen_rows, stats.reprefilled_tokens, stats.frozen_now) == (1, 7, 0)
 
 
+class _Scripted(LengthDraw):
+    """Bench lengths given in order, one list per request."""
+
+    def __init__(self, *limits: list[int]) -> None:
+        super().__init__(BenchLengths(), max_new_tokens=8, seed=0)
+        self.limits = list(limits)
+
+    def draw(self, n: int) -> list[int]:
+        got = self.limits.pop(0)
+        assert len(got) == n
+        return got
+
+
+async def test_a_request_arriving_while_the_loop_runs_takes_a_freed_slot_and_finishes_first() -> None:
+    """The real engine: a request of two rows (2 and 8 tokens) opens the loop; a second
+    request queued while it runs is admitted into the first row's slot once that row ends,
+    and is answered while the long row still decodes, in the same loop (the engine hands the
+    sampler its queue as the source and answers requests from its sink). Greedy, every row
+    equals its prompt alone; the slots count the loop's width at every step."""
+    model = _model()
+    other = [5, 6, 7]
+    want = [_greedy(model, PROMPT, 2), _greedy(model, PROMPT, 8), _greedy(model, other, 3)]
+    engine = _engine(model, lengths=_Scripted([2, 8], [3]))
+    started, go = threading.Event(), threading.Event()
+
+    def hold_the_first_draw(*_: Any) -> None:  # on the compute thread, at the loop's first prefill
+        if not started.is_set():
+            started.set()
+            go.wait(timeout=30)
+
+    model.lm_head.register_forward_hook(hold_the_first_draw)
+    answered: list[tuple[str, list[Any]]] = []
+    finish, resolved = engine._finish, []
+
+    def resolving(admission: Any, out: Any) -> None:  # the sink, on the compute thread
+        finish(admission, out)
+        if admission.key[0].done:
+            resolved.append(admission.key[0].prompt)
+
+    engine._finish = resolving  # type: ignore[method-assign]
+
+    async def ask(name: str, prompt: list[int], n: int) -> None:
+        answered.append((name, await engine.generate(prompt, n, greedy=True)))
+
+    try:
+        with anyio.fail_after(60):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(ask, "first", PROMPT, 2)
+                while not started.is_set():
+                    await anyio.sleep(0.01)
+                tg.start_soon(ask, "second", other, 1)
+                while not engine._queue:
+                    await anyio.sleep(0.01)
+                go.set()
+    finally:
+        engine.close()
+    assert resolved == [other, PROMPT]
+    assert engine.calls == 1
+    got = dict(answered)
+    assert [(c.tokens, c.finish_reason) for c in got["first"] + got["second"]] == [
+        (want[0][0], "stop"),
+        (want[1][0], "length"),
+        (want[2][0], "stop"),
+    ]
+    assert got["second"][0].logprobs == pytest.approx(want[2][1], abs=1e-5)
+    stats = engine.statistics()
+    assert (stats.slot_steps, stats.busy_slot_steps) == (2 * 8, 2 + 8 + 3)
+
+
 async def test_bench_lengths_end_each_sample_as_drawn_and_continue_across_a_resume() -> None:
     """`rollout.bench_lengths`: each sample ends at its drawn length ("stop"; a draw cut at
     max_new_tokens: "length"); the draw is the run seed's, and its state, saved with the
