@@ -1,29 +1,37 @@
 """The torch generation engine behind the pipeline's `Engine` protocol.
 
-Concurrent `generate(prompt, n)` calls (one per group) are gathered into one batched
-`Sampler.generate` of their requests that runs in a worker thread: whichever caller finds no
-batch running leads, collects every request queued by then, and runs batches until its own
-request is answered; then the next waiting caller leads. The sampler call is shielded from
-cancellation (a thread cannot be interrupted), so one caller's deadline never orphans the
-others.
+Concurrent `generate(prompt, n)` calls (one per group) queue their requests; one continuous
+decode loop (`Sampler.serve`) at a time runs them on the engine's compute thread. Whichever
+caller finds no loop running gathers the requests queued with its own (a batch's groups) and
+starts one: those open it, and its width (slots) follows from their rows. While it runs, the
+loop takes further requests (of the same mode, greedy or not, in queue order, each whole, as
+long as its rows and its prompt plus limit fit the free slots and the cache) from the queue at
+each of its checks, as finished rows free their slots: this batch's late groups, the next
+batch's when L >= 1. The queue is shared with the compute thread under a lock; the loop answers
+a request once all its rows are back and wakes the waiting callers through the event loop
+(`call_soon_threadsafe`). The loop outlives the caller that started it, so one caller's
+deadline never orphans the others; when it ends, a caller still waiting starts the next. A
+request of the other mode, one that does not fit, a stand-down and a refit all make the loop
+admit nothing more, so it ends once its rows finish.
 
 Colocated (`shared=True`) the engine samples from the trainer's own parameter tensors: it must
 stand down for training (its KV cache's memory is released) and waking it maps the cache again
 and serves the new weights at once.
 Otherwise it holds its own copy, keeps serving while the trainer works, and `refit` copies the
-new weights in between two batches. A trainer whose weights are not a `Decoder` (the megatron
+new weights in between two loops. A trainer whose weights are not a `Decoder` (the megatron
 backend) gives `refresh_weights`, which brings the engine's model up to date from them: it runs
 on the engine's thread at each wake and in each refit (instead of the copy from `source`),
 before the new weights are served and fingerprinted.
 
-Each request's own arguments are checked before it joins a batch: one that the model cannot
+Each request's own arguments are checked before it is queued: one that the model cannot
 serve (a prompt too long for learned position embeddings) is refused with `RequestRejected`
-instead of failing the batched call of every request gathered with it.
+instead of failing the loop of every request gathered with it.
 
-Partial rollouts (``partial=True``, colocated): `stand_down` does not wait for the batch in
-flight. It raises a flag that the sampler's loop reads at its next step boundary; the call
-returns the rows' tokens so far, and the rows that had not finished stay with their request,
-frozen, while the KV cache is released. No sampler call starts while the engine is down. After
+Partial rollouts (``partial=True``, colocated): `stand_down` does not wait for the loop in
+flight. It raises a flag that the sampler's loop reads at its next step boundary; the loop
+hands back every live row with its tokens so far and ends, and the rows that had not finished
+stay with their request, frozen (first in the queue again), while the KV cache is released.
+No loop starts and nothing is admitted while the engine is down. After
 the `wake` each frozen row continues under the new weights, as a prompt of its prompt plus its
 tokens so far (prefilled again, `reprefilled_tokens`) with what is left of its length. Each
 stretch of a row's tokens is tagged with `wakes` as it was generated (`Completion.segments`),
@@ -60,8 +68,8 @@ from pipeline.messages import Completion
 
 
 class EngineStatistics(msgspec.Struct, frozen=True, kw_only=True):
-    """Running totals since the engine was built. A slot is one row of a batched sampler call
-    for one decode step; it is busy while its row is still generating."""
+    """Running totals since the engine was built. A slot is one row of a decode loop's width
+    for one decode step (`Sampler.slot_steps`); it is busy while a row in it is generating."""
 
     slot_steps: int
     busy_slot_steps: int
@@ -325,9 +333,11 @@ class TorchEngine:
             self._wake_callers()
 
     def _wake_callers(self) -> None:
-        """From the compute thread: let the event loop's waiting callers look again."""
+        """From the compute thread: let the event loop's waiting callers look again (unless
+        it has closed under a loop that outlived it)."""
         assert self._event_loop is not None, "set when the loop started"
-        self._event_loop.call_soon_threadsafe(self._notify)
+        if not self._event_loop.is_closed():
+            self._event_loop.call_soon_threadsafe(self._notify)
 
     def statistics(self) -> EngineStatistics:
         return EngineStatistics(
@@ -347,8 +357,9 @@ class TorchEngine:
         self._changed = anyio.Event()
 
     async def stand_down(self) -> None:
-        """Release the KV cache. With partial rollouts, first freeze the batch in flight (the
-        release runs on the compute thread after the sampler's call has returned)."""
+        """Release the KV cache once the loop in flight has ended (the release runs on the
+        compute thread after it): with partial rollouts it freezes at its next step; otherwise
+        it admits nothing more and ends when its rows finish."""
         self._down = True
         if self.partial_rollouts:
             self._freeze.set()
