@@ -5,10 +5,14 @@ Parts (each can be picked with --parts):
   (CUDA graphs of compiled decode steps; first call compiles and captures, then timed calls;
   `--uncompiled`/`--eager` also time graphs of uncompiled steps / no graphs), the prefill's
   share, and the engine/recompute mismatch metrics of the generated tokens (`token_logprobs`).
-  `--bench-lengths MEDIAN,SIGMA` also times `long_tail`: the same batch (a fresh sampler, up to
-  `--new-tokens`) with each row ending at a length drawn as `rollout.bench_lengths` draws it
-  (lognormal, `backends/bench_lengths.py`; the draw and its percentiles go into the results),
-  counting only the tokens generated before each row's end (useful tokens/s).
+  `--bench-lengths MEDIAN,SIGMA` also times `long_tail`: `--stream-batches` batches' worth of
+  (prompt, `--samples-per-prompt`) requests (32 x 8 = `--batch` rows each by default), each
+  row ending at a length drawn as `rollout.bench_lengths` draws it (lognormal,
+  `backends/bench_lengths.py`; the draw and its percentiles go into the results), up to
+  `--new-tokens`: `continuous`, one loop of `--batch` slots that admits each request as slots
+  free up (`stream`), and `before`, each batch a fixed loop to its longest row; each with its
+  useful tokens/s (only tokens before each row's end) and idle slot fraction, beside the
+  fixed-length figure of the same width (`graphs`).
 - `handoff`: `release` (stand-down) and `wake` times of the sampler's KV cache, a check that
   the captured graphs still
   give the same greedy tokens afterwards, and the handoff check's cost: the trainer's and the
@@ -27,7 +31,7 @@ Parts (each can be picked with --parts):
   FLOPs per token = 6 * (non-embedding params + lm_head) + 12 * layers * hidden * seq.
 
     python -m bench.gpu [--parts generate,handoff,train] [--train-modes eager,model] [--out ...]
-    python -m bench.gpu --parts generate --new-tokens 2048 --bench-lengths 256,0.9
+    python -m bench.gpu --parts generate --new-tokens 2048 --bench-lengths 256,0.9 --repeats 1
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +52,8 @@ from backends.torch.grouped import response_logprobs
 from backends.torch.grpo_loss import mismatch_metrics
 from backends.torch.logprobs import picked_logprobs
 from backends.torch.model import Decoder, token_logprobs
-from backends.torch.sampler import Sampler
+from backends.torch.sampler import Admission, Sampler
+from pipeline.messages import Completion
 
 QWEN_1_5B = ModelConfig(
     vocab_size=151936,
@@ -129,40 +135,101 @@ def bench_generate(model: Decoder, args: argparse.Namespace) -> dict[str, Any]:
         del sampler
         torch.cuda.empty_cache()
     if args.bench_lengths:
-        out["long_tail"] = _long_tail(model, prompts, args)
-        print("long_tail", json.dumps(out["long_tail"]), flush=True)
+        out["long_tail"] = tail = _long_tail(model, args)
+        if tail["slots"] == args.batch and "graphs" in out:  # the fixed-length figure, same width
+            tail["fixed_length_tokens_per_s"] = out["graphs"]["tokens_per_s"]
+            tail["continuous_over_fixed_length"] = (
+                tail["continuous"]["tokens_per_s"] / out["graphs"]["tokens_per_s"]
+            )
+            tail["continuous_over_before"] = (
+                tail["continuous"]["tokens_per_s"] / tail["before"]["tokens_per_s"]
+            )
     return out
 
 
-def _long_tail(model: Decoder, prompts: list[list[int]], args: argparse.Namespace) -> dict[str, Any]:
-    """The generate part's batch with each row ending at a drawn length (`--bench-lengths`)."""
+def _long_tail(model: Decoder, args: argparse.Namespace) -> dict[str, Any]:
+    """`--stream-batches` batches of `--batch` rows, as (prompt, `--samples-per-prompt`)
+    requests with lengths drawn as `rollout.bench_lengths` draws them, through one continuous
+    loop of `--batch` slots, and "before": each batch as one fixed loop to its longest row."""
     median, sigma = args.bench_lengths
     lengths = BenchLengths(median_tokens=median, sigma=sigma)
-    limits = LengthDraw(lengths, max_new_tokens=args.new_tokens, seed=0).draw(len(prompts))
-    ordered = sorted(limits)
-    sampler = Sampler(model)  # a fresh one: its cache and graphs sized for this call
-    gen = torch.Generator("cuda").manual_seed(0)
-    kw = dict(max_new_tokens=args.new_tokens, temperature=1.0, generator=gen, limits=limits)
-    requests = [(p, 1) for p in prompts]
-    sampler.generate(requests, **kw)  # allocates, compiles, captures
-    times = []
-    for _ in range(args.repeats):
-        start = _sync_time()
-        outs = [c for (c,) in sampler.generate(requests, **kw)]
-        times.append(_sync_time() - start)
-    tokens = sum(len(o.tokens) for o in outs)
-    sampler.cache.pool.free()
-    del sampler
-    torch.cuda.empty_cache()
-    return {
+    group = args.samples_per_prompt
+    count = args.stream_batches * args.batch // group
+    g = torch.Generator().manual_seed(3)
+    prompts = torch.randint(3, QWEN_1_5B.vocab_size, (count, args.prompt_len), generator=g).tolist()
+    draw = LengthDraw(lengths, max_new_tokens=args.new_tokens, seed=0)
+    requests = [Admission(p, draw.draw(group), i) for i, p in enumerate(prompts)]
+    ordered = sorted(n for r in requests for n in r.limits)
+    out: dict[str, Any] = {
         "bench_lengths": lengths.describe(args.new_tokens),
+        "requests": count,
+        "samples_per_prompt": group,
+        "slots": args.batch,
         "lengths_p50": ordered[len(ordered) // 2],
         "lengths_p90": ordered[int(0.9 * (len(ordered) - 1))],
         "lengths_max": ordered[-1],
-        "lengths_mean": tokens / len(outs),
-        "call_s": times,
+        "lengths_mean": sum(ordered) / len(ordered),
+    }
+    sampler = Sampler(model)  # a fresh one: its cache and graphs sized for this width
+    for name, continuous in (("continuous", True), ("before", False)):
+        kw = dict(max_new_tokens=args.new_tokens, temperature=1.0, generator=torch.Generator("cuda"))
+        stream(sampler, requests[: args.batch // group], args.batch, continuous=continuous, **kw)  # captures
+        runs = [
+            stream(sampler, requests, args.batch, continuous=continuous, sync=torch.cuda.synchronize, **kw)
+            for _ in range(args.repeats)
+        ]
+        best = min(runs, key=lambda run: run["s"])
+        out[name] = {**best, "call_s": [run["s"] for run in runs], "tokens_per_s": best["tokens"] / best["s"]}
+        print("long_tail", name, json.dumps(out[name]), flush=True)
+    sampler.cache.pool.free()
+    del sampler
+    torch.cuda.empty_cache()
+    return out
+
+
+def stream(
+    sampler: Sampler,
+    requests: list[Admission],
+    slots: int,
+    *,
+    continuous: bool,
+    sync: Callable[[], None] = lambda: None,
+    **kw: Any,
+) -> dict[str, Any]:
+    """Generate ``requests`` in order (each row to its limit, no stop tokens) with at most
+    ``slots`` rows at once. ``continuous``: one `Sampler.serve` loop, each request admitted as
+    soon as its rows fit the free slots (another loop only if one did not fit the cache);
+    otherwise (today's fixed batches) one loop per ``slots`` rows, nothing admitted mid-loop.
+    Returns seconds ``s``, ``tokens``, ``loops`` and ``idle_slot_fraction``."""
+    waiting = list(requests)
+    done: list[Completion] = []
+    loops = 0
+    before = sampler.slot_steps
+
+    def source(rows: int | None, positions: int | None) -> list[Admission]:
+        given: list[Admission] = []
+        free = slots if rows is None else rows
+        while waiting and len(waiting[0].limits) <= free and (rows is None or continuous):
+            if positions is not None and len(waiting[0].prompt) + max(waiting[0].limits) > positions:
+                break
+            given.append(waiting.pop(0))
+            free -= len(given[-1].limits)
+        return given
+
+    sync()
+    start = time.perf_counter()
+    while waiting:
+        loops += 1
+        sampler.serve(source, lambda _, out: done.extend(out), **kw)
+    sync()
+    seconds = time.perf_counter() - start
+    tokens = sum(len(c.tokens) for c in done)
+    assert tokens == sum(sum(r.limits) for r in requests), "every row ends at its limit"
+    return {
+        "s": seconds,
         "tokens": tokens,
-        "tokens_per_s": tokens / min(times),
+        "loops": loops,
+        "idle_slot_fraction": 1 - tokens / (sampler.slot_steps - before),
     }
 
 
@@ -388,10 +455,16 @@ def main() -> None:
         type=_median_sigma,
         help="MEDIAN,SIGMA: also time the generate part with lognormal response lengths",
     )
+    parser.add_argument(
+        "--stream-batches", type=int, default=4, help="long_tail: batches of --batch rows streamed"
+    )
+    parser.add_argument("--samples-per-prompt", type=int, default=8, help="long_tail: rows per request")
     parser.add_argument("--out", default="bench/results-h200.json")
     args = parser.parse_args()
     if args.new_tokens < 2:
         parser.error("--new-tokens must be at least 2 (decode steps are timed apart from the prefill)")
+    if args.batch % args.samples_per_prompt:
+        parser.error("--samples-per-prompt must divide --batch (long_tail's requests fill its slots)")
     parts = args.parts.split(",")
     results: dict[str, Any] = {
         "device": torch.cuda.get_device_name(),

@@ -236,8 +236,8 @@ class Sampler:
 
         Slots. The first call ``source(None, None)`` gives what is waiting; the loop's width is
         its rows (bucketed with graphs, so one captured step serves the whole loop) and the
-        cache is grown, if it must, to fit each of its rows' prompt plus limit. Growing happens
-        only here, between loops. Every ``check_every`` steps (and once every live row must
+        cache is grown, if it must, to fit its longest prompt plus ``max_new_tokens``. Growing
+        happens only here, between loops. Every ``check_every`` steps (and once every live row must
         have reached its limit) the loop waits for the device, hands each admission whose rows
         have all finished to ``sink`` with its Completions (in slot order), and offers the free
         slots to ``source(rows, positions)``, which gives admissions of at most ``rows`` rows in
@@ -259,7 +259,8 @@ class Sampler:
         dev = self.device
         batch = sum(len(a.limits) for a in first)
         rows = _bucket(batch) if self._bucketed else batch
-        self._ensure(rows, max(len(a.prompt) + max(a.limits) for a in first))
+        # Room for every row up to max_new_tokens, so later admissions of such prompts fit.
+        self._ensure(rows, max(len(a.prompt) for a in first) + max_new_tokens)
         positions = self.cache.length
         greedy = temperature == 0
         step = self.steps.get(rows, draws=greedy or top_p == 1)
