@@ -410,9 +410,8 @@ class _Pipeline:
         return {"gate": self.gate.state.value, "queues": self.depths()}
 
     def idle_slots(self) -> dict[str, float]:
-        """The fraction of the engine's batch slots (row x decode step) with no row still
-        generating since the last step (finished rows riding along to the longest), from an
-        engine with `statistics()`."""
+        """The fraction of the engine's slots (row x decode step) with no row generating since
+        the last step (finished rows waiting for a refill), from an engine with `statistics()`."""
         statistics = getattr(self.backend_engine, "statistics", None)
         if statistics is None:
             return {}
