@@ -237,12 +237,13 @@ class Sampler:
         Slots. The first call ``source(None, None)`` gives what is waiting; the loop's width is
         its rows (bucketed with graphs, so one captured step serves the whole loop) and the
         cache is grown, if it must, to fit its longest prompt plus ``max_new_tokens``. Growing
-        happens only here, between loops. Every ``check_every`` steps (and once every live row must
-        have reached its limit) the loop waits for the device, hands each admission whose rows
-        have all finished to ``sink`` with its Completions (in slot order), and offers the free
-        slots to ``source(rows, positions)``, which gives admissions of at most ``rows`` rows in
-        all, each row's prompt plus limit at most ``positions`` (the cache's length) and each
-        limit at most ``max_new_tokens``. An admission's prompt is prefilled once into exactly
+        happens only here, between loops. Every ``check_every`` steps (and once every live row
+        must have reached its limit) the loop waits for the device, takes each finished row's
+        tokens off it and frees its slot, hands each admission whose rows are all back to
+        ``sink`` with their Completions (in its rows' order), and offers the free slots to
+        ``source(rows, positions)``, which gives admissions of at most ``rows`` rows in all,
+        each row's prompt plus limit at most ``positions`` (the cache's length) and each limit
+        at most ``max_new_tokens``. An admission's prompt is prefilled once into exactly
         its slots (the lowest free ones, in order), its rows' positions, limits and first tokens
         set; a finished row's slot computes a wasted row until it is refilled. Admissions of a
         refill are drawn and decoded after the rows already live, in the order given, so equal
@@ -264,6 +265,7 @@ class Sampler:
         positions = self.cache.length
         greedy = temperature == 0
         step = self.steps.get(rows, draws=greedy or top_p == 1)
+        step.position.zero_()  # slots never filled stay at 0 (a step's buffers outlive its loop)
         step.inv_temperature.fill_(1.0 if greedy else 1.0 / temperature)
         step.noisy.fill_(0.0 if greedy else 1.0)
         if greedy and step.draws and not step.race:
