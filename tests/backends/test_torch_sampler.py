@@ -421,3 +421,54 @@ def test_a_finished_row_frees_its_slot_for_a_waiting_request_before_the_longest_
         got = handed[admission.key]
         assert got.tokens == alone.tokens and len(got.tokens) == admission.limits[0], admission.key
         assert got.logprobs == pytest.approx(alone.logprobs, abs=1e-5), admission.key
+
+
+def test_a_freeze_hands_back_every_live_row_including_those_admitted_mid_loop() -> None:
+    """Partial rollouts in the continuous loop: A (2 tokens) ends, C takes its slot and the
+    freeze goes up with it; at the next step boundary the loop hands back B and C with their
+    tokens so far ("frozen"; the prefixes of their calls alone) and asks the source no more."""
+    import threading
+
+    from backends.torch.sampler import Admission
+
+    sampler = _samplers()[0]
+    freeze = threading.Event()
+    a, b, c = (
+        Admission(PROMPTS[1], [2], "A"),
+        Admission(PROMPTS[2], [9], "B"),
+        Admission(PROMPTS[0], [3], "C"),
+    )
+    asked: list[int | None] = []
+    handed: dict[str, Completion] = {}
+
+    def source(rows: int | None, positions: int | None) -> list[Admission]:
+        asked.append(rows)
+        if rows is None:
+            return [a, b]
+        if "A" in handed and not freeze.is_set():
+            freeze.set()
+            return [c]
+        return []
+
+    def sink(admission: Admission, out: list[Completion]) -> None:
+        (handed[admission.key],) = out
+
+    sampler.serve(
+        source,
+        sink,
+        max_new_tokens=9,
+        temperature=0.0,
+        freeze=freeze,
+        generator=torch.Generator().manual_seed(0),
+    )
+    assert asked == [None, 1]  # at step 1 nothing had finished; at step 2 A had
+    assert {key: (len(o.tokens), o.finish_reason) for key, o in handed.items()} == {
+        "A": (2, "length"),
+        "B": (3, "frozen"),
+        "C": (1, "frozen"),
+    }
+    for admission in (b, c):
+        ((alone,),) = _requests(sampler, [(admission.prompt, 1)], temperature=0.0, max_new_tokens=9)
+        got = handed[admission.key]
+        assert got.tokens == alone.tokens[: len(got.tokens)]
+        assert got.logprobs == pytest.approx(alone.logprobs[: len(got.tokens)], abs=1e-5)
