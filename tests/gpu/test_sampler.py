@@ -114,7 +114,7 @@ def test_logprobs_match_full_recomputation(
 def test_greedy_equals_the_eager_sampler_and_stops() -> None:
     model = _model(torch.float32)
     prompts = _prompts(9, seed=1)
-    # 80 tokens: past the point where the first columns start their copy to the host.
+    # 80 tokens: past the loop's first checks (every 32 steps).
     kw = dict(max_new_tokens=80, temperature=0.0, generator=torch.Generator("cuda"))
     want = _generate(Sampler(model, graphs=False, compiled=False), prompts, **kw)
     got = _generate(Sampler(model), prompts, **kw)
@@ -205,3 +205,45 @@ def test_row_limits_and_a_freeze_under_graphs() -> None:
     cut = _generate(sampler, prompts, freeze=freeze, **kw)
     assert [o.tokens for o in cut] == [f.tokens[:1] for f in free]
     assert {o.finish_reason for o in cut} == {"frozen"}
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_slots_refilled_mid_loop_under_graphs(temperature: float) -> None:
+    """The continuous loop with a captured graph: 20 requests of 2 rows, each row ending at
+    its own limit, through 16 slots, each request admitted as 2 slots free up (prefilled into
+    recycled rows between replays, its first token drawn outside the graph). Greedy, each
+    row is its prompt's greedy continuation alone; sampled, its logprobs match a full
+    recomputation."""
+    from backends.torch.sampler import Admission
+
+    model = _model(torch.float32)
+    sampler = Sampler(model)
+    prompts = _prompts(20, seed=6)
+    g = torch.Generator().manual_seed(7)
+    limits = [torch.randint(1, 70, (2,), generator=g).tolist() for _ in prompts]
+    waiting = [Admission(p, n, i) for i, (p, n) in enumerate(zip(prompts, limits, strict=True))]
+    out: dict[int, list[Completion]] = {}
+
+    def source(free: int | None, positions: int | None) -> list[Admission]:
+        given, free = [], 16 if free is None else free
+        while waiting and free >= 2:
+            given.append(waiting.pop(0))
+            free -= 2
+        return given
+
+    def sink(admission: Admission, completions: list[Completion]) -> None:
+        out[admission.key] = completions
+
+    kw = dict(max_new_tokens=70, temperature=temperature, generator=torch.Generator("cuda").manual_seed(0))
+    sampler.serve(source, sink, **kw)
+    assert not waiting and sampler.captures == 1
+    flat = [c for i in range(len(prompts)) for c in out[i]]
+    assert [len(c.tokens) for c in flat] == [n for pair in limits for n in pair]
+    if temperature == 0:
+        greedy = _generate(Sampler(model), prompts, **kw)
+        assert [c.tokens for c in flat] == [
+            greedy[i // 2].tokens[: len(c.tokens)] for i, c in enumerate(flat)
+        ]
+    else:
+        lp, gen, mask = _recomputed(model, [p for p in prompts for _ in range(2)], flat, temperature)
+        torch.testing.assert_close(gen * mask, lp * mask, atol=2e-4, rtol=0)
