@@ -10,7 +10,8 @@ each of its checks, as finished rows free their slots: this batch's late groups,
 batch's when L >= 1. The queue is shared with the compute thread under a lock; the loop answers
 a request once all its rows are back and wakes the waiting callers through the event loop
 (`call_soon_threadsafe`). The loop outlives the caller that started it, so one caller's
-deadline never orphans the others; when it ends, a caller still waiting starts the next. A
+deadline never orphans the others; a request whose caller gave up (a timeout, a stop) gives
+its slots back at the next check; when the loop ends, a caller still waiting starts the next. A
 request of the other mode, one that does not fit, a stand-down and a refit all make the loop
 admit nothing more, so it ends once its rows finish.
 
@@ -263,6 +264,7 @@ class TorchEngine:
                 stop_token_ids=self.stop_token_ids,
                 generator=self.generator,
                 freeze=self._freeze if self.partial_rollouts else None,
+                dropped=lambda admission: admission.key[0].cancelled,
             )
         except Exception as error:
             for request in active:

@@ -229,6 +229,7 @@ class Sampler:
         stop_token_ids: Sequence[int] = (),
         generator: torch.Generator,
         freeze: threading.Event | None = None,
+        dropped: Callable[[Admission], bool] | None = None,
     ) -> None:
         """The continuous decode loop: a fixed number of slots (rows of the cache and of the
         decode step), filled from ``source`` and emptied into ``sink``; returns once no row is
@@ -248,6 +249,9 @@ class Sampler:
         set; a finished row's slot computes a wasted row until it is refilled. Admissions of a
         refill are drawn and decoded after the rows already live, in the order given, so equal
         generator state, inputs and admission order give equal outputs.
+
+        ``dropped``: asked at each check of every live admission; one it says to drop (its
+        caller gave up) has its unfinished rows' slots freed at once and never reaches ``sink``.
 
         ``freeze``: a host flag read at each step boundary; once set, the loop hands every live
         admission to ``sink`` at once, the rows that had not finished with finish_reason
@@ -309,6 +313,8 @@ class Sampler:
             if frozen or count % self.check_every == 0 or count >= loop.last:
                 self.slot_steps += rows * (count - checked)
                 checked = count
+                if dropped is not None and (freed := loop.drop(dropped)):
+                    done[torch.tensor(freed, device=dev)] = True  # no longer generating
                 self._hand_over(
                     loop, done.tolist(), generated, tokens, logprobs, stop_token_ids, sink, frozen
                 )
@@ -491,6 +497,16 @@ class _Slots:
         self.live = [live for live in self.live if any(c is None for c in live.out)]
         self._bounds()
         return back
+
+    def drop(self, dropped: Callable[[Admission], bool]) -> list[int]:
+        """Forget the live admissions ``dropped`` says to; the slots their rows held, freed."""
+        gone = [live for live in self.live if dropped(live.admission)]  # asked once: it may change
+        freed = [slot for live in gone for row, slot in enumerate(live.slots) if live.out[row] is None]
+        if gone:
+            self.live = [live for live in self.live if not any(live is g for g in gone)]
+            self.free = sorted(self.free + freed)
+            self._bounds()
+        return freed
 
     def _bounds(self) -> None:
         self.last = max((live.at + max(live.admission.limits) for live in self.live), default=0)

@@ -472,3 +472,51 @@ def test_a_freeze_hands_back_every_live_row_including_those_admitted_mid_loop() 
         got = handed[admission.key]
         assert got.tokens == alone.tokens[: len(got.tokens)]
         assert got.logprobs == pytest.approx(alone.logprobs[: len(got.tokens)], abs=1e-5)
+
+
+def test_a_dropped_admission_frees_its_slots_at_the_next_check_and_is_never_handed_back() -> None:
+    """A caller that gives up: B is dropped after the loop's third draw; its slot goes to C
+    at that check, B never reaches the sink, and A and C decode as their prompts alone."""
+    from backends.torch.sampler import Admission
+
+    sampler = _samplers()[0]
+    a, b, c = (
+        Admission(PROMPTS[1], [6], "A"),
+        Admission(PROMPTS[2], [6], "B"),
+        Admission(PROMPTS[0], [3], "C"),
+    )
+    gone: set[str] = set()
+    draws = 0
+
+    def count_draws(*_: Any) -> None:
+        nonlocal draws
+        draws += 1
+        if draws == 3:
+            gone.add("B")
+
+    hook = sampler.model.lm_head.register_forward_hook(count_draws)
+    handed: dict[str, Completion] = {}
+    waiting = [c]
+
+    def source(rows: int | None, positions: int | None) -> list[Admission]:
+        return [a, b] if rows is None else [waiting.pop()] if waiting else []
+
+    def sink(admission: Admission, out: list[Completion]) -> None:
+        (handed[admission.key],) = out
+
+    sampler.serve(
+        source,
+        sink,
+        max_new_tokens=6,
+        temperature=0.0,
+        generator=torch.Generator().manual_seed(0),
+        dropped=lambda admission: admission.key in gone,
+    )
+    hook.remove()
+    assert sorted(handed) == ["A", "C"]
+    assert sampler.slot_steps == 2 * 6  # C within A's 6 steps, in B's slot
+    for admission in (a, c):
+        ((alone,),) = _requests(
+            sampler, [(admission.prompt, 1)], temperature=0.0, max_new_tokens=admission.limits[0]
+        )
+        assert handed[admission.key].tokens == alone.tokens

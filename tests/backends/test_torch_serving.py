@@ -164,6 +164,7 @@ async def test_a_request_arriving_while_the_loop_runs_takes_a_freed_slot_and_fin
                 while not engine._queue:
                     await anyio.sleep(0.01)
                 go.set()
+            await engine.compute.run(lambda: None)  # behind the loop: its sink calls are over
     finally:
         engine.close()
     assert resolved == [other, PROMPT]
@@ -177,6 +178,52 @@ async def test_a_request_arriving_while_the_loop_runs_takes_a_freed_slot_and_fin
     assert got["second"][0].logprobs == pytest.approx(want[2][1], abs=1e-5)
     stats = engine.statistics()
     assert (stats.slot_steps, stats.busy_slot_steps) == (2 * 8, 2 + 8 + 3)
+
+
+async def test_a_request_given_up_mid_loop_stops_taking_its_slots() -> None:
+    """The real engine: two requests share a loop; the second's caller is cancelled while the
+    loop runs. At the next check its row is dropped (no slot of it counted busy after that),
+    and the first request is answered as if alone."""
+    model = _model()
+    want = _greedy(model, PROMPT, 8)
+    engine = _engine(model)
+    paused, go = threading.Event(), threading.Event()
+    draws = 0
+
+    def hold_the_second_draw(*_: Any) -> None:  # on the compute thread, in the loop
+        nonlocal draws
+        draws += 1
+        if draws == 2:
+            paused.set()
+            go.wait(timeout=30)
+
+    model.lm_head.register_forward_hook(hold_the_second_draw)
+    answered: dict[str, Any] = {}
+    left: set[str] = set()
+
+    async def ask(name: str, prompt: list[int], scope: anyio.CancelScope) -> None:
+        with scope:
+            answered[name] = await engine.generate(prompt, 1, greedy=True)
+        left.add(name)
+
+    given_up = anyio.CancelScope()
+    try:
+        with anyio.fail_after(60):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(ask, "kept", PROMPT, anyio.CancelScope())
+                tg.start_soon(ask, "given up", [5, 6, 7], given_up)
+                while not paused.is_set():
+                    await anyio.sleep(0.01)
+                given_up.cancel()
+                while "given up" not in left:  # its caller's cleanup marks the request cancelled
+                    await anyio.sleep(0.01)
+                go.set()
+    finally:
+        engine.close()
+    assert list(answered) == ["kept"]
+    assert answered["kept"][0].tokens == want[0]
+    stats = engine.statistics()
+    assert (stats.slot_steps, stats.busy_slot_steps) == (2 * 8, 8)
 
 
 async def test_bench_lengths_end_each_sample_as_drawn_and_continue_across_a_resume() -> None:
