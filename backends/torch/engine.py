@@ -179,6 +179,7 @@ class TorchEngine:
         self._loop: asyncio.Future[None] | None = None  # the decode loop in flight
         self._event_loop: asyncio.AbstractEventLoop | None = None
         self._starting = False
+        self._active: list[_Request] = []  # admitted to the loop in flight (compute thread)
         self._paused = 0  # refits waiting for the loop to end
         self._changed = anyio.Event()
         self.calls = 0  # decode loops run
@@ -244,7 +245,8 @@ class TorchEngine:
     def _loop_ended(self, loop: asyncio.Future[None]) -> None:
         self._loop = None
         if not loop.cancelled() and (error := loop.exception()) is not None:
-            for request in self._queue:  # a bug in the loop itself: nobody should wait on
+            # Escaped `_serve` (a bug there): every caller gets it rather than wait forever.
+            for request in self._active + self._queue:
                 request.result, request.done = error, True
         self._notify()
 
@@ -254,6 +256,7 @@ class TorchEngine:
         front of the queue when it ends."""
         self.calls += 1
         active: list[_Request] = []
+        self._active = active
         try:
             self.sampler.serve(
                 functools.partial(self._admit, greedy, active),
@@ -405,7 +408,7 @@ class TorchEngine:
         self._take_fingerprint()
 
     async def load_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
-        """Copy `weights` (every parameter, by name) into the served model between two batches:
+        """Copy `weights` (every parameter, by name) into the served model between two loops:
         the refit of an engine whose trainer is in another process."""
         await self._between_loops(self._load_weights, weights)
 
