@@ -12,8 +12,9 @@ a request once all its rows are back and wakes the waiting callers through the e
 (`call_soon_threadsafe`). The loop outlives the caller that started it, so one caller's
 deadline never orphans the others; a request whose caller gave up (a timeout, a stop) gives
 its slots back at the next check; when the loop ends, a caller still waiting starts the next. A
-request of the other mode, one that does not fit, a stand-down and a refit all make the loop
-admit nothing more, so it ends once its rows finish.
+request of the other mode, one that does not fit, more rows waiting than twice the loop's
+width, a stand-down and a refit all make the loop admit nothing more, so it ends once its
+rows finish.
 
 Colocated (`shared=True`) the engine samples from the trainer's own parameter tensors: it must
 stand down for training (its KV cache's memory is released) and waking it maps the cache again
@@ -180,6 +181,7 @@ class TorchEngine:
         self._event_loop: asyncio.AbstractEventLoop | None = None
         self._starting = False
         self._active: list[_Request] = []  # admitted to the loop in flight (compute thread)
+        self._width = 0  # the loop in flight's slots
         self._paused = 0  # refits waiting for the loop to end
         self._changed = anyio.Event()
         self.calls = 0  # decode loops run
@@ -257,6 +259,7 @@ class TorchEngine:
         self.calls += 1
         active: list[_Request] = []
         self._active = active
+        self._width = 0  # the rows of its first admission, then its slots
         try:
             self.sampler.serve(
                 functools.partial(self._admit, greedy, active),
@@ -286,9 +289,15 @@ class TorchEngine:
         """The sampler's source (compute thread): requests from the front of the queue, in
         order, while they are of the loop's mode and fit the free ``rows`` and the cache's
         ``positions`` (all of them at the loop's start); none while the engine stands down or
-        a refit waits (the loop then ends once its rows finish)."""
+        a refit waits, nor while more than twice the loop's width waits (a loop opened by a
+        few requests, a retried group, must not take the next batch through a few slots: it
+        ends once its rows finish, and the next opens wide enough)."""
         admissions: list[Admission] = []
         with self._lock:
+            if rows is not None:
+                waiting = sum(row.reason is None for r in self._queue if r.greedy == greedy for row in r.rows)
+                if waiting > 2 * self._width:
+                    return admissions
             while self._queue and not (self._down or self._paused or self._freeze.is_set()):
                 request = self._queue[0]
                 if request.greedy != greedy:
@@ -304,6 +313,8 @@ class TorchEngine:
                 active.append(request)
                 if rows is not None:
                     rows -= wanted
+                else:
+                    self._width += wanted
                 for prompt, same in parts:
                     if same[0].frozen:  # rows that share a prompt were frozen together
                         self._reprefilled += len(prompt)  # the work: one prefill for them all
@@ -313,6 +324,8 @@ class TorchEngine:
                             row.frozen = False
                     limits = [row.limit - len(row.tokens) for row in same]
                     admissions.append(Admission(prompt, limits, (request, same)))
+            if rows is None:
+                self._width = self.sampler.width_for(self._width)
         return admissions
 
     def _finish(self, admission: Admission, out: list[Completion]) -> None:

@@ -127,6 +127,10 @@ class Sampler:
         """CUDA graphs captured so far."""
         return self.steps.captures
 
+    def width_for(self, rows: int) -> int:
+        """The slots of a loop that ``rows`` rows open (`serve`)."""
+        return _bucket(rows) if self._bucketed else rows
+
     # ---- memory and handoff -------------------------------------------------------------
 
     def cache_bytes(self) -> int:
@@ -262,8 +266,7 @@ class Sampler:
         if not first:
             return
         dev = self.device
-        batch = sum(len(a.limits) for a in first)
-        rows = _bucket(batch) if self._bucketed else batch
+        rows = self.width_for(sum(len(a.limits) for a in first))
         # Room for every row up to max_new_tokens, so later admissions of such prompts fit.
         self._ensure(rows, max(len(a.prompt) for a in first) + max_new_tokens)
         positions = self.cache.length

@@ -180,6 +180,39 @@ async def test_a_request_arriving_while_the_loop_runs_takes_a_freed_slot_and_fin
     assert (stats.slot_steps, stats.busy_slot_steps) == (2 * 8, 2 + 8 + 3)
 
 
+@pytest.mark.parametrize(("waiting", "loops", "slot_steps"), [(2, 1, 8 + 2 + 2), (3, 2, 8 + 3 * 2)])
+async def test_a_narrow_loop_hands_a_crowd_of_waiting_requests_to_a_wider_one(
+    waiting: int, loops: int, slot_steps: int
+) -> None:
+    """A loop opened by one row (one slot, 8 tokens) takes the requests queued while it runs
+    (2 tokens each) through its slot while no more than twice its width waits; past that it
+    admits nothing, ends with its row, and the next loop opens with a slot for each."""
+    model = _model()
+    engine = _engine(model, lengths=_Scripted([8], *[[2]] * waiting))
+    started, go = threading.Event(), threading.Event()
+
+    def hold_the_first_draw(*_: Any) -> None:
+        if not started.is_set():
+            started.set()
+            go.wait(timeout=30)
+
+    model.lm_head.register_forward_hook(hold_the_first_draw)
+    try:
+        with anyio.fail_after(60):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(engine.generate, PROMPT, 1)
+                while not started.is_set():
+                    await anyio.sleep(0.01)
+                for _ in range(waiting):
+                    tg.start_soon(engine.generate, [5, 6, 7], 1)
+                while len(engine._queue) < waiting:
+                    await anyio.sleep(0.01)
+                go.set()
+    finally:
+        engine.close()
+    assert (engine.calls, engine.statistics().slot_steps) == (loops, slot_steps)
+
+
 async def test_a_request_given_up_mid_loop_stops_taking_its_slots() -> None:
     """The real engine: two requests share a loop; the second's caller is cancelled while the
     loop runs. At the next check its row is dropped (no slot of it counted busy after that),
