@@ -91,7 +91,6 @@ def build_engine(
         compute=compute,
         fingerprints=recipe.async_rl.handoff_checks,
         partial=rollout.partial,
-        max_rows=recipe.prompts.prompts_per_step * rollout.samples_per_prompt,  # one step's batch
         lengths=None
         if rollout.bench_lengths is None
         else LengthDraw(

@@ -12,11 +12,9 @@ a request once all its rows are back and wakes the waiting callers through the e
 (`call_soon_threadsafe`). The loop outlives the caller that started it, so one caller's
 deadline never orphans the others; a request whose caller gave up (a timeout, a stop) gives
 its slots back at the next check; when the loop ends, a caller still waiting starts the next. A
-request of the other mode, one that does not fit, more rows waiting than twice the width of a
-loop narrower than `max_rows`, a stand-down and a refit all make the loop admit nothing more,
-so it ends once its rows finish. A loop opens with at most `max_rows` rows (one step's batch,
-from the builders), so at L >= 1 the next batch fills the slots this batch frees instead of
-widening the loop that this batch must finish in.
+request of the other mode, one that does not fit, more rows waiting than twice the loop's
+width, a stand-down and a refit all make the loop admit nothing more, so it ends once its
+rows finish.
 
 Colocated (`shared=True`) the engine samples from the trainer's own parameter tensors: it must
 stand down for training (its KV cache's memory is released) and waking it maps the cache again
@@ -151,15 +149,9 @@ class TorchEngine:
         refresh_weights: Callable[[], None] | None = None,
         partial: bool = False,
         lengths: LengthDraw | None = None,
-        max_rows: int | None = None,
     ) -> None:
         assert shared or not partial, "partial rollouts need an engine that stands down"
         self.sampler = sampler
-        # The most rows a loop opens with (its slots, before bucketing; one request more if its
-        # first is larger): the builders give one step's batch, so at L >= 1 the next batch's
-        # requests wait for freed slots instead of widening the loop that the current batch
-        # must finish in. None: every request waiting at the loop's start.
-        self.max_rows = max_rows
         self.partial_rollouts = partial
         self.lengths = lengths
         self.wakes = 0  # `wake` calls served (tags partial rollouts' stretches)
@@ -296,17 +288,15 @@ class TorchEngine:
     ) -> list[Admission]:
         """The sampler's source (compute thread): requests from the front of the queue, in
         order, while they are of the loop's mode and fit the free ``rows`` and the cache's
-        ``positions`` (at the loop's start, all of them up to `max_rows`); none while the engine
-        stands down or a refit waits, nor while more than twice the width of a loop narrower
-        than `max_rows` waits (a loop opened by a few requests, a retried group, must not take
-        the next batch through a few slots: it ends once its rows finish, and the next opens
-        wide enough)."""
+        ``positions`` (all of them at the loop's start); none while the engine stands down or
+        a refit waits, nor while more than twice the loop's width waits (a loop opened by a
+        few requests, a retried group, must not take the next batch through a few slots: it
+        ends once its rows finish, and the next opens wide enough)."""
         admissions: list[Admission] = []
         with self._lock:
             if rows is not None:
                 waiting = sum(row.reason is None for r in self._queue if r.greedy == greedy for row in r.rows)
-                narrow = self.max_rows is None or self._width < self.max_rows
-                if narrow and waiting > 2 * self._width:
+                if waiting > 2 * self._width:
                     return admissions
             while self._queue and not (self._down or self._paused or self._freeze.is_set()):
                 request = self._queue[0]
@@ -318,9 +308,6 @@ class TorchEngine:
                     len(prompt) + row.limit - len(row.tokens) for prompt, same in parts for row in same
                 )
                 if rows is not None and positions is not None and (wanted > rows or longest > positions):
-                    break
-                capped = self.max_rows is not None and self._width + wanted > self.max_rows
-                if rows is None and active and capped:
                     break
                 self._queue.pop(0)
                 active.append(request)

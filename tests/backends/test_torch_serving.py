@@ -213,61 +213,6 @@ async def test_a_narrow_loop_hands_a_crowd_of_waiting_requests_to_a_wider_one(
     assert (engine.calls, engine.statistics().slot_steps) == (loops, slot_steps)
 
 
-@pytest.mark.parametrize(("max_rows", "slot_steps"), [(None, 3 * 8), (2, 2 * 8)])
-async def test_a_loop_opens_with_at_most_max_rows_and_the_rest_fill_freed_slots(
-    max_rows: int | None, slot_steps: int
-) -> None:
-    """Three one-row requests (2, 8 and 3 tokens) wait together. Uncapped, the loop opens
-    three slots; capped at two (one step's batch), it opens two and the third request takes
-    the first's slot when that row ends, in the same loop, and still equals its prompt alone."""
-    model = _model()
-    other = [5, 6, 7]
-    engine = _engine(model, lengths=_Scripted([2], [8], [3]), max_rows=max_rows)
-    answered: dict[int, list[Any]] = {}
-
-    async def ask(i: int, prompt: list[int]) -> None:
-        answered[i] = await engine.generate(prompt, 1, greedy=True)
-
-    try:
-        with anyio.fail_after(60):
-            async with anyio.create_task_group() as tg:
-                for i, prompt in enumerate([PROMPT, PROMPT, other]):
-                    tg.start_soon(ask, i, prompt)
-    finally:
-        engine.close()
-    assert (engine.calls, engine.statistics().slot_steps) == (1, slot_steps)
-    assert answered[2][0].tokens == _greedy(model, other, 3)[0]
-
-
-@pytest.mark.parametrize("waiting", [3, 5])
-async def test_a_loop_at_max_rows_keeps_admitting_however_many_wait(waiting: int) -> None:
-    """At its cap a loop is as wide as it will be: the twice-the-width rule does not end it."""
-    model = _model()
-    engine = _engine(model, lengths=_Scripted([8], *[[2]] * waiting), max_rows=1)
-    started, go = threading.Event(), threading.Event()
-
-    def hold_the_first_draw(*_: Any) -> None:
-        if not started.is_set():
-            started.set()
-            go.wait(timeout=30)
-
-    model.lm_head.register_forward_hook(hold_the_first_draw)
-    try:
-        with anyio.fail_after(60):
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(engine.generate, PROMPT, 1)
-                while not started.is_set():
-                    await anyio.sleep(0.01)
-                for _ in range(waiting):
-                    tg.start_soon(engine.generate, [5, 6, 7], 1)
-                while len(engine._queue) < waiting:
-                    await anyio.sleep(0.01)
-                go.set()
-    finally:
-        engine.close()
-    assert engine.calls == 1
-
-
 async def test_a_request_given_up_mid_loop_stops_taking_its_slots() -> None:
     """The real engine: two requests share a loop; the second's caller is cancelled while the
     loop runs. At the next check its row is dropped (no slot of it counted busy after that),
