@@ -17,7 +17,7 @@ from __future__ import annotations
 import importlib.util
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 
@@ -56,6 +56,9 @@ class RayPlacement(Section, tag_field="backend", tag="ray"):
     reward_concurrency: PositiveInt = 8
     # Engine actors that died and were replaced, over the whole run, before it stops.
     max_engine_restarts: NonNegativeInt = 3
+    # How the trainer's weights reach separate engines (`weights_transport`); auto: CUDA IPC
+    # where one engine and the trainer share a GPU, else the object store.
+    weights: Literal["auto", "object_store", "cuda_ipc", "collective"] = "auto"
 
 
 Placement = LocalPlacement | RayPlacement
@@ -99,6 +102,27 @@ def gpus(recipe: Any, side: str) -> float:
     return float(asked)
 
 
+def shares_gpu(recipe: Any) -> bool:
+    """One engine and the trainer, apart, that fit on one GPU between them: Ray puts them in
+    one placement-group bundle (the same GPU)."""
+    engine, trainer = gpus(recipe, "engine"), gpus(recipe, "trainer")
+    return (
+        not recipe.colocated
+        and recipe.placement.engines == 1
+        and 0 < engine
+        and 0 < trainer
+        and engine + trainer <= 1
+    )
+
+
+def weights_transport(recipe: Any) -> str:
+    """`placement.weights` resolved: object_store, cuda_ipc or collective."""
+    asked: str = recipe.placement.weights
+    if asked == "auto":
+        return "cuda_ipc" if shares_gpu(recipe) else "object_store"
+    return asked
+
+
 def check_ray() -> None:
     """`placement.backend: ray` needs the ray package here (and on every node)."""
     if importlib.util.find_spec("ray") is None:
@@ -126,6 +150,25 @@ def check_placement(recipe: Any) -> None:
                     f"placement.{side}_gpus: 0, but model.device: {recipe.model.device}: Ray shows "
                     f"an actor only the GPUs it asks for; leave it unset (a GPU of its own) or set "
                     "0.5 for the engine and the trainer each (the two share one GPU)"
+                )
+    weights = section.weights
+    if weights != "auto" and recipe.colocated:
+        raise ValueError(
+            f"placement.weights: {weights} needs colocated: false (colocated, the engine shares the "
+            "trainer's weights): set placement.weights: auto"
+        )
+    if weights == "cuda_ipc" and not recipe.colocated and not shares_gpu(recipe):
+        raise ValueError(
+            "placement.weights: cuda_ipc needs one engine and the trainer on one GPU (placement.engines: "
+            "1, model.device: cuda, engine_gpus + trainer_gpus <= 1): set placement.weights: auto"
+        )
+    if weights == "collective" and recipe.model.device.startswith("cuda"):
+        for side in ("trainer", "engine"):
+            if gpus(recipe, side) < 1:
+                raise ValueError(
+                    f"placement.weights: collective, but placement.{side}_gpus: {gpus(recipe, side):g}: "
+                    "NCCL takes one rank per GPU, so each actor needs a GPU of its own: leave "
+                    f"placement.{side}_gpus unset, or set placement.weights: auto"
                 )
     if recipe.rollout.partial:
         raise ValueError(

@@ -49,6 +49,8 @@ class BackendPart:
         self.served: set[int] = set()  # request ids answered: none is answered twice
         self.engine: Any = None
         self.trainer: Any = None
+        self.group: Any = None  # its process group for `placement.weights: collective`
+        self.kept: Any = None  # the trainer's last broadcast (backends/ray/broadcast.py)
         if role == "both":
             self.engine, self.trainer = build_backend(recipe, vocab_size=vocab_size, stop_ids=stop_ids)
             return
@@ -115,6 +117,39 @@ class BackendPart:
         return await self.trainer.compute.run(
             pack, version, list(self.trainer.model.named_parameters()), transport
         )
+
+    async def open_group(self) -> tuple[str, int]:
+        """The trainer: a rendezvous for a new process group; (host, port)."""
+        from backends.ray.broadcast import Group
+
+        self.group = self.group or Group()
+        return await anyio.to_thread.run_sync(self.group.open)
+
+    async def join_group(self, address: tuple[str, int], rank: int, world: int, backend: str) -> None:
+        from backends.ray.broadcast import Group
+
+        self.group = self.group or Group()
+        await anyio.to_thread.run_sync(self.group.join, address, rank, world, backend)
+
+    async def send_weights(self, version: int) -> None:
+        """The trainer: broadcast its weights as `version`, buckets copied on its compute thread."""
+        from backends.ray.broadcast import bucketed, send
+
+        parameters = list(self.trainer.model.named_parameters())
+        self.kept = await self.trainer.compute.run(bucketed, version, parameters)
+        await anyio.to_thread.run_sync(send, self.kept)
+
+    async def kept_weights(self, version: int) -> Package:
+        return await self.trainer.compute.run(self.kept.package, version)  # type: ignore[no-any-return]
+
+    async def receive_weights(self, version: int) -> dict[str, int] | None:
+        """An engine: receive the broadcast of `version` and serve it from the next batch on."""
+        from backends.ray.broadcast import receive
+
+        like = list(self.engine.sampler.model.named_parameters())
+        await self.engine.load_weights(await anyio.to_thread.run_sync(receive, version, like))
+        self.version = version
+        return self.engine.fingerprint()
 
     async def train_step(
         self, args: tuple[Any, ...], kwargs: dict[str, Any]

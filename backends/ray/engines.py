@@ -28,7 +28,7 @@ import logging
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import ray
@@ -37,6 +37,9 @@ from backends.ray.actors import Request
 from backends.ray.lost import ACTOR_LOST, cause, unwrapped
 from pipeline.errors import BackendLost, PipelineError
 from pipeline.messages import Completion
+
+if TYPE_CHECKING:
+    from backends.ray.collective import Collective
 
 log = logging.getLogger("backends.ray.engines")
 
@@ -79,19 +82,24 @@ class RayEngine:
         colocated: bool,
         max_restarts: int,
         counts: Counter[str],
+        collective: Collective | None = None,
     ) -> None:
         """`spawn(i)` makes replica i's actor anew, blocking (None: never replaced);
-        `publish()` asks the trainer for its next weights: (version, package reference)."""
+        `publish()` asks the trainer for its next weights: (version, package reference);
+        `collective`: refits broadcast the weights instead (`placement.weights: collective`)."""
         self.replicas = list(replicas)
         self.spawn = spawn
         self.publish = publish
+        self.collective = collective
         self.blocks_training = colocated
         self.wake_carries_weights = colocated
         self.max_restarts = max_restarts
         self.counts = counts
         self.version = 0  # every replica serves it (or, during a refit, it or the announced one)
         self.announced = 0
-        self.package: Any = None  # reference of the weights every replica should serve
+        # Reference of the weights every replica should serve; None after a broadcast, until a
+        # replica replaced asks for them.
+        self.package: Any = None
         self._ids = itertools.count()
         self._memory: int | None = None
         self._served: dict[str, int] | None = None
@@ -190,8 +198,11 @@ class RayEngine:
             )
             ray.kill(replica.actor)  # unreachable is not always dead: it must not come back
             replica.actor, replica.where = await anyio.to_thread.run_sync(self.spawn, replica.index)
-            if self.package is not None:  # the announced weights: a refit may be on its way
-                await replica.actor.set_weights.remote(self.announced, self.package)
+            if self.package is None:  # the last refit was a broadcast: the trainer kept its weights
+                assert self.collective is not None
+                self.package = self.collective.package(self.announced)
+            # The announced weights: a refit may be on its way.
+            await replica.actor.set_weights.remote(self.announced, self.package)
             replica.incarnation += 1
             self.counts["engine_restarts"] += 1
             replica.ready.set()
@@ -204,7 +215,18 @@ class RayEngine:
 
     async def refit(self) -> None:
         assert self.publish is not None, "a colocated engine's wake carries the weights"
-        self.announced, self.package = self.publish()
+        if self.collective is not None:
+            self.announced, self.package = self.collective.trainer.completed_steps, None
+            for replica in self.replicas:  # one being replaced joins the group once it is up
+                await replica.ready.wait()
+            served = await self.collective.refit(self.announced, self.replicas)
+        else:
+            served = await self._refit_by_package()
+        self.version = self.announced
+        self._served = _agreed(served)
+
+    async def _refit_by_package(self) -> list[dict[str, int] | None]:
+        self.announced, self.package = self.publish()  # type: ignore[misc]
         served: list[dict[str, int] | None] = [None] * len(self.replicas)
 
         async def one(replica: Replica) -> None:
@@ -222,8 +244,7 @@ class RayEngine:
         async with anyio.create_task_group() as group:
             for replica in self.replicas:
                 group.start_soon(one, replica)
-        self.version = self.announced
-        self._served = _agreed(served)
+        return served
 
     async def _call(self, replica: Replica, method: str) -> Any:
         try:

@@ -8,8 +8,10 @@
 - Separate: `placement.engines` engine replicas and one trainer actor, each with its own CPUs,
   GPUs and custom resources. One engine and the trainer that fit on one GPU between them
   (engine_gpus + trainer_gpus <= 1) share a placement-group bundle, so Ray gives them the same
-  GPU, and weights move by CUDA IPC; otherwise through the object store. Every replica is
-  loaded with the trainer's weights before the run starts.
+  GPU, and weights move by CUDA IPC; otherwise through the object store, or by a broadcast in
+  one process group of them all (`placement.weights: collective`, `backends/ray/collective.py`).
+  Every replica is loaded with the trainer's weights (through the object store) before the run
+  starts.
 - With `placement.reward_workers`, a pool of reward-worker actors scores the groups.
 """
 
@@ -26,8 +28,9 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from backends.placement import Placed, RayPlacement, gpus
+from backends.placement import Placed, RayPlacement, gpus, shares_gpu, weights_transport
 from backends.ray.actors import BackendPart, RewardWorker
+from backends.ray.collective import Collective
 from backends.ray.engines import RayEngine, Replica
 from backends.ray.rewards import RewardPool
 from backends.ray.trainer import RayTrainer
@@ -77,25 +80,18 @@ def _place(
 ) -> Placed:
     counts: Counter[str] = Counter()
     build = {"vocab_size": vocab_size, "stop_ids": tuple(stop_ids)}
-    trainer_gpus, engine_gpus = gpus(recipe, "trainer"), gpus(recipe, "engine")
-    trainer_options = _options(section.trainer_cpus, trainer_gpus, section.trainer_resources)
-    engine_options = _options(section.engine_cpus, engine_gpus, section.engine_resources)
-    transport: Transport = "object_store"
-    shares_gpu = (
-        not recipe.colocated
-        and section.engines == 1
-        and 0 < engine_gpus
-        and 0 < trainer_gpus
-        and engine_gpus + trainer_gpus <= 1
-    )
-    if shares_gpu:
+    trainer_options = _options(section.trainer_cpus, gpus(recipe, "trainer"), section.trainer_resources)
+    engine_options = _options(section.engine_cpus, gpus(recipe, "engine"), section.engine_resources)
+    weights = weights_transport(recipe)
+    # A broadcast's group loads the replicas' first weights and restarted ones' by package.
+    transport: Transport = "cuda_ipc" if weights == "cuda_ipc" else "object_store"
+    if shares_gpu(recipe):
         cpus = section.engine_cpus + section.trainer_cpus
         group = placement_group([{"GPU": 1, **({"CPU": cpus} if cpus else {})}])
         ray.get(group.ready())
         cleanups.append(lambda: remove_placement_group(group))
         strategy = PlacementGroupSchedulingStrategy(placement_group=group, placement_group_bundle_index=0)
         trainer_options["scheduling_strategy"] = engine_options["scheduling_strategy"] = strategy
-        transport = "cuda_ipc"
 
     def start(options: dict[str, Any], role: str, replica: int = 0) -> Any:
         actor = _Part.options(**options).remote(recipe, role=role, replica=replica, **build)
@@ -132,6 +128,9 @@ def _place(
             colocated=False,
             max_restarts=section.max_engine_restarts,
             counts=counts,
+            collective=Collective(trainer, "nccl" if recipe.model.device.startswith("cuda") else "gloo")
+            if weights == "collective"
+            else None,
         )
         engine.version, engine.package = trainer.publish()
         ray.get([a.set_weights.remote(engine.version, engine.package) for a in engine_actors])
@@ -140,7 +139,7 @@ def _place(
         "placed on Ray: trainer on node %s, engines on %s (weights by %s)",
         trainer.ranks[0][1]["node_id"][:12],
         ", ".join(r.where["node_id"][:12] for r in engine.replicas),
-        transport,
+        weights,
     )
     score = None
     if section.reward_workers:

@@ -13,7 +13,9 @@ Transports:
   package holds CUDA IPC handles of the trainer's own parameter tensors (torch's
   multiprocessing reductions), and the engine copies from them device to device. The trainer
   does not change its parameters until the refit that reads them has finished (the gate trains
-  the next step only after it), so the handles stay valid while they are read.
+  the next step only after it), so the handles stay valid while they are read;
+- `collective`: a broadcast in a process group of the trainer and every replica
+  (`backends/ray/broadcast.py`); its `Header` goes through the same `check` before any payload.
 """
 
 from __future__ import annotations
@@ -24,11 +26,42 @@ from typing import Any, Literal
 
 import torch
 
-Transport = Literal["object_store", "cuda_ipc"]
+Transport = Literal["object_store", "cuda_ipc"]  # a package's; `collective` sends none
 
 
 class WeightsMismatch(RuntimeError):
     """A package that is not what the engine was told to expect: a bug, never bad input."""
+
+
+@dataclass(frozen=True)
+class Header:
+    """What a version's weights are: each tensor's (name, shape, dtype), in the sender's order."""
+
+    version: int
+    specs: tuple[tuple[str, tuple[int, ...], torch.dtype], ...]
+
+
+def header(version: int, tensors: Iterable[tuple[str, torch.Tensor]]) -> Header:
+    return Header(version, tuple((name, tuple(t.shape), t.dtype) for name, t in tensors))
+
+
+def check(sent: Header, *, version: int, like: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Refuse weights that are not the announced `version` or not, name for name, the engine's
+    own parameters `like` (shapes and dtypes)."""
+    if sent.version != version:
+        raise WeightsMismatch(f"weights of version {sent.version} arrived for the refit to version {version}")
+    got = {name: (shape, dtype) for name, shape, dtype in sent.specs}
+    expected = dict(like)
+    if got.keys() != expected.keys():
+        missing, extra = sorted(expected.keys() - got.keys()), sorted(got.keys() - expected.keys())
+        raise WeightsMismatch(f"weights of version {version}: missing {missing}, unexpected {extra}")
+    for name, target in expected.items():
+        shape, dtype = got[name]
+        if shape != tuple(target.shape) or dtype != target.dtype:
+            raise WeightsMismatch(
+                f"weights of version {version}: {name} is {shape} {dtype}, "
+                f"the engine's is {tuple(target.shape)} {target.dtype}"
+            )
 
 
 @dataclass(frozen=True)
@@ -51,22 +84,8 @@ def unpack(
 ) -> dict[str, torch.Tensor]:
     """The package's tensors by name, checked against the announced `version` and the engine's
     own parameters `like` (names, shapes, dtypes)."""
-    if package.version != version:
-        raise WeightsMismatch(
-            f"weights of version {package.version} arrived for the refit to version {version}"
-        )
     tensors = package.tensors
     if package.transport == "cuda_ipc":
         tensors = {name: rebuild(*args) for name, (rebuild, args) in tensors.items()}
-    expected = dict(like)
-    if tensors.keys() != expected.keys():
-        missing, extra = sorted(expected.keys() - tensors.keys()), sorted(tensors.keys() - expected.keys())
-        raise WeightsMismatch(f"weights of version {version}: missing {missing}, unexpected {extra}")
-    for name, target in expected.items():
-        got = tensors[name]
-        if got.shape != target.shape or got.dtype != target.dtype:
-            raise WeightsMismatch(
-                f"weights of version {version}: {name} is {tuple(got.shape)} {got.dtype}, "
-                f"the engine's is {tuple(target.shape)} {target.dtype}"
-            )
+    check(header(package.version, tensors.items()), version=version, like=like)
     return tensors
