@@ -59,6 +59,9 @@ class RayPlacement(Section, tag_field="backend", tag="ray"):
     # How the trainer's weights reach separate engines (`weights_transport`); auto: CUDA IPC
     # where one engine and the trainer share a GPU, else the object store.
     weights: Literal["auto", "object_store", "cuda_ipc", "collective"] = "auto"
+    # collective: how long a member waits on another (one that died) before the refit starts
+    # again in a new group.
+    collective_timeout_s: PositiveFloat = 60.0
 
 
 Placement = LocalPlacement | RayPlacement

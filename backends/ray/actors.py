@@ -118,29 +118,41 @@ class BackendPart:
             pack, version, list(self.trainer.model.named_parameters()), transport
         )
 
-    async def open_group(self) -> tuple[str, int]:
+    async def open_group(self, timeout_s: float) -> tuple[str, int]:
         """The trainer: a rendezvous for a new process group; (host, port)."""
         from backends.ray.broadcast import Group
 
         self.group = self.group or Group()
-        return await anyio.to_thread.run_sync(self.group.open)
+        return await anyio.to_thread.run_sync(self.group.open, timeout_s)
 
-    async def join_group(self, address: tuple[str, int], rank: int, world: int, backend: str) -> None:
+    async def join_group(self, *args: Any) -> None:
+        """`Group.join`'s arguments."""
         from backends.ray.broadcast import Group
 
         self.group = self.group or Group()
-        await anyio.to_thread.run_sync(self.group.join, address, rank, world, backend)
+        await anyio.to_thread.run_sync(self.group.join, *args)
 
     async def send_weights(self, version: int) -> None:
-        """The trainer: broadcast its weights as `version`, buckets copied on its compute thread."""
-        from backends.ray.broadcast import bucketed, send
+        """The trainer: broadcast its weights as `version`."""
+        from backends.ray.broadcast import send
 
-        parameters = list(self.trainer.model.named_parameters())
-        self.kept = await self.trainer.compute.run(bucketed, version, parameters)
-        await anyio.to_thread.run_sync(send, self.kept)
+        kept = await self._keep(version)
+        await anyio.to_thread.run_sync(send, kept)
 
     async def kept_weights(self, version: int) -> Package:
-        return await self.trainer.compute.run(self.kept.package, version)  # type: ignore[no-any-return]
+        """The trainer: an object-store package of the weights it broadcast as `version`."""
+        kept = await self._keep(version)
+        return await self.trainer.compute.run(kept.package, version)  # type: ignore[no-any-return]
+
+    async def _keep(self, version: int) -> Any:
+        """The buckets of `version`, copied on the compute thread the first time it is asked for:
+        between a refit's start and the next train step the trainer's weights are that version."""
+        from backends.ray.broadcast import bucketed
+
+        if self.kept is None or self.kept.header.version != version:
+            parameters = list(self.trainer.model.named_parameters())
+            self.kept = await self.trainer.compute.run(bucketed, version, parameters)
+        return self.kept
 
     async def receive_weights(self, version: int) -> dict[str, int] | None:
         """An engine: receive the broadcast of `version` and serve it from the next batch on."""

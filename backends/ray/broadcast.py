@@ -31,8 +31,6 @@ import torch.distributed as dist
 from backends.ray.weights import Header, Package, WeightsMismatch, check, header
 
 BUCKET_BYTES = 256 << 20
-# A rank that never comes (its actor died): the others' joins and broadcasts fail after this.
-TIMEOUT = timedelta(seconds=300)
 
 
 class Group:
@@ -41,21 +39,25 @@ class Group:
     def __init__(self) -> None:
         self.store: dist.TCPStore | None = None
 
-    def open(self) -> tuple[str, int]:
+    def open(self, timeout_s: float) -> tuple[str, int]:
         import ray
 
         self.leave()
         host = ray.util.get_node_ip_address()
-        self.store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=TIMEOUT)
+        timeout = timedelta(seconds=timeout_s)
+        self.store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timeout)
         return host, self.store.port
 
-    def join(self, address: tuple[str, int], rank: int, world: int, backend: str) -> None:
+    def join(self, address: tuple[str, int], rank: int, world: int, backend: str, timeout_s: float) -> None:
+        """Join the group `address` (the trainer's `open`) as `rank`; a collective that waits
+        longer than `timeout_s` on a member (it died) fails."""
+        timeout = timedelta(seconds=timeout_s)
         if rank != 0:
             self.leave()
-            self.store = dist.TCPStore(*address, is_master=False, timeout=TIMEOUT)
+            self.store = dist.TCPStore(*address, is_master=False, timeout=timeout)
         device = {"device_id": torch.device("cuda", torch.cuda.current_device())} if backend == "nccl" else {}
         dist.init_process_group(
-            backend, store=self.store, rank=rank, world_size=world, timeout=TIMEOUT, **device
+            backend, store=self.store, rank=rank, world_size=world, timeout=timeout, **device
         )
 
     def leave(self) -> None:

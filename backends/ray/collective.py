@@ -3,17 +3,21 @@ side: who is in the process group, and each refit's calls (the actors' side is
 `backends/ray/broadcast.py`).
 
 The group is the trainer's actor (rank 0) and every replica's current actor (rank 1 + its
-index). It is built at the first refit, and again at the first refit after a replica was
-replaced (a membership change: every member leaves the old group and joins the new one). A
-replica replaced between two refits loads the last broadcast's weights from the object store
-(`package`: the trainer's kept buckets, copied once for all restarts of that version) and
-joins the group at the next refit. A member that dies during a broadcast stops the run: the
-others cannot finish it without that rank.
+index). It is built at the first refit, and again whenever the membership changed (a replica
+replaced): every member leaves the old group and joins the new one. A replica replaced between
+two refits loads the last broadcast's weights from the object store (`package`: the trainer's
+kept buckets, copied once for all restarts of that version) and joins the group at the next
+refit. A replica that dies during a refit fails that attempt for every member (the broadcast
+cannot finish without its rank: the others' calls end in an error, at the latest after
+`placement.collective_timeout_s`);
+once every call has ended, the replica is replaced and the refit starts again in a new group.
+The trainer's death stops the run.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import logging
+from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -25,36 +29,61 @@ if TYPE_CHECKING:
     from backends.ray.engines import Replica
     from backends.ray.trainer import RayTrainer
 
+log = logging.getLogger("backends.ray.collective")
+# Replaces a replica whose actor died: (replica, its incarnation when the call went out, error).
+Replace = Callable[["Replica", int, BaseException], Awaitable[None]]
+
 
 class Collective:
-    def __init__(self, trainer: RayTrainer, backend: str) -> None:
-        """`backend`: torch.distributed's, "nccl" (every actor on a GPU of its own) or "gloo"."""
+    def __init__(self, trainer: RayTrainer, backend: str, timeout_s: float) -> None:
+        """`backend`: torch.distributed's, "nccl" (every actor on a GPU of its own) or "gloo";
+        `timeout_s`: how long a member's collective waits on another before it fails."""
         self.trainer = trainer
         self.backend = backend
+        self.timeout_s = timeout_s
         self.members: tuple[int, ...] | None = None  # the replicas' incarnations in the group
         self.builds = 0
+        self.attempts = 0  # refits tried again after a replica died during one
 
     @property
     def actor(self) -> Any:
         return self.trainer.ranks[0][0]
 
-    async def refit(self, version: int, replicas: Sequence[Replica]) -> list[dict[str, int] | None]:
+    async def refit(
+        self, version: int, replicas: Sequence[Replica], replace: Replace
+    ) -> list[dict[str, int] | None]:
         """Broadcast the trainer's weights as `version` to every replica; their fingerprints."""
-        if self.members != tuple(r.incarnation for r in replicas):
-            address = await self.actor.open_group.remote()
-            world = 1 + len(replicas)
-            await self._all(
-                "the rebuild of the weights' process group",
-                self.actor.join_group.remote(address, 0, world, self.backend),
-                [(r, r.actor.join_group.remote(address, 1 + r.index, world, self.backend)) for r in replicas],
-            )
-            self.members = tuple(r.incarnation for r in replicas)
-            self.builds += 1
-        return await self._all(
-            f"the weight broadcast of version {version}",
-            self.actor.send_weights.remote(version),
-            [(r, r.actor.receive_weights.remote(version)) for r in replicas],
-        )
+        while True:
+            for replica in replicas:  # one being replaced joins once it is up
+                await replica.ready.wait()
+            try:
+                if self.members != tuple(r.incarnation for r in replicas):
+                    address = await self.actor.open_group.remote(self.timeout_s)
+                    world = 1 + len(replicas)
+                    await self._all(
+                        "the rebuild of the weights' process group",
+                        self.actor.join_group.remote(address, 0, world, self.backend, self.timeout_s),
+                        [
+                            (
+                                r,
+                                r.actor.join_group.remote(
+                                    address, 1 + r.index, world, self.backend, self.timeout_s
+                                ),
+                            )
+                            for r in replicas
+                        ],
+                    )
+                    self.members = tuple(r.incarnation for r in replicas)
+                    self.builds += 1
+                return await self._all(
+                    f"the weight broadcast of version {version}",
+                    self.actor.send_weights.remote(version),
+                    [(r, r.actor.receive_weights.remote(version)) for r in replicas],
+                )
+            except _ReplicasLost as lost:
+                for replica, incarnation, error in lost.replicas:
+                    await replace(replica, incarnation, error)
+                self.attempts += 1
 
     def package(self, version: int) -> Any:
         """Reference of an object-store package of the last broadcast's weights (`version`)."""
@@ -62,23 +91,44 @@ class Collective:
 
     async def _all(self, what: str, trainer: Any, replicas: list[tuple[Replica, Any]]) -> list[Any]:
         """Await the trainer's call and every replica's (a collective needs all of them at once);
-        the replicas' answers. A member's death stops the run."""
+        the replicas' answers. Every call ends before this returns or raises `_ReplicasLost`:
+        a replica's death makes the others fail, and those errors are its consequence."""
         answers: list[Any] = [None] * len(replicas)
+        lost: list[tuple[Replica, int, BaseException]] = []
+        failed: list[BaseException] = []
 
-        async def one(index: int | None, name: str, call: Any) -> None:
+        async def one(replica: Replica | None, call: Any) -> None:
+            incarnation = replica.incarnation if replica else 0
             try:
                 answer = await call
             except ACTOR_LOST as error:
-                raise BackendLost(
-                    f"placement: {name} died during {what} (placement.weights: collective): "
-                    f"{cause(error)}; the run stops here: its last committed checkpoint is intact, "
-                    "run again to resume from it"
-                ) from None
-            if index is not None:
-                answers[index] = answer
+                if replica is None:
+                    raise BackendLost(
+                        f"placement: the trainer died during {what} (placement.weights: collective): "
+                        f"{cause(error)}; the run stops here: its last committed checkpoint is intact, "
+                        "run again to resume from it"
+                    ) from None
+                lost.append((replica, incarnation, error))
+                return
+            except Exception as error:  # a member's failure, or the consequence of a death
+                failed.append(error)
+                return
+            if replica is not None:
+                answers[replica.index] = answer
 
         async with anyio.create_task_group() as group:
-            group.start_soon(one, None, "the trainer", trainer)
+            group.start_soon(one, None, trainer)
             for replica, call in replicas:
-                group.start_soon(one, replica.index, f"engine replica {replica.index}", call)
+                group.start_soon(one, replica, call)
+        if lost:
+            if failed:
+                log.warning("the other members' calls ended with: %s", "; ".join(cause(e) for e in failed))
+            raise _ReplicasLost(lost)
+        if failed:
+            raise failed[0]
         return answers
+
+
+class _ReplicasLost(Exception):
+    def __init__(self, replicas: list[tuple[Replica, int, BaseException]]) -> None:
+        self.replicas = replicas

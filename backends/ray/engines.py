@@ -217,9 +217,7 @@ class RayEngine:
         assert self.publish is not None, "a colocated engine's wake carries the weights"
         if self.collective is not None:
             self.announced, self.package = self.collective.trainer.completed_steps, None
-            for replica in self.replicas:  # one being replaced joins the group once it is up
-                await replica.ready.wait()
-            served = await self.collective.refit(self.announced, self.replicas)
+            served = await self.collective.refit(self.announced, self.replicas, self._replace)
         else:
             served = await self._refit_by_package()
         self.version = self.announced

@@ -128,7 +128,11 @@ def _place(
             colocated=False,
             max_restarts=section.max_engine_restarts,
             counts=counts,
-            collective=Collective(trainer, "nccl" if recipe.model.device.startswith("cuda") else "gloo")
+            collective=Collective(
+                trainer,
+                "nccl" if recipe.model.device.startswith("cuda") else "gloo",
+                section.collective_timeout_s,
+            )
             if weights == "collective"
             else None,
         )

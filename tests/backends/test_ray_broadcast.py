@@ -21,8 +21,8 @@ SENDER = """
 import sys, torch
 from backends.ray.broadcast import Group, bucketed, send
 group = Group()
-print(*group.open(), flush=True)
-group.join(None, 0, 2, "gloo")
+print(*group.open(60.0), flush=True)
+group.join(None, 0, 2, "gloo", 60.0)
 weights = [("a.weight", torch.full((2, 3), 2.0)), ("b.weight", torch.arange(4.0).bfloat16())]
 send(bucketed(3, weights))  # the replica waits for version 4
 send(bucketed(4, weights[:1]))  # b.weight missing
@@ -40,7 +40,7 @@ def test_a_refused_header_moves_no_payload_and_the_next_broadcast_arrives_whole(
     with subprocess.Popen([sys.executable, "-c", SENDER], stdout=subprocess.PIPE, text=True) as sender:
         try:
             host, port = sender.stdout.readline().split()  # type: ignore[union-attr]
-            group.join((host, int(port)), 1, 2, "gloo")
+            group.join((host, int(port)), 1, 2, "gloo", 60.0)
             with pytest.raises(WeightsMismatch) as raised:
                 receive(4, like())
             assert str(raised.value) == "weights of version 3 arrived for the refit to version 4"

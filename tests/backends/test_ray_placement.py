@@ -205,3 +205,41 @@ def test_colocated_in_one_actor_then_resumed_on_separate_actors(
     resumed = run(tmp_path, "run.steps=3", *SMALL)
     assert (resumed.steps_done, resumed.policy_version) == (3, 3)
     assert placements[1].agreed == [True]
+
+
+@pytest.mark.parametrize("during", ["batch", "refit"])
+def test_weights_by_a_collective_broadcast_reach_both_replicas_and_a_restarted_one_rejoins(
+    tmp_path: Path, placements: list[Placed], during: str
+) -> None:
+    """`placement.weights: collective` (gloo here): every refit is a broadcast in one group of
+    the trainer and both replicas, and the gate's handoff check (on) compares fingerprints after
+    each. Replica 0 is killed after step 2, while it holds requests (the new actor loads the
+    trainer's kept buckets by package; the next refit builds a new group with it) or during the
+    next refit (that refit starts again, in a new group)."""
+    killed: list[threading.Event] = []
+
+    def echo(record: dict[str, Any]) -> None:
+        if record["step"] == 2:
+            engine = placements[0].engine
+            replica = engine.replicas[0]
+            busy = (lambda: replica.in_flight > 0) if during == "batch" else (lambda: engine.announced == 3)
+            killed.append(kill_when(busy, lambda: replica.where["pid"]))
+
+    summary = run(
+        tmp_path,
+        "run.steps=5",
+        "placement.engines=2",
+        "placement.weights=collective",
+        "placement.collective_timeout_s=10",  # at most this long stuck on the dead replica
+        *SMALL,
+        echo=echo,
+    )
+    [placed] = placements
+    assert killed[0].is_set()
+    assert summary.steps_done == 5
+    assert summary.last_metrics["placement/engine_restarts"] == 1
+    assert placed.engine.collective.builds == 2
+    if during == "refit":  # (killed mid-batch, its death may also reach the refit first)
+        assert placed.engine.collective.attempts == 1
+    assert all(placed.agreed) and placed.engine.fingerprint() is not None  # every refit checked
+    assert [len(groups) for groups in placed.trained] == [8] * 5
