@@ -242,6 +242,32 @@ VALID_RUN_FIELDS = "dir, steps, seed, stop_grace_s, progress, log_every_steps, p
             "two share one GPU)",
             id="placement-cuda-without-gpus",
         ),
+        pytest.param(
+            "colocated: false\nplacement:\n  backend: ray\n  weights: cuda_ipc\n",
+            "placement.weights: cuda_ipc needs one engine and the trainer on one GPU (placement.engines: 1, "
+            "model.device: cuda, engine_gpus + trainer_gpus <= 1): set placement.weights: auto",
+            id="placement-cuda-ipc-without-a-shared-gpu",
+        ),
+        pytest.param(
+            "placement:\n  backend: ray\n  weights: collective\n",
+            "placement.weights: collective needs colocated: false (colocated, the engine shares the "
+            "trainer's weights): set placement.weights: auto",
+            id="placement-weights-colocated",
+        ),
+        pytest.param(
+            "colocated: false\nmodel:\n  device: cuda\n  config: {vocab_size: 16}\n"
+            "placement:\n  backend: ray\n  weights: collective\n  engine_gpus: 0.5\n  trainer_gpus: 0.5\n",
+            "placement.weights: collective, but placement.trainer_gpus: 0.5: NCCL takes one rank per GPU, "
+            "so each actor needs a GPU of its own: leave placement.trainer_gpus unset, or set "
+            "placement.weights: auto",
+            id="placement-collective-on-a-shared-gpu",
+        ),
+        pytest.param(
+            "placement:\n  backend: ray\n  weights: nccl\n",
+            "placement.weights: Invalid enum value 'nccl'; expected one of: auto, collective, cuda_ipc, "
+            "object_store",
+            id="placement-weights-unknown",
+        ),
     ],
 )
 def test_bad_recipe_message(tmp_path: Path, text: str, message: str) -> None:
