@@ -12,7 +12,8 @@ returns once, from the one replica that answered it: nothing is trained twice. R
 re-dispatches are counted (`counts`); more than `max_restarts` restarts stop the run.
 
 Versions: `refit` announces the trainer's next version, hands each replica the trainer's
-package (which the replica checks on arrival, `backends/ray/weights.py`) and waits for all;
+package (which the replica checks on arrival, `backends/ray/weights.py`), or broadcasts the
+weights to them all (`collective`, `backends/ray/collective.py`), and waits for all;
 each answer says which versions the replica served, and one outside what was announced
 between the request's dispatch and its answer fails the run (a replica serving weights it was
 never sent).
