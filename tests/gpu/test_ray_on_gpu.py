@@ -66,3 +66,36 @@ def test_the_quickstart_on_one_gpu_through_ray(
     assert placed[0].trainer.transport == transport
     records = read(tmp_path / "run" / "metrics.jsonl")
     assert all(r["train/token_mult_prob_error"] < 1.01 for r in records)
+
+
+def test_weights_by_an_nccl_broadcast_between_two_gpus(
+    tmp_path: Path, gpu_ray, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`placement.weights: collective` on GPUs: the trainer and a replica, a GPU each, in one
+    NCCL group (handoff checks on: every refit's fingerprints are compared)."""
+    import torch
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs: the trainer's and the replica's")
+    placed = []
+    place = program.place
+    monkeypatch.setattr(program, "place", lambda *a, **k: placed.append(place(*a, **k)) or placed[-1])
+    recipe = pipeline.load_recipe(
+        "recipes/quickstart.yaml",
+        [
+            f"run.dir={tmp_path / 'run'}",
+            "run.steps=4",
+            "run.progress=false",
+            "run.plot=false",
+            "model.device=cuda",
+            "eval.every_steps=0",
+            "gates.checks=[]",
+            "colocated=false",
+            "placement.backend=ray",
+            "placement.weights=collective",
+        ],
+    )
+    summary = anyio.run(program.run_program, recipe)
+    assert summary.steps_done == 4
+    assert placed[0].engine.collective.backend == "nccl"
+    assert placed[0].engine.fingerprint() == placed[0].trainer.fingerprint() is not None
