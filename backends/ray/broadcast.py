@@ -115,9 +115,9 @@ def bucketed(version: int, parameters: list[tuple[str, torch.Tensor]]) -> Bucket
     """A copy of `parameters` as `version`'s buckets (on the trainer's compute thread)."""
     sent = header(version, parameters)
     tensors = [t.detach() for _, t in parameters]
-    return Buckets(
-        sent, [torch.cat([tensors[i].reshape(-1) for i in indices]) for _, indices in layout(sent)]
-    )
+    buffers = [torch.cat([tensors[i].reshape(-1) for i in indices]) for _, indices in layout(sent)]
+    _settled(buffers[0].device)
+    return Buckets(sent, buffers)
 
 
 def send(buckets: Buckets) -> None:
@@ -150,6 +150,7 @@ def receive(version: int, like: list[tuple[str, torch.Tensor]]) -> dict[str, tor
     ]
     for buffer in buffers:
         dist.broadcast(buffer, src=0)
+    _settled(device)
     return Buckets(sent, buffers).tensors()
 
 
@@ -157,3 +158,10 @@ def _all_accept(accepted: bool, device: torch.device) -> bool:
     vote = torch.tensor([int(accepted)], device=device)
     dist.all_reduce(vote, op=dist.ReduceOp.MIN)
     return bool(vote.item())
+
+
+def _settled(device: torch.device) -> None:
+    """Buffers written on this thread's stream are read on another thread's (the broadcast's,
+    the engine's copy): wait for them here rather than rely on both using one stream."""
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()

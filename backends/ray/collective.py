@@ -23,7 +23,6 @@ from typing import TYPE_CHECKING, Any
 import anyio
 
 from backends.ray.lost import ACTOR_LOST, cause
-from pipeline.errors import BackendLost
 
 if TYPE_CHECKING:
     from backends.ray.engines import Replica
@@ -54,42 +53,46 @@ class Collective:
     ) -> list[dict[str, int] | None]:
         """Broadcast the trainer's weights as `version` to every replica; their fingerprints."""
         while True:
-            for replica in replicas:  # one being replaced joins once it is up
-                await replica.ready.wait()
+            # The members as of now, all up (one being replaced joins once it is): each call
+            # goes to the actor of the incarnation it is recorded with.
+            while not all(r.ready.is_set() for r in replicas):
+                await next(r for r in replicas if not r.ready.is_set()).ready.wait()
+            members = [(r, r.incarnation, r.actor) for r in replicas]
             try:
-                if self.members != tuple(r.incarnation for r in replicas):
-                    address = await self.actor.open_group.remote(self.timeout_s)
-                    world = 1 + len(replicas)
-                    await self._all(
-                        "the rebuild of the weights' process group",
-                        self.actor.join_group.remote(address, 0, world, self.backend, self.timeout_s),
-                        [
-                            (
-                                r,
-                                r.actor.join_group.remote(
-                                    address, 1 + r.index, world, self.backend, self.timeout_s
-                                ),
-                            )
-                            for r in replicas
-                        ],
-                    )
-                    self.members = tuple(r.incarnation for r in replicas)
+                if self.members != tuple(i for _, i, _ in members):
+                    self.members = None  # until every member has joined
+                    await self._build(members)
+                    self.members = tuple(i for _, i, _ in members)
                     self.builds += 1
+                if any(r.incarnation != i for r, i, _ in members):
+                    continue  # replaced while the group was built: build it again
                 return await self._all(
                     f"the weight broadcast of version {version}",
                     self.actor.send_weights.remote(version),
-                    [(r, r.actor.receive_weights.remote(version)) for r in replicas],
+                    [(r, i, actor.receive_weights.remote(version)) for r, i, actor in members],
                 )
             except _ReplicasLost as lost:
                 for replica, incarnation, error in lost.replicas:
                     await replace(replica, incarnation, error)
                 self.attempts += 1
 
+    async def _build(self, members: list[tuple[Replica, int, Any]]) -> None:
+        address = await self.actor.open_group.remote(self.timeout_s)
+        world = 1 + len(members)
+        await self._all(
+            "the rebuild of the weights' process group",
+            self.actor.join_group.remote(address, 0, world, self.backend, self.timeout_s),
+            [
+                (r, i, actor.join_group.remote(address, 1 + r.index, world, self.backend, self.timeout_s))
+                for r, i, actor in members
+            ],
+        )
+
     def package(self, version: int) -> Any:
         """Reference of an object-store package of the last broadcast's weights (`version`)."""
         return self.actor.kept_weights.remote(version)
 
-    async def _all(self, what: str, trainer: Any, replicas: list[tuple[Replica, Any]]) -> list[Any]:
+    async def _all(self, what: str, trainer: Any, replicas: list[tuple[Replica, int, Any]]) -> list[Any]:
         """Await the trainer's call and every replica's (a collective needs all of them at once);
         the replicas' answers. Every call ends before this returns or raises `_ReplicasLost`:
         a replica's death makes the others fail, and those errors are its consequence."""
@@ -97,17 +100,12 @@ class Collective:
         lost: list[tuple[Replica, int, BaseException]] = []
         failed: list[BaseException] = []
 
-        async def one(replica: Replica | None, call: Any) -> None:
-            incarnation = replica.incarnation if replica else 0
+        async def one(replica: Replica | None, incarnation: int, call: Any) -> None:
             try:
                 answer = await call
             except ACTOR_LOST as error:
                 if replica is None:
-                    raise BackendLost(
-                        f"placement: the trainer died during {what} (placement.weights: collective): "
-                        f"{cause(error)}; the run stops here: its last committed checkpoint is intact, "
-                        "run again to resume from it"
-                    ) from None
+                    raise self.trainer.lost(0, f"during {what}", error) from None
                 lost.append((replica, incarnation, error))
                 return
             except Exception as error:  # a member's failure, or the consequence of a death
@@ -117,9 +115,9 @@ class Collective:
                 answers[replica.index] = answer
 
         async with anyio.create_task_group() as group:
-            group.start_soon(one, None, trainer)
-            for replica, call in replicas:
-                group.start_soon(one, replica, call)
+            group.start_soon(one, None, 0, trainer)
+            for replica, incarnation, call in replicas:
+                group.start_soon(one, replica, incarnation, call)
         if lost:
             if failed:
                 log.warning("the other members' calls ended with: %s", "; ".join(cause(e) for e in failed))

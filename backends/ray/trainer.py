@@ -35,7 +35,7 @@ class RayTrainer:
             try:
                 answers[rank] = await actor.train_step.remote(args, kwargs)
             except ACTOR_LOST as error:
-                raise self._lost(rank, f"during step {self.completed_steps + 1}", error) from None
+                raise self.lost(rank, f"during step {self.completed_steps + 1}", error) from None
 
         async with anyio.create_task_group() as group:
             for rank, (actor, _) in enumerate(self.ranks):
@@ -43,7 +43,8 @@ class RayTrainer:
         metrics, self._published, self.completed_steps = answers[0]
         return metrics
 
-    def _lost(self, rank: int, when: str, error: BaseException) -> BackendLost:
+    def lost(self, rank: int, when: str, error: BaseException) -> BackendLost:
+        """The error that stops the run: rank `rank`'s actor died `when` ("during step 3")."""
         where = self.ranks[rank][1]
         return BackendLost(
             f"placement: trainer rank {rank} (pid {where['pid']}, node {where['node_id'][:12]}) died "
@@ -65,7 +66,7 @@ class RayTrainer:
         try:
             unwrapped(self.ranks[0][0].save.remote("trainer", str(directory)))
         except ACTOR_LOST as error:
-            raise self._lost(0, "while it saved a checkpoint", error) from None
+            raise self.lost(0, "while it saved a checkpoint", error) from None
 
     def load(self, directory: Path) -> None:
         done = unwrapped([actor.load.remote("trainer", str(directory)) for actor, _ in self.ranks])
