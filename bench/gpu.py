@@ -315,7 +315,7 @@ def _megatron_step(args: argparse.Namespace, *, compiled: bool) -> Any:
     """The megatron trainer's forward, loss and optimizer step on full sequences (``compiled``:
     each layer torch.compile'd, as `train.compile` does)."""
     from backends.megatron import parallel
-    from backends.megatron.model import build_gpt_model
+    from backends.megatron.model import build_gpt_model, compile_layers
     from backends.megatron.optimizer import MegatronAdam
     from backends.megatron.trainer import response_logprobs
 
@@ -324,8 +324,7 @@ def _megatron_step(args: argparse.Namespace, *, compiled: bool) -> Any:
     torch.manual_seed(0)
     model = build_gpt_model(QWEN_1_5B, dtype=torch.bfloat16, device=device)
     if compiled:
-        for layer in model.decoder.layers:
-            layer.compile()
+        compile_layers(model)
     optimizer = MegatronAdam(model, lr=1e-5, betas=(0.9, 0.999), weight_decay=0.0, grad_clip=1.0)
     ids = torch.randint(3, QWEN_1_5B.vocab_size, (args.micro_batch, args.seq), device=device)
     index = torch.arange(args.seq - 1, device=device).expand(args.micro_batch, -1)

@@ -68,7 +68,7 @@ def build_backend(recipe: Any, *, vocab_size: int, stop_ids: Sequence[int]) -> t
     require_megatron()
     # Imported once megatron is known to import (each of these imports it).
     from backends.megatron import layout, parallel, reshard
-    from backends.megatron.model import build_gpt_model
+    from backends.megatron.model import build_gpt_model, compile_layers
     from backends.megatron.optimizer import MegatronAdam, TorchAdamW
     from backends.megatron.trainer import MegatronTrainer
 
@@ -83,9 +83,8 @@ def build_backend(recipe: Any, *, vocab_size: int, stop_ids: Sequence[int]) -> t
     parallel.initialise(device=device, seed=recipe.run.seed)
     model = build_gpt_model(config, dtype=DTYPES[section.dtype], device=device)
     layout.load_hf(model, decoder.state_dict(), config)
-    if train.compile:  # each TransformerLayer whole (fused norms, rotary, SwiGLU; its SDPA core)
-        for layer in model.decoder.layers:
-            layer.compile()
+    if train.compile:
+        compile_layers(model)
     step = (MegatronAdam if device.type == "cuda" else TorchAdamW)(
         model,
         lr=train.lr,

@@ -98,3 +98,10 @@ def build_gpt_model(
         model.embedding.position_embeddings = table
         model.embedding.add_position_embedding = True
     return model
+
+
+def compile_layers(model: GPTModel) -> None:
+    """`train.compile`: each TransformerLayer torch.compile'd whole (fused norms, rotary, SwiGLU
+    around its SDPA core)."""
+    for layer in model.decoder.layers:
+        layer.compile()

@@ -43,6 +43,23 @@ def _engine(model: Decoder, **options: Any) -> TorchEngine:
     )
 
 
+def _hold_draw(model: Decoder, number: int) -> tuple[threading.Event, threading.Event]:
+    """Hold the compute thread at the model's ``number``-th draw (its lm_head call) until the
+    second event is set; the first says it got there."""
+    reached, go = threading.Event(), threading.Event()
+    draws = 0
+
+    def hold(*_: Any) -> None:  # on the compute thread, in the sampler's loop
+        nonlocal draws
+        draws += 1
+        if draws == number:
+            reached.set()
+            go.wait(timeout=30)
+
+    model.lm_head.register_forward_hook(hold)
+    return reached, go
+
+
 def _greedy(model: Decoder, prompt: list[int], n: int) -> tuple[tuple[int, ...], tuple[float, ...]]:
     ((out,),) = Sampler(model).generate(
         [(prompt, 1)], max_new_tokens=n, temperature=0.0, generator=torch.Generator().manual_seed(0)
@@ -62,17 +79,7 @@ async def test_a_request_frozen_at_a_stand_down_finishes_after_the_wake_with_its
     before = copy.deepcopy(model)
     engine = _engine(model, partial=True)
     gate = EngineGate(engine, DeadlineClock())
-    at_third, go = threading.Event(), threading.Event()
-    heads = 0
-
-    def pause_at_the_third_token(*_: Any) -> None:  # on the compute thread, in the sampler's loop
-        nonlocal heads
-        heads += 1
-        if heads == 3:
-            at_third.set()
-            go.wait(timeout=30)
-
-    model.lm_head.register_forward_hook(pause_at_the_third_token)
+    at_third, go = _hold_draw(model, 3)
     result: dict[str, Any] = {}
 
     async def request() -> None:
@@ -133,14 +140,7 @@ async def test_a_request_arriving_while_the_loop_runs_takes_a_freed_slot_and_fin
     other = [5, 6, 7]
     want = [_greedy(model, PROMPT, 2), _greedy(model, PROMPT, 8), _greedy(model, other, 3)]
     engine = _engine(model, lengths=_Scripted([2, 8], [3]))
-    started, go = threading.Event(), threading.Event()
-
-    def hold_the_first_draw(*_: Any) -> None:  # on the compute thread, at the loop's first prefill
-        if not started.is_set():
-            started.set()
-            go.wait(timeout=30)
-
-    model.lm_head.register_forward_hook(hold_the_first_draw)
+    started, go = _hold_draw(model, 1)  # at the loop's first prefill
     answered: list[tuple[str, list[Any]]] = []
     finish, resolved = engine._finish, []
 
@@ -189,14 +189,7 @@ async def test_a_narrow_loop_hands_a_crowd_of_waiting_requests_to_a_wider_one(
     admits nothing, ends with its row, and the next loop opens with a slot for each."""
     model = _model()
     engine = _engine(model, lengths=_Scripted([8], *[[2]] * waiting))
-    started, go = threading.Event(), threading.Event()
-
-    def hold_the_first_draw(*_: Any) -> None:
-        if not started.is_set():
-            started.set()
-            go.wait(timeout=30)
-
-    model.lm_head.register_forward_hook(hold_the_first_draw)
+    started, go = _hold_draw(model, 1)
     try:
         with anyio.fail_after(60):
             async with anyio.create_task_group() as tg:
@@ -220,17 +213,7 @@ async def test_a_request_given_up_mid_loop_stops_taking_its_slots() -> None:
     model = _model()
     want = _greedy(model, PROMPT, 8)
     engine = _engine(model)
-    paused, go = threading.Event(), threading.Event()
-    draws = 0
-
-    def hold_the_second_draw(*_: Any) -> None:  # on the compute thread, in the loop
-        nonlocal draws
-        draws += 1
-        if draws == 2:
-            paused.set()
-            go.wait(timeout=30)
-
-    model.lm_head.register_forward_hook(hold_the_second_draw)
+    paused, go = _hold_draw(model, 2)
     answered: dict[str, Any] = {}
     left: set[str] = set()
 

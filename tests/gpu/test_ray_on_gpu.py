@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import anyio
 import pytest
@@ -29,6 +30,30 @@ def gpu_ray():
     return ray
 
 
+def _quickstart_on_ray(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, overrides: list[str]) -> Any:
+    """Four quickstart steps on CUDA through Ray placement (`overrides` last); what `place` placed."""
+    placed = []
+    place = program.place
+    monkeypatch.setattr(program, "place", lambda *a, **k: placed.append(place(*a, **k)) or placed[-1])
+    recipe = pipeline.load_recipe(
+        "recipes/quickstart.yaml",
+        [
+            f"run.dir={tmp_path / 'run'}",
+            "run.steps=4",
+            "run.progress=false",
+            "run.plot=false",
+            "model.device=cuda",
+            "eval.every_steps=0",
+            "gates.checks=[]",
+            "placement.backend=ray",
+            *overrides,
+        ],
+    )
+    summary = anyio.run(program.run_program, recipe)
+    assert summary.steps_done == 4
+    return placed[0]
+
+
 @pytest.mark.parametrize(
     ("overrides", "transport"),
     [
@@ -43,27 +68,12 @@ def gpu_ray():
 def test_the_quickstart_on_one_gpu_through_ray(
     tmp_path: Path, gpu_ray, monkeypatch: pytest.MonkeyPatch, overrides: list[str], transport: str
 ) -> None:
-    placed = []
-    place = program.place
-    monkeypatch.setattr(program, "place", lambda *a, **k: placed.append(place(*a, **k)) or placed[-1])
-    recipe = pipeline.load_recipe(
-        "recipes/quickstart.yaml",
-        [
-            f"run.dir={tmp_path / 'run'}",
-            "run.steps=4",
-            "run.progress=false",
-            "run.plot=false",
-            "model.device=cuda",
-            "eval.every_steps=0",
-            "gates.checks=[]",
-            "placement.backend=ray",
-            "async_rl.max_lookahead_versions=0",  # on-policy: the mismatch is the numerics alone
-            *overrides,
-        ],
+    placed = _quickstart_on_ray(
+        tmp_path,
+        monkeypatch,
+        ["async_rl.max_lookahead_versions=0", *overrides],  # on-policy: the mismatch is the numerics alone
     )
-    summary = anyio.run(program.run_program, recipe)
-    assert summary.steps_done == 4
-    assert placed[0].trainer.transport == transport
+    assert placed.trainer.transport == transport
     records = read(tmp_path / "run" / "metrics.jsonl")
     assert all(r["train/token_mult_prob_error"] < 1.01 for r in records)
 
@@ -77,25 +87,6 @@ def test_weights_by_an_nccl_broadcast_between_two_gpus(
 
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs: the trainer's and the replica's")
-    placed = []
-    place = program.place
-    monkeypatch.setattr(program, "place", lambda *a, **k: placed.append(place(*a, **k)) or placed[-1])
-    recipe = pipeline.load_recipe(
-        "recipes/quickstart.yaml",
-        [
-            f"run.dir={tmp_path / 'run'}",
-            "run.steps=4",
-            "run.progress=false",
-            "run.plot=false",
-            "model.device=cuda",
-            "eval.every_steps=0",
-            "gates.checks=[]",
-            "colocated=false",
-            "placement.backend=ray",
-            "placement.weights=collective",
-        ],
-    )
-    summary = anyio.run(program.run_program, recipe)
-    assert summary.steps_done == 4
-    assert placed[0].engine.collective.backend == "nccl"
+    placed = _quickstart_on_ray(tmp_path, monkeypatch, ["colocated=false", "placement.weights=collective"])
+    assert placed.engine.collective.backend == "nccl"
     assert placed[0].engine.fingerprint() == placed[0].trainer.fingerprint() is not None
