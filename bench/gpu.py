@@ -11,7 +11,8 @@ Parts (each can be picked with --parts):
   `backends/bench_lengths.py`; the draw and its percentiles go into the results), up to
   `--new-tokens`: `continuous`, one loop of `--batch` slots that admits each request as slots
   free up (`stream`), and `before`, each batch a fixed loop to its longest row; each with its
-  useful tokens/s (only tokens before each row's end) and idle slot fraction, beside the
+  useful tokens/s (only tokens before each row's end) and idle slot fraction (`before` over the
+  first `--before-batches` batches: each runs alone, so more only repeat it), beside the
   fixed-length figure of the same width (`graphs`).
 - `handoff`: `release` (stand-down) and `wake` times of the sampler's KV cache, a check that
   the captured graphs still
@@ -171,9 +172,11 @@ def _long_tail(model: Decoder, args: argparse.Namespace) -> dict[str, Any]:
     # Allocates the cache, compiles and captures (the same width and length), in 2 steps.
     warm = [Admission(r.prompt, [2] * group) for r in requests[: args.batch // group]]
     stream(sampler, warm, args.batch, continuous=False, **kw)
-    for name, continuous in (("continuous", True), ("before", False)):
+    # Each fixed batch runs alone to its longest row: its first --before-batches time it.
+    before = requests[: min(args.before_batches, args.stream_batches) * args.batch // group]
+    for name, continuous, given in (("continuous", True, requests), ("before", False, before)):
         runs = [
-            stream(sampler, requests, args.batch, continuous=continuous, sync=torch.cuda.synchronize, **kw)
+            stream(sampler, given, args.batch, continuous=continuous, sync=torch.cuda.synchronize, **kw)
             for _ in range(args.repeats)
         ]
         best = min(runs, key=lambda run: run["s"])
@@ -454,6 +457,9 @@ def main() -> None:
     )
     parser.add_argument(
         "--stream-batches", type=int, default=4, help="long_tail: batches of --batch rows streamed"
+    )
+    parser.add_argument(
+        "--before-batches", type=int, default=4, help="long_tail: of those, timed as fixed batches"
     )
     parser.add_argument("--samples-per-prompt", type=int, default=8, help="long_tail: rows per request")
     parser.add_argument("--out", default="bench/results-h200.json")
