@@ -160,6 +160,8 @@ class MegatronAdam:
         return grad_norm
 
     def sharded_state_dict(self, model_state: Any, *, loading: bool) -> Any:
+        if loading:
+            self._fresh_state()
         # In parameter space (each parameter's moments whole, gathered on save): a checkpoint
         # that loads at any tensor-parallel or data-parallel size. 0.19's default,
         # "fully_sharded_model_space", refuses to save ("ShardedTensor.flattened_range is not
@@ -170,3 +172,17 @@ class MegatronAdam:
 
     def load_state_dict(self, state: Any) -> None:
         self.optimizer.load_state_dict(state)
+
+    def _fresh_state(self) -> None:
+        """A load's template needs the state's tensors, which torch's Adam makes only at its
+        first step: without Apex or TransformerEngine, 0.19's distributed optimizer asserts one
+        step count over its state, and a trainer yet to step has none. Give each float32 master
+        Adam's initial state (zero moments at step 0), as `TorchAdamW` does; the load replaces it."""
+        for inner in self.optimizer.chained_optimizers:
+            adam = inner.optimizer
+            for group in adam.param_groups:
+                for p in group["params"]:
+                    if not adam.state[p]:
+                        adam.state[p].update(
+                            step=torch.tensor(0.0), exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p)
+                        )
