@@ -54,6 +54,12 @@ class Recipe(Section):
                 "rollout.partial: true needs colocated: true (a separate engine never stands "
                 "down, so nothing would freeze); set rollout.partial: false"
             )
+        rows, group = self.rollout.max_rows, self.rollout.samples_per_prompt
+        if rows and rows < group:
+            raise ValueError(
+                f"rollout.max_rows: {rows} is below rollout.samples_per_prompt ({group}): a "
+                f"group's samples are generated together; set rollout.max_rows >= {group}, or 0 for no cap"
+            )
         if self.eval.every_steps and not self.prompts.source.num_heldout:
             raise ValueError(
                 "eval.every_steps needs held-out prompts: set prompts.source.num_heldout > 0 "

@@ -49,6 +49,10 @@ class RolloutSection(Section):
     # Colocated: at a stand-down the requests in flight freeze with their tokens so far and
     # continue after the wake under the new weights, instead of the stand-down waiting for them.
     partial: bool = False
+    # The most rows (samples) one decode loop generates at once, 0: as many as wait when it
+    # opens (a batch's, or two batches' at L >= 1). With a cap, later requests enter as rows
+    # finish and free their slots: long-tailed lengths keep the slots busy with the next batch.
+    max_rows: NonNegativeInt = 0
     # A benchmark aid (off by default): end each sample at a length drawn from a lognormal
     # distribution, as if the model had emitted end-of-sequence (`backends/bench_lengths.py`).
     bench_lengths: BenchLengths | None = None

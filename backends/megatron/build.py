@@ -125,6 +125,7 @@ def build_backend(recipe: Any, *, vocab_size: int, stop_ids: Sequence[int]) -> t
         fingerprints=recipe.async_rl.handoff_checks,
         refresh_weights=functools.partial(reshard.copy_into, decoder, model, config),
         partial=rollout.partial,
+        max_rows=rollout.max_rows,
         lengths=None
         if rollout.bench_lengths is None
         else LengthDraw(rollout.bench_lengths, max_new_tokens=rollout.max_new_tokens, seed=seed),

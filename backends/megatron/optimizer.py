@@ -183,6 +183,5 @@ class MegatronAdam:
             for group in adam.param_groups:
                 for p in group["params"]:
                     if not adam.state[p]:
-                        adam.state[p].update(
-                            step=torch.tensor(0.0), exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p)
-                        )
+                        zeros = torch.zeros_like
+                        adam.state[p].update(step=torch.tensor(0.0), exp_avg=zeros(p), exp_avg_sq=zeros(p))

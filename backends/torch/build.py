@@ -91,6 +91,7 @@ def build_engine(
         compute=compute,
         fingerprints=recipe.async_rl.handoff_checks,
         partial=rollout.partial,
+        max_rows=rollout.max_rows,
         lengths=None
         if rollout.bench_lengths is None
         else LengthDraw(

@@ -13,8 +13,9 @@ a request once all its rows are back and wakes the waiting callers through the e
 deadline never orphans the others; a request whose caller gave up (a timeout, a stop) gives
 its slots back at the next check; when the loop ends, a caller still waiting starts the next. A
 request of the other mode, one that does not fit, more rows waiting than twice the loop's
-width, a stand-down and a refit all make the loop admit nothing more, so it ends once its
-rows finish.
+width (unless the loop is at `max_rows`), a stand-down and a refit all make the loop admit
+nothing more, so it ends once its rows finish. `max_rows` (`rollout.max_rows`) caps a loop's
+slots: it opens with the requests that fit under it, and the rest enter as rows finish.
 
 Colocated (`shared=True`) the engine samples from the trainer's own parameter tensors: it must
 stand down for training (its KV cache's memory is released) and waking it maps the cache again
@@ -149,11 +150,13 @@ class TorchEngine:
         refresh_weights: Callable[[], None] | None = None,
         partial: bool = False,
         lengths: LengthDraw | None = None,
+        max_rows: int = 0,
     ) -> None:
         assert shared or not partial, "partial rollouts need an engine that stands down"
         self.sampler = sampler
         self.partial_rollouts = partial
         self.lengths = lengths
+        self.max_rows = max_rows  # a loop's most slots (0: its first admission's rows)
         self.wakes = 0  # `wake` calls served (tags partial rollouts' stretches)
         self._freeze = threading.Event()  # read by the sampler's loop (partial rollouts)
         self._down = False
@@ -288,13 +291,16 @@ class TorchEngine:
     ) -> list[Admission]:
         """The sampler's source (compute thread): requests from the front of the queue, in
         order, while they are of the loop's mode and fit the free ``rows`` and the cache's
-        ``positions`` (all of them at the loop's start); none while the engine stands down or
-        a refit waits, nor while more than twice the loop's width waits (a loop opened by a
-        few requests, a retried group, must not take the next batch through a few slots: it
-        ends once its rows finish, and the next opens wide enough)."""
+        ``positions`` (at the loop's start: all of them, or up to `max_rows`); none while the
+        engine stands down or a refit waits, nor while more than twice the loop's width waits
+        and it is narrower than `max_rows` (a loop opened by a few requests, a retried group,
+        must not take the next batch through a few slots: it ends once its rows finish, and
+        the next opens wide enough)."""
         admissions: list[Admission] = []
+        if rows is not None and self.max_rows:  # slots past the cap (a graph bucket's padding) stay idle
+            rows -= max(0, self._width - self.max_rows)
         with self._lock:
-            if rows is not None:
+            if rows is not None and not (self.max_rows and self._width >= self.max_rows):
                 waiting = sum(row.reason is None for r in self._queue if r.greedy == greedy for row in r.rows)
                 if waiting > 2 * self._width:
                     return admissions
@@ -309,6 +315,8 @@ class TorchEngine:
                 )
                 if rows is not None and positions is not None and (wanted > rows or longest > positions):
                     break
+                if rows is None and self.max_rows and self._width and self._width + wanted > self.max_rows:
+                    break  # the loop opens at its cap; the rest enter as its rows finish
                 self._queue.pop(0)
                 active.append(request)
                 if rows is not None:

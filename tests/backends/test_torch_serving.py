@@ -206,6 +206,39 @@ async def test_a_narrow_loop_hands_a_crowd_of_waiting_requests_to_a_wider_one(
     assert (engine.calls, engine.statistics().slot_steps) == (loops, slot_steps)
 
 
+@pytest.mark.parametrize(("max_rows", "slot_steps"), [(0, 7 * 8), (2, 2 * 10)])
+async def test_max_rows_caps_a_loop_and_the_rest_enter_as_its_rows_finish(
+    max_rows: int, slot_steps: int
+) -> None:
+    """Seven one-row requests waiting together (2 tokens each, but the second's 8): without a
+    cap the loop opens seven wide and runs to the long row (56 slot-steps for 20 tokens); at
+    `max_rows` 2 it opens with the first two, and the other five follow through whichever slot
+    frees, although more than twice the loop's width waits (a loop at its cap keeps admitting):
+    both slots busy for all 10 steps."""
+    model = _model()
+    engine = _engine(model, lengths=_Scripted([2], [8], *[[2]] * 5), max_rows=max_rows)
+    try:
+        with anyio.fail_after(60):
+            async with anyio.create_task_group() as tg:
+                for _ in range(7):
+                    tg.start_soon(engine.generate, PROMPT, 1)
+    finally:
+        engine.close()
+    stats = engine.statistics()
+    assert (engine.calls, stats.slot_steps, stats.busy_slot_steps) == (1, slot_steps, 8 + 6 * 2)
+
+
+def test_max_rows_below_a_group_is_refused() -> None:
+    import pipeline
+
+    with pytest.raises(pipeline.RecipeError) as error:
+        pipeline.load_recipe("recipes/quickstart.yaml", ["rollout.max_rows=4"])
+    assert str(error.value).endswith(
+        "rollout.max_rows: 4 is below rollout.samples_per_prompt (8): a group's samples are "
+        "generated together; set rollout.max_rows >= 8, or 0 for no cap"
+    )
+
+
 async def test_a_request_given_up_mid_loop_stops_taking_its_slots() -> None:
     """The real engine: two requests share a loop; the second's caller is cancelled while the
     loop runs. At the next check its row is dropped (no slot of it counted busy after that),
@@ -281,16 +314,18 @@ def test_the_lognormal_draw_has_the_stated_median_and_is_cut_at_max_new_tokens()
 
 
 def test_the_recipe_wires_bench_lengths_and_partial_rollouts_into_the_engine() -> None:
-    """`rollout.bench_lengths` and `rollout.partial` reach the engine the torch backend builds."""
+    """`rollout.bench_lengths`, `rollout.partial` and `rollout.max_rows` reach the engine the
+    torch backend builds."""
     import pipeline
     from backends.torch.build import build_backend
 
     recipe = pipeline.load_recipe(
-        "recipes/quickstart.yaml", ["rollout.partial=true", "rollout.bench_lengths={median_tokens: 2}"]
+        "recipes/quickstart.yaml",
+        ["rollout.partial=true", "rollout.bench_lengths={median_tokens: 2}", "rollout.max_rows=16"],
     )
     engine, trainer = build_backend(recipe, vocab_size=16, stop_ids=())
     try:
-        assert engine.partial_rollouts
+        assert engine.partial_rollouts and engine.max_rows == 16
         assert engine.lengths is not None and set(engine.lengths.draw(50)) <= set(range(1, 6))
     finally:
         engine.close()
