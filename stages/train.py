@@ -50,6 +50,8 @@ class TrainSection(Section):
     grad_clip: PositiveFloat = 1.0
     micro_batch_samples: PositiveInt = 256
     # Also cap a micro-batch's computed tokens (prompts once, padding included); 0: no cap.
+    # With a cap, micro-batches bucket samples by length across groups (a prompt computed once
+    # in each micro-batch holding its samples), not whole groups padded to their longest.
     micro_batch_tokens: NonNegativeInt = 0
     updates_per_step: PositiveInt = 1
     clip_low: NonNegativeFloat = 0.2

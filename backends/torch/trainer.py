@@ -28,12 +28,13 @@ from backends.torch.precision import MasterWeights, StreamedParking
 from backends.torch.schedule import lr_factor
 from backends.torch.state_file import TRAINER_FILE, load_state, save_state
 from pipeline.errors import RecipeError
-from pipeline.messages import TrainGroup
+from pipeline.messages import TrainGroup, TrainSample
 
 
 @dataclass
 class _Chunk:
-    """A micro-batch of whole groups and, once computed, its logprob tensors [n, R]."""
+    """A micro-batch (samples, each group's prompt once) and, once computed, its logprob
+    tensors [n, R]."""
 
     prompts: list[tuple[int, ...]]
     owner: list[int]
@@ -124,49 +125,61 @@ class TorchTrainer:
     async def train_step(self, groups: Sequence[TrainGroup]) -> dict[str, float]:
         return await self.compute.run(self._train_step, list(groups))
 
-    def _chunk(self, groups: list[TrainGroup]) -> _Chunk:
-        """One micro-batch: whole groups, each group's prompt stored once."""
-        samples = [s for group in groups for s in group.samples]
+    def _chunk(self, pieces: list[tuple[TrainGroup, list[TrainSample]]]) -> _Chunk:
+        """One micro-batch: samples of one or more groups, each group's prompt stored once."""
+        prompts: dict[int, int] = {}  # id(group) -> its prompt's index
+        for group, _ in pieces:
+            prompts.setdefault(id(group), len(prompts))
+        samples = [s for _, part in pieces for s in part]
         longest = max(len(s.tokens) for s in samples)
         gen = [list(s.logprobs) + [0.0] * (longest - len(s.logprobs)) for s in samples]
         return _Chunk(
-            prompts=[group.prompt_tokens for group in groups],
-            owner=[i for i, group in enumerate(groups) for _ in group.samples],
+            prompts=list({id(group): group.prompt_tokens for group, _ in pieces}.values()),
+            owner=[prompts[id(group)] for group, part in pieces for _ in part],
             responses=[s.tokens for s in samples],
             gen=torch.tensor(gen, device=self.device),
             advantages=torch.tensor([s.advantage for s in samples], dtype=torch.float32, device=self.device),
         )
 
     def _chunks(self, groups: list[TrainGroup]) -> list[list[_Chunk]]:
-        """Minibatches (one per optimizer update) of micro-batches, split between groups.
+        """Minibatches (one per optimizer update) of micro-batches.
 
-        Groups are shuffled with the trainer's generator and never split, so each micro-batch
-        computes each of its prompts once. Within a minibatch, whose micro-batches' gradients
-        are summed into one update, groups go to micro-batches in order of their longest
-        response (length bucketing), so short responses are not padded to long ones. A
-        micro-batch holds at most `micro_batch_samples` samples and, when
-        `micro_batch_tokens` is set, at most that many computed tokens (padding included); a
-        group over the token budget alone still makes a micro-batch of its own.
+        Groups are shuffled with the trainer's generator and split into minibatches whole, one
+        per update; a minibatch's micro-batches' gradients are summed into its update. Its
+        groups go to micro-batches in order of their longest response (length bucketing), so
+        short responses are not padded to long ones, and whole: each micro-batch computes each
+        of its prompts once. A micro-batch holds at most `micro_batch_samples` samples. With
+        `micro_batch_tokens` (computed tokens: prompts once, padding included) the pieces are
+        samples instead of whole groups, in order of length: a group's samples (long-tailed
+        lengths: one of 2048 tokens beside seven of 300) go to micro-batches of their own
+        length, each computing the prompt again, rather than all padding to the longest; a
+        sample over the budget alone still makes a micro-batch of its own.
         """
         order = torch.randperm(len(groups), generator=self.generator).tolist()
         minibatches = []
         for part in torch.tensor(order).tensor_split(min(self.updates_per_step, len(groups))):
-            chunks: list[list[TrainGroup]] = []
-            current: list[TrainGroup] = []
-            rows, width = 0, 0
-            longest = {g: max(len(s.tokens) for s in groups[g].samples) for g in part.tolist()}
-            for g in sorted(longest, key=longest.__getitem__):
-                group = groups[g]
-                prompt = len(group.prompt_tokens)
+            members = [groups[g] for g in part.tolist()]
+            if self.micro_batch_tokens:
+                pieces = [(group, [s]) for group in members for s in group.samples]
+            else:
+                pieces = [(group, list(group.samples)) for group in members]
+            pieces.sort(key=lambda piece: max(len(s.tokens) for s in piece[1]))  # stable
+            chunks: list[list[tuple[TrainGroup, list[TrainSample]]]] = []
+            current: list[tuple[TrainGroup, list[TrainSample]]] = []
+            rows, width, prompts = 0, 0, set()
+            for group, samples in pieces:
+                longest = max(len(s.tokens) for s in samples)
                 # Tokens the pass computes: each prompt once, padded to the widest, and every
-                # response padded to the longest (this group's: they come in length order).
-                tokens = (len(current) + 1) * max(width, prompt) + (rows + len(group.samples)) * longest[g]
+                # response padded to the longest (this piece's: they come in length order).
+                with_it = prompts | {id(group)}
+                wide = max(width, len(group.prompt_tokens))
+                tokens = len(with_it) * wide + (rows + len(samples)) * longest
                 over_tokens = self.micro_batch_tokens and tokens > self.micro_batch_tokens
-                if current and (rows + len(group.samples) > self.micro_batch_samples or over_tokens):
+                if current and (rows + len(samples) > self.micro_batch_samples or over_tokens):
                     chunks.append(current)
-                    current, rows, width = [], 0, 0
-                current = [*current, group]
-                rows, width = rows + len(group.samples), max(width, prompt)
+                    current, rows, width, with_it = [], 0, 0, {id(group)}
+                current.append((group, samples))
+                rows, width, prompts = rows + len(samples), max(width, len(group.prompt_tokens)), with_it
             chunks.append(current)
             minibatches.append([self._chunk(c) for c in chunks])
         return minibatches

@@ -109,12 +109,28 @@ def test_micro_batches_bucket_groups_by_response_length() -> None:
 
 def test_micro_batches_keep_to_a_token_budget() -> None:
     """With `micro_batch_tokens`, a micro-batch closes before its prompts (once each) and
-    padded responses would pass the budget; a group over it alone still gets one."""
+    padded responses would pass the budget; a sample over it alone still gets one."""
     trainer = _trainer(vocab_size=23, micro_batch_samples=256, micro_batch_tokens=30, updates_per_step=1)
     groups = [_group(g, (2,) * 3, [length, length]) for g, length in enumerate([2, 4, 5, 20])]
     (minibatch,) = trainer._chunks(groups)
-    # lengths 2, 4: 2 x 3 + 4 x 4 = 22; adding 5s: 3 x 3 + 6 x 5 = 39 > 30; 5 then 20 alone.
-    assert [sorted({len(r) for r in chunk.responses}) for chunk in minibatch] == [[2, 4], [5], [20]]
+    # lengths 2, 2, 4, 4: 2 x 3 + 4 x 4 = 22; adding a 5: 3 x 3 + 5 x 5 = 34 > 30; the 5s:
+    # 3 + 2 x 5 = 13; a 20: 3 + 20 = 23, both 20s 3 + 40 > 30 (they share a prompt).
+    assert [[len(r) for r in chunk.responses] for chunk in minibatch] == [[2, 2, 4, 4], [5, 5], [20], [20]]
+    assert [len(chunk.prompts) for chunk in minibatch] == [2, 1, 1, 1]
+
+
+def test_under_a_token_budget_a_long_tailed_group_is_split_by_length() -> None:
+    """A group of short samples and one long one: under a token budget its short samples go
+    with the other groups' short ones (each micro-batch computing their prompts once) and the
+    long one alone, instead of all four padding to the long one; every sample trained once,
+    beside its own prompt."""
+    trainer = _trainer(vocab_size=23, micro_batch_samples=256, micro_batch_tokens=40, updates_per_step=1)
+    groups = [_group(0, (2, 3), [3, 3, 3, 30]), _group(1, (4,), [3, 4, 3, 4])]
+    (minibatch,) = trainer._chunks(groups)
+    assert [[len(r) for r in chunk.responses] for chunk in minibatch] == [[3, 3, 3, 3, 3, 4, 4], [30]]
+    first, second = minibatch
+    assert first.prompts == [(2, 3), (4,)] and first.owner == [0, 0, 0, 1, 1, 1, 1]
+    assert second.prompts == [(2, 3)] and second.owner == [0]
 
 
 def test_a_checkpoint_with_another_parameter_list_is_refused_in_one_line(tmp_path: Path) -> None:
