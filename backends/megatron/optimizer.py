@@ -171,7 +171,28 @@ class MegatronAdam:
         )
 
     def load_state_dict(self, state: Any) -> None:
-        self.optimizer.load_state_dict(state)
+        """0.19 without Apex or TransformerEngine: loading "fully_reshardable" parameter state
+        copies into every tensor of each master's Adam state, its "step" too, which the
+        checkpoint's parameter state does not hold (KeyError: 'step'; megatron restores the step
+        counts itself, from the param groups). So the rest loads first, then the parameter state
+        with the step counts held as plain numbers, which that copy skips, then as tensors again."""
+        chained = self.optimizer.chained_optimizers
+        parts = [state] if len(chained) == 1 else [part for _, part in sorted(state.items())]
+        for inner, part in zip(chained, parts, strict=True):
+            param_state = part.pop("param_state", None)
+            assert part.pop("param_state_sharding_type", "fully_reshardable") == "fully_reshardable"
+            inner.load_state_dict(part)
+            if param_state is None:
+                continue
+            adam = inner.optimizer.state
+            steps = {p: s["step"] for p, s in adam.items() if "step" in s}
+            for p, step in steps.items():
+                adam[p]["step"] = float(step)
+            try:
+                inner.load_parameter_state_from_fully_reshardable(param_state)
+            finally:
+                for p, step in steps.items():
+                    adam[p]["step"] = step
 
     def _fresh_state(self) -> None:
         """A load's template needs the state's tensors, which torch's Adam makes only at its
