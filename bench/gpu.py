@@ -28,6 +28,8 @@ Parts (each can be picked with --parts):
   (`backends/megatron`: GPTModel with SDPA core attention inside megatron's DDP, its
   distributed optimizer stepping bf16 weights through float32 masters, the trainer's
   `response_logprobs`), `megatron-compiled` the same with each layer compiled (`train.compile`).
+  `--accumulate N`: N micro-batches' gradients summed into each optimizer update (a recipe's
+  step of 256 samples in micro-batches of 16 is one update over 16), default 1.
   The trainer end to end is measured by the `recipes/bench-h200-*.yaml` runs.
   FLOPs per token = 6 * (non-embedding params + lm_head) + 12 * layers * hidden * seq.
 
@@ -334,8 +336,9 @@ def _megatron_step(args: argparse.Namespace, *, compiled: bool) -> Any:
     mask = torch.ones(index.shape, device=device)
 
     def step() -> None:
-        loss = -response_logprobs(optimizer.model, ids, index, mask, 1.0).mean()
-        loss.backward()
+        for _ in range(args.accumulate):
+            loss = -response_logprobs(optimizer.model, ids, index, mask, 1.0).mean()
+            loss.backward()
         optimizer.step(1e-5)
 
     return step
@@ -363,14 +366,15 @@ def _train_variant(mode: str, args: argparse.Namespace) -> dict[str, float]:
     prompts, responses = [tuple(r[:1]) for r in rows], [tuple(r[1:]) for r in rows]
 
     def step() -> None:
-        if mode == "trainer":
-            owner = list(range(len(prompts)))
-            lp, _ = response_logprobs(model, prompts, owner, responses, 1.0, compiled=True)
-            loss = -lp.mean()
-        else:  # token_logprobs(model, ids, mask) for sequences without padding
-            hidden = hidden_states(ids[:, :-1], positions)
-            loss = -picked_logprobs(hidden, model.lm_head.weight, ids[:, 1:]).mean()
-        loss.backward()
+        for _ in range(args.accumulate):
+            if mode == "trainer":
+                owner = list(range(len(prompts)))
+                lp, _ = response_logprobs(model, prompts, owner, responses, 1.0, compiled=True)
+                loss = -lp.mean()
+            else:  # token_logprobs(model, ids, mask) for sequences without padding
+                hidden = hidden_states(ids[:, :-1], positions)
+                loss = -picked_logprobs(hidden, model.lm_head.weight, ids[:, 1:]).mean()
+            loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
@@ -387,7 +391,7 @@ def _timed_steps(step: Any, args: argparse.Namespace) -> dict[str, float]:
     for _ in range(args.train_steps):
         step()
     elapsed = _sync_time() - start
-    tokens_per_s = args.train_steps * args.micro_batch * args.seq / elapsed
+    tokens_per_s = args.train_steps * args.accumulate * args.micro_batch * args.seq / elapsed
     flops = _flops_per_token(QWEN_1_5B, args.seq)
     return {
         "warmup_s": warm,
@@ -403,6 +407,7 @@ def bench_train(args: argparse.Namespace) -> dict[str, Any]:
     result: dict[str, Any] = {
         "seq": args.seq,
         "micro_batch": args.micro_batch,
+        "accumulate": args.accumulate,
         "flops_per_token": _flops_per_token(QWEN_1_5B, args.seq),
     }
     for name in args.train_modes.split(","):
@@ -442,6 +447,13 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=1024)
     parser.add_argument("--micro-batch", type=int, default=16)
     parser.add_argument("--train-steps", type=int, default=10)
+    parser.add_argument(
+        "--accumulate",
+        type=int,
+        default=1,
+        help="train: micro-batches whose gradients one optimizer update sums (a recipe's step "
+        "of 256 samples in micro-batches of 16 makes 16)",
+    )
     parser.add_argument(
         "--train-modes",
         default="eager,model",
