@@ -11,6 +11,8 @@ CPU_TORCH = "torch==2.13.0"  # the CPU build on this project's CI machines; GPU 
 # megatron-core 0.17+ declares Python >= 3.12 and CUDA extras; its cp311 wheel runs on 3.11 with
 # triton (which its imports need, and torch's CPU build does not bring) and the `megatron` extra.
 MEGATRON = ("--no-deps", "--ignore-requires-python", "megatron-core==0.19.2", "triton==3.6.0")
+# The version `typecheck` passes with, as in pyproject's dev extra: a new mypy adds checks.
+MYPY = "mypy==2.4.1"
 
 
 def _install(session: nox.Session, *extras: str) -> None:
@@ -35,7 +37,7 @@ def lint(session: nox.Session) -> None:
 @nox.session
 def typecheck(session: nox.Session) -> None:
     _install(session, "test")
-    session.install("mypy")
+    session.install(MYPY)
     session.run("mypy")
 
 

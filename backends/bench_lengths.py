@@ -24,7 +24,7 @@ import msgspec
 from pipeline.recipe import PositiveFloat, PositiveInt, Section
 
 
-class BenchLengths(Section):
+class BenchLengths(Section, frozen=True):
     """`rollout.bench_lengths`: ln(length) ~ Normal(ln(median_tokens), sigma)."""
 
     distribution: Literal["lognormal"] = "lognormal"

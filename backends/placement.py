@@ -28,11 +28,11 @@ from pipeline.recipe import NonNegativeFloat, NonNegativeInt, PositiveFloat, Pos
 Scorer = Callable[[list[tuple[Any, str | None]]], Awaitable[list[Any]]]
 
 
-class LocalPlacement(Section, tag_field="backend", tag="local"):
+class LocalPlacement(Section, tag_field="backend", tag="local", frozen=True):
     """Engine and trainer in this process, on worker threads."""
 
 
-class RayPlacement(Section, tag_field="backend", tag="ray"):
+class RayPlacement(Section, tag_field="backend", tag="ray", frozen=True):
     """Engine replicas, the trainer and reward workers as actors of a Ray cluster."""
 
     # None: start a Ray runtime for this run on this machine (even where another one runs) and

@@ -297,7 +297,7 @@ def bench_handoff(model: Decoder, args: argparse.Namespace) -> dict[str, Any]:
         "greedy_tokens_equal_after_wake": [[o.tokens for o in g] for g in after]
         == [[o.tokens for o in g] for g in before],
         "fingerprint_tensors": len(expected),
-        "fingerprint_samples": sum(p.index.numel() for p in served.probes),
+        "fingerprint_samples": sum(p.indices.numel() for p in served.probes),
         "fingerprint_trainer_ms": trainer_ms,
         "fingerprint_engine_ms": engine_ms,
         "fingerprints_equal": expected == got,

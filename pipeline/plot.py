@@ -139,7 +139,10 @@ def write_report(run_dirs: Sequence[Path], out: Path) -> Path:
     tops = []
     for index, (run_dir, steps, evals) in enumerate(runs):
         # Later runs drawn thinner, so a run identical to an earlier one still shows.
-        style = {"color": colours[index % len(colours)], "linewidth": max(1.0, 2.2 - 0.6 * index)}
+        style: dict[str, Any] = {
+            "color": colours[index % len(colours)],
+            "linewidth": max(1.0, 2.2 - 0.6 * index),
+        }
         name = run_dir.resolve().name if single else str(run_dir)
         prefix = "" if single else f"{name}: "
 

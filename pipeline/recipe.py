@@ -33,10 +33,13 @@ NonNegativeFloat = Annotated[float, msgspec.Meta(ge=0)]
 
 
 class Section(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
-    """Base of every recipe section."""
+    """Base of every recipe section.
+
+    msgspec passes `frozen` on to subclasses, but a type checker reads it from each class
+    statement (PEP 681), so every section repeats `frozen=True`."""
 
 
-class RunSection(Section):
+class RunSection(Section, frozen=True):
     dir: str = "runs/quickstart"
     steps: PositiveInt = 100
     seed: int = 0
@@ -46,25 +49,25 @@ class RunSection(Section):
     plot: bool = False  # write run.dir/report.png at the end (needs matplotlib)
 
 
-class AsyncRLSection(Section):
+class AsyncRLSection(Section, frozen=True):
     max_lookahead_versions: NonNegativeInt = 1
     # After each stand-down, the engine holds no memory it reports; after each wake or refit it
     # serves exactly the trainer's weights (fingerprints compared by the gate).
     handoff_checks: bool = True
 
 
-class CheckpointSection(Section):
+class CheckpointSection(Section, frozen=True):
     every_steps: NonNegativeInt = 0  # 0: only at the last step and on a clean stop
     keep_last: Annotated[int, msgspec.Meta(ge=2)] = 2
     resume: str = "auto"  # "auto", "never" or a checkpoint path
 
 
-class WatchdogSection(Section):
+class WatchdogSection(Section, frozen=True):
     stall_s: PositiveFloat = 600.0
     fail: bool = False
 
 
-class WandbSection(Section):
+class WandbSection(Section, frozen=True):
     enabled: bool = False
     project: str = "grpo-pipeline"
     name: str | None = None  # default: the run directory's name
@@ -73,7 +76,7 @@ class WandbSection(Section):
     mode: Literal["offline", "online", "disabled"] | None = None
 
 
-class TensorBoardSection(Section):
+class TensorBoardSection(Section, frozen=True):
     enabled: bool = False  # event files in run.dir/tensorboard (needs the tensorboard package)
 
 

@@ -26,7 +26,7 @@ from stages.reward import RewardFn, score_all
 from stages.rollout import GiveUp, RolloutSection, with_retries
 
 
-class EvalSection(Section):
+class EvalSection(Section, frozen=True):
     every_steps: NonNegativeInt = 0  # 0: no held-out evaluation
     num_prompts: PositiveInt = 256
 

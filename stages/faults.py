@@ -24,7 +24,7 @@ from pipeline.recipe import NonNegativeFloat, Section
 Rate = Annotated[float, msgspec.Meta(ge=0, le=1)]
 
 
-class FaultsSection(Section):
+class FaultsSection(Section, frozen=True):
     nonfinite_logprob_rate: Rate = 0.0
     engine_latency_s: NonNegativeFloat = 0.0
     engine_crash_rate: Rate = 0.0

@@ -25,6 +25,7 @@ import math
 import operator
 import statistics
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any, Literal
 
@@ -57,7 +58,7 @@ _BOUNDS: dict[str, tuple[str, Callable[[float, float], bool]]] = {
 }
 
 
-class Gate(Section):
+class Gate(Section, frozen=True):
     metric: str
     stat: Statistic
     step: NonNegativeInt | None = None  # the step of `stat: at`
@@ -109,7 +110,7 @@ class Gate(Section):
         return f"{self.stat}({', '.join([self.metric, *where])})"
 
 
-class GatesSection(Section):
+class GatesSection(Section, frozen=True):
     checks: tuple[Gate, ...] = ()
     fail: bool = True  # a failed gate makes `python -m pipeline run` exit 3
 
@@ -185,14 +186,15 @@ def _evaluate(
     ]
     op, bound = gate.bound
     symbol, compare = _BOUNDS[op]
-    common = {"gate": gate.name, "metric": gate.metric, "stat": gate.stat, "bound": f"{symbol} {bound:g}"}
+    bound_text = f"{symbol} {bound:g}"
+    result = partial(GateResult, gate=gate.name, metric=gate.metric, stat=gate.stat, bound=bound_text)
     if steps is not None and first is not None and first > steps:
         reason = f"step {first} is past the run's last step {steps} (run.steps)"
-        return GateResult(**common, value=None, passed=True, num_values=0, reason=reason, skipped=True)
+        return result(value=None, passed=True, num_values=0, reason=reason, skipped=True)
     if not values:
-        return GateResult(**common, value=None, passed=False, num_values=0, reason=_no_values(gate))
+        return result(value=None, passed=False, num_values=0, reason=_no_values(gate))
     value = _STATISTICS[gate.stat](values)
-    return GateResult(**common, value=value, passed=compare(value, bound), num_values=len(values))
+    return result(value=value, passed=compare(value, bound), num_values=len(values))
 
 
 def _number(value: Any) -> bool:

@@ -36,7 +36,7 @@ FILE_ALPHABET = "0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ 
 PRINTABLE_ALPHABET = string.digits + string.ascii_letters + string.punctuation + " \n"
 
 
-class SyntheticSource(Section, tag="synthetic", tag_field="kind"):
+class SyntheticSource(Section, tag="synthetic", tag_field="kind", frozen=True):
     """Digit-string tasks: `reverse` ("12345=" -> "54321") or `increment` each digit mod 10
     ("12349=" -> "23450"). Increment keeps every answer digit at a fixed distance from its
     source, which rotary attention learns fast; reverse needs the distance to change with the
@@ -52,7 +52,7 @@ class SyntheticSource(Section, tag="synthetic", tag_field="kind"):
             raise ValueError(f"min_digits ({self.min_digits}) must be <= max_digits ({self.max_digits})")
 
 
-class FileSource(Section):
+class FileSource(Section, frozen=True):
     """A file of rows, each with a prompt and an answer; the last `num_heldout` rows are held out
     (never trained on). `alphabet` is the character tokenizer's (used without `model.path`)."""
 
@@ -63,15 +63,15 @@ class FileSource(Section):
     alphabet: str = FILE_ALPHABET
 
 
-class JsonlSource(FileSource, tag="jsonl", tag_field="kind"):
+class JsonlSource(FileSource, tag="jsonl", tag_field="kind", frozen=True):
     """One JSON object per line."""
 
 
-class ParquetSource(FileSource, tag="parquet", tag_field="kind"):
+class ParquetSource(FileSource, tag="parquet", tag_field="kind", frozen=True):
     """A Parquet file (needs the `parquet` extra: pyarrow)."""
 
 
-class ReasoningGymSource(Section, tag="reasoning_gym", tag_field="kind"):
+class ReasoningGymSource(Section, tag="reasoning_gym", tag_field="kind", frozen=True):
     """`reasoning_gym.create_dataset(name, size=size, seed=seed, **config)` (the `reasoning-gym`
     extra); its last `num_heldout` entries are held out. `seed` None uses `run.seed`."""
 
@@ -86,7 +86,7 @@ class ReasoningGymSource(Section, tag="reasoning_gym", tag_field="kind"):
 Source = SyntheticSource | JsonlSource | ParquetSource | ReasoningGymSource
 
 
-class PromptsSection(Section):
+class PromptsSection(Section, frozen=True):
     source: Source = msgspec.field(default_factory=SyntheticSource)
     prompts_per_step: PositiveInt = 32
     chat_template: bool = False  # render prompts through the model's chat template (needs model.path)

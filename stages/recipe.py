@@ -30,7 +30,7 @@ def _default_model() -> ModelSection:
     return ModelSection(config=ModelConfig(vocab_size=16))
 
 
-class Recipe(Section):
+class Recipe(Section, frozen=True):
     run: RunSection = msgspec.field(default_factory=RunSection)
     async_rl: AsyncRLSection = msgspec.field(default_factory=AsyncRLSection)
     colocated: bool = True

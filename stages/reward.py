@@ -44,7 +44,7 @@ log = logging.getLogger("stages.reward")
 RewardFn = Callable[[Prompt, str], float | dict[str, float] | Awaitable[float | dict[str, float]]]
 
 
-class RewardSection(Section):
+class RewardSection(Section, frozen=True):
     function: str = "positional"
     reward_s: PositiveFloat = 60.0
     max_failures: NonNegativeInt = 64

@@ -35,7 +35,7 @@ from stages.context import RunContext
 log = logging.getLogger("stages.rollout")
 
 
-class RolloutSection(Section):
+class RolloutSection(Section, frozen=True):
     samples_per_prompt: Annotated[int, msgspec.Meta(ge=2)] = 8
     max_new_tokens: PositiveInt = 8
     temperature: NonNegativeFloat = 1.0

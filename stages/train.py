@@ -38,7 +38,7 @@ from stages.step_record import StepRecorder
 log = logging.getLogger("stages.train")
 
 
-class TrainSection(Section):
+class TrainSection(Section, frozen=True):
     backend: BackendName = "torch"  # the trainer's (and engine's) compute: backends/registry.py
     lr: PositiveFloat = 3.0e-4
     weight_decay: NonNegativeFloat = 0.0

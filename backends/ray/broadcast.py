@@ -55,9 +55,9 @@ class Group:
         if rank != 0:
             self.leave()
             self.store = dist.TCPStore(*address, is_master=False, timeout=timeout)
-        device = {"device_id": torch.device("cuda", torch.cuda.current_device())} if backend == "nccl" else {}
+        device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else None
         dist.init_process_group(
-            backend, store=self.store, rank=rank, world_size=world, timeout=timeout, **device
+            backend, store=self.store, rank=rank, world_size=world, timeout=timeout, device_id=device
         )
 
     def leave(self) -> None:

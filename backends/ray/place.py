@@ -95,7 +95,9 @@ def _place(
 
     def start(options: dict[str, Any], role: str, replica: int = 0) -> Any:
         actor = _Part.options(**options).remote(recipe, role=role, replica=replica, **build)
-        cleanups.append(lambda: ray.kill(actor))
+        # ray's remote() is typed ActorHandle | type[T] (the latter for its method stubs), its
+        # kill() takes only an ActorHandle.
+        cleanups.append(lambda: ray.kill(actor))  # type: ignore[arg-type]
         return actor
 
     if recipe.colocated:
@@ -151,8 +153,9 @@ def _place(
 
         def spawn_reward() -> tuple[Any, int]:
             actor = _Rewards.options(**reward_options).remote(recipe.reward.function)
-            cleanups.append(lambda: ray.kill(actor))
-            [pid] = _started([actor.pid.remote()], section)
+            cleanups.append(lambda: ray.kill(actor))  # type: ignore[arg-type]  # as in start()
+            # ray types an undecorated actor method as the plain function, without .remote
+            [pid] = _started([actor.pid.remote()], section)  # type: ignore[attr-defined]
             return actor, pid
 
         score = RewardPool(spawn_reward, section.reward_workers, counts=counts).score

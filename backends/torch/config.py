@@ -79,15 +79,17 @@ class ModelConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
                 f"num_key_value_heads ({self.num_key_value_heads})"
             )
-        if self.head_dim is None:
+        head_dim = self.head_dim
+        if head_dim is None:
             if self.hidden_size % self.num_attention_heads:
                 raise ValueError(
                     f"hidden_size ({self.hidden_size}) must be divisible by num_attention_heads "
                     f"({self.num_attention_heads}) when head_dim is not given"
                 )
-            msgspec.structs.force_setattr(self, "head_dim", self.hidden_size // self.num_attention_heads)
-        if self.head_dim % 2:
-            raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+            head_dim = self.hidden_size // self.num_attention_heads
+            msgspec.structs.force_setattr(self, "head_dim", head_dim)
+        if head_dim % 2:
+            raise ValueError(f"head_dim must be even for rotary embeddings, got {head_dim}")
         if self.attention_bias and self.qk_norm:
             raise ValueError(
                 "attention_bias and qk_norm together have no Hugging Face equivalent "

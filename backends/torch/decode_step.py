@@ -114,7 +114,7 @@ class DecodeSteps:
             # The first batch-size bucket gets kernels for its shapes, a second one kernels for
             # any number of rows (dynamo's automatic dynamic shapes), so buckets never exhaust
             # its recompile limit; past that limit (other dtypes, models) a part runs uncompiled.
-            options = {"emulate_precision_casts": True} if eager_rounding else {}
+            options: dict[str, Any] = {"emulate_precision_casts": True} if eager_rounding else {}
             parts = tuple(torch.compile(f, options=options) for f in parts)
         self._prologue, self._project, self._finish, self._draw, self._scaled_logits, self._head = parts
         self._steps: dict[tuple[int, bool], DecodeStep] = {}

@@ -20,20 +20,23 @@ and one `index_add_` sums the chunks per probe; elsewhere each probe is a gather
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 from torch import Tensor
+
+if TYPE_CHECKING:
+    from triton.runtime.jit import KernelInterface
 
 _BITS = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
 
 
 class Probe(NamedTuple):
-    """The samples of tensor ``name``: elements ``index`` of the flat ``base``."""
+    """The samples of tensor ``name``: elements ``indices`` of the flat ``base``."""
 
     name: str
     base: Tensor
-    index: Tensor
+    indices: Tensor
 
 
 def sample_rows(shape: Sequence[int], device: torch.device) -> tuple[Tensor, Tensor]:
@@ -74,7 +77,7 @@ class Fingerprinter:
                 names, sums = self._on_gpu(dtype, probes)
                 out.update(zip(names, sums.tolist(), strict=True))
             else:
-                out.update((p.name, checksum(p.base[p.index])) for p in probes)
+                out.update((p.name, checksum(p.base[p.indices])) for p in probes)
         return out
 
     def _on_gpu(self, dtype: torch.dtype, probes: list[Probe]) -> tuple[list[str], Tensor]:
@@ -102,10 +105,10 @@ def _address_table(probes: list[Probe]) -> tuple[list[str], Tensor, Tensor]:
     """Every sample's address, and per chunk [first sample, end, probe, the probe's first
     sample] (int64 on the probes' device)."""
     size = probes[0].base.element_size()
-    addresses = torch.cat([p.base.data_ptr() + p.index * size for p in probes])
+    addresses = torch.cat([p.base.data_ptr() + p.indices * size for p in probes])
     rows, start = [], 0
     for number, probe in enumerate(probes):
-        end = start + probe.index.numel()
+        end = start + probe.indices.numel()
         rows += [(first, min(first + _CHUNK, end), number, start) for first in range(start, end, _CHUNK)]
         start = end
     chunks = torch.tensor(rows, dtype=torch.int64, device=addresses.device)
@@ -120,10 +123,10 @@ def checksum(values: Tensor) -> int:
 
 
 _TRITON_DTYPES: dict[torch.dtype, tuple[object, object]] = {}
-_KERNEL: list[object] = []
+_KERNEL: list[KernelInterface[Any] | None] = []
 
 
-def _kernel() -> object | None:
+def _kernel() -> KernelInterface[Any] | None:
     """The Triton kernel (built on first use), or None without Triton."""
     if not _KERNEL:
         try:

@@ -30,6 +30,7 @@ class KVCache:
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype, pool: KVPool, *, zero_fresh: bool) -> None:
         self.layers = config.num_hidden_layers
+        assert config.head_dim is not None  # ModelConfig resolves it
         self.kv_heads, self.head_dim = config.num_key_value_heads, config.head_dim
         self.dtype = dtype
         self.pool = pool

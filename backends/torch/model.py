@@ -38,6 +38,7 @@ _INIT_STD = 0.02
 def rope_inv_freq(config: ModelConfig) -> Tensor:
     """Rotary inverse frequencies [head_dim // 2] in float32, after ``rope_scaling``."""
     dim = config.head_dim
+    assert dim is not None  # ModelConfig resolves it
     inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
     scaling = config.rope_scaling
     if scaling is None:
@@ -109,6 +110,7 @@ class Attention(nn.Module):
         super().__init__()
         self.heads = config.num_attention_heads
         self.kv_heads = config.num_key_value_heads
+        assert config.head_dim is not None  # ModelConfig resolves it
         self.head_dim = config.head_dim
         q_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
         self.sizes = (q_size, kv_size, kv_size)

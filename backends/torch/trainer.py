@@ -166,7 +166,7 @@ class TorchTrainer:
             pieces.sort(key=lambda piece: max(len(s.tokens) for s in piece[1]))  # stable
             chunks: list[list[tuple[TrainGroup, list[TrainSample]]]] = []
             current: list[tuple[TrainGroup, list[TrainSample]]] = []
-            rows, width, prompts = 0, 0, set()
+            rows, width, prompts = 0, 0, set[int]()
             for group, samples in pieces:
                 longest = max(len(s.tokens) for s in samples)
                 # Tokens the pass computes: each prompt once, padded to the widest, and every
@@ -234,9 +234,13 @@ class TorchTrainer:
             if self._update(finite_loss=math.isfinite(float(loss_sum)), grad_norms=grad_norms):
                 self.skipped_steps += 1
             self.scheduler.step()
-        masked = [c.mask.bool() for c in chunks]
+        olds, masked = [], []
+        for c in chunks:  # the update loop above gave every chunk its mask and old logprobs
+            assert c.mask is not None and c.old is not None
+            olds.append(c.old)
+            masked.append(c.mask.bool())
         metrics = mismatch_metrics(
-            torch.cat([c.old[m] for c, m in zip(chunks, masked, strict=True)]),
+            torch.cat([old[m] for old, m in zip(olds, masked, strict=True)]),
             torch.cat([c.gen[m] for c, m in zip(chunks, masked, strict=True)]),
             torch.ones(int(sum(m.sum() for m in masked)), device=self.device),
         )
@@ -246,7 +250,7 @@ class TorchTrainer:
                 "train/loss": totals["loss"] / tokens,
                 "train/grad_norm": sum(grad_norms) / len(grad_norms) if grad_norms else math.nan,
                 "train/clip_fraction": totals["clip_fraction"] / tokens,
-                "train/lr": self.scheduler.get_last_lr()[0],
+                "train/lr": float(self.scheduler.get_last_lr()[0]),
                 "train/skipped_steps": float(self.skipped_steps),
                 "train/applied_updates": float(len(grad_norms)),
                 "train/tokens": tokens,

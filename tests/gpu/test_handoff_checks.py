@@ -35,7 +35,7 @@ def _model(dtype: torch.dtype) -> Decoder:
 def test_kernel_equals_the_torch_path(dtype: torch.dtype) -> None:
     probes = parameter_probes(_model(dtype).named_parameters())
     on_gpu = Fingerprinter(probes)()
-    assert on_gpu == {p.name: checksum(p.base[p.index]) for p in probes}
+    assert on_gpu == {p.name: checksum(p.base[p.indices]) for p in probes}
 
 
 def _engine(model: Decoder, shared: bool) -> TorchEngine:
