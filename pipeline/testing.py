@@ -334,9 +334,10 @@ class _FakeRequest:
 
 
 class FakeDynamicEngine:
-    """A dynamic inference engine whose requests generate `length` tokens, one a step: token k
-    of a request is (last prompt token + k + 1) % `vocab` with logprob -0.5, and a token in
-    `stop_at` ends it early. Events: `add <id>`, `step`, `suspend`, `resume`.
+    """A dynamic inference engine whose requests generate `length` tokens (fewer where their
+    sampling parameters' `num_tokens_to_generate` says so, as megatron's `SamplingParams`), one
+    a step: token k of a request is (last prompt token + k + 1) % `vocab` with logprob -0.5,
+    and a token in `stop_at` ends it early. Events: `add <id>`, `step`, `suspend`, `resume`.
 
     Like megatron's, it keeps requests in flight across suspend/resume; stepping while
     suspended, or adding a request then, raises (the adapter must not). `hold_after_steps`
@@ -371,7 +372,8 @@ class FakeDynamicEngine:
             raise AssertionError("request added to a suspended engine")
         self.events.append(f"add {request_id}")
         self.sampling.append(sampling_params)
-        self._active.append(_FakeRequest(request_id, prompt, self.length))
+        limit = getattr(sampling_params, "num_tokens_to_generate", None) or self.length
+        self._active.append(_FakeRequest(request_id, prompt, min(self.length, limit)))
 
     def has_unfinished_requests(self) -> bool:
         held = self.hold_after_steps is not None and self.steps >= self.hold_after_steps

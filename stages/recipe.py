@@ -22,7 +22,7 @@ from stages.gates import GatesSection, check_names
 from stages.metric_names import MetricNames
 from stages.prompts import PromptsSection
 from stages.reward import RewardSection
-from stages.rollout import RolloutSection
+from stages.rollout import RolloutSection, check_engine
 from stages.train import TrainSection
 
 
@@ -66,4 +66,5 @@ class Recipe(Section, frozen=True):
                 "or eval.every_steps: 0"
             )
         check_placement(self)
+        check_engine(self)
         check_names(self.gates, MetricNames.for_recipe(self))

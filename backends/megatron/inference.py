@@ -20,9 +20,21 @@ steps the engine only while serving and holding unfinished requests, and otherwi
 the queue. Requests added while down wait in the adapter and enter the engine at resume. An
 exception in the thread fails every pending and later call with it (a bug, not retried).
 
-Nothing here imports megatron: the engine and its sampling parameters are given
-(`sampling(greedy)` builds them), so the state machine runs against
-`pipeline.testing.FakeDynamicEngine` on any machine.
+The thread also builds the engine (`build()`, before the constructor returns, raising what it
+raised): megatron's engine takes the event loop running where it is constructed for its own
+`run_until_complete` in each step, so it must be built where none runs and stepped by the one
+thread that owns it.
+
+Each request gets its own sampling parameters, `sampling(greedy, limit)`: `limit` is
+`max_new_tokens`, or with `lengths` (`rollout.bench_lengths`) a length drawn for it, which ends
+it with finish_reason "stop" as if it had emitted end-of-sequence there (as the torch engine
+does). A prompt that with its limit passes `max_sequence_length` is refused
+(`RequestRejected`) before it reaches the engine, which would otherwise fail it. `save`/`load`
+keep the engine's sampling RNG (`generator(engine)`) and the lengths' draw in `engine.pt`, the
+torch engine's file and layout.
+
+Nothing here imports megatron: the engine and its sampling parameters are given, so the state
+machine runs against `pipeline.testing.FakeDynamicEngine` on any machine.
 """
 
 from __future__ import annotations
@@ -33,8 +45,12 @@ import queue
 import threading
 from collections.abc import Callable, Sequence
 from enum import Enum
+from pathlib import Path
 from typing import Any
 
+from backends.bench_lengths import LengthDraw
+from backends.torch.state_file import ENGINE_FILE, load_state, save_state
+from pipeline.errors import RequestRejected
 from pipeline.messages import Completion
 
 
@@ -75,24 +91,39 @@ class MegatronInference:
 
     def __init__(
         self,
-        engine: Any,
+        build: Callable[[], Any],
         *,
-        sampling: Callable[[bool], Any],
+        sampling: Callable[[bool, int], Any],
         stop_token_ids: Sequence[int],
-        memory_in_use: Callable[[], int | None] = lambda: None,
+        max_new_tokens: int,
+        max_sequence_length: int | None = None,
+        lengths: LengthDraw | None = None,
+        memory_in_use: Callable[[Any], int | None] = lambda engine: None,
+        generator: Callable[[Any], Any] = lambda engine: None,
     ) -> None:
-        self.engine = engine
+        self.engine: Any = None
         self.sampling = sampling
         self.stop_token_ids = frozenset(stop_token_ids)
+        self.max_new_tokens = max_new_tokens
+        self.max_sequence_length = max_sequence_length
+        self.lengths = lengths
         self._memory = memory_in_use
+        self._generator = generator
         self.state = State.SERVING
         self._commands: queue.Queue[tuple[str, Any]] = queue.Queue()
         self._ids = itertools.count()
         self._pending: dict[int, _Pending] = {}  # by request id
-        self._held: list[tuple[list[int], Sequence[int], bool]] = []  # added while down
+        self._held: list[tuple[list[int], Sequence[int], bool, list[int]]] = []  # added while down
         self._failure: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="megatron-inference", daemon=True)
+        built = threading.Event()
+        self._thread = threading.Thread(
+            target=self._run, args=(build, built), name="megatron-inference", daemon=True
+        )
         self._thread.start()
+        built.wait()
+        if self.engine is None:  # the build failed: the thread has ended
+            assert self._failure is not None
+            raise self._failure
 
     async def _call(self, command: str, payload: Any = None) -> Any:
         if self._failure is not None:
@@ -106,7 +137,14 @@ class MegatronInference:
     async def generate(
         self, prompt_tokens: Sequence[int], n: int, *, greedy: bool = False
     ) -> list[Completion]:
-        return await self._call("add", (list(prompt_tokens), n, greedy))
+        limits = self.lengths.draw(n) if self.lengths is not None else [self.max_new_tokens] * n
+        bound = self.max_sequence_length
+        if bound is not None and len(prompt_tokens) + max(limits) > bound:
+            raise RequestRejected(
+                f"a prompt of {len(prompt_tokens)} tokens + {max(limits)} new tokens exceeds the "
+                f"megatron engine's max sequence length {bound}"
+            )
+        return await self._call("add", (list(prompt_tokens), greedy, limits))
 
     async def stand_down(self) -> None:
         await self._call("suspend")
@@ -121,7 +159,31 @@ class MegatronInference:
         return None
 
     def memory_in_use(self) -> int | None:
-        return self._memory()
+        return self._memory(self.engine)
+
+    def save(self, directory: Path) -> None:
+        save_state(directory / ENGINE_FILE, self.state_dict())
+
+    def load(self, directory: Path) -> None:
+        self.load_state_dict(load_state(directory / ENGINE_FILE))
+
+    def state_dict(self) -> dict[str, Any]:
+        """The sampling RNG and the bench lengths' draw (read between steps: saves run while the
+        engine is down)."""
+        state: dict[str, Any] = {}
+        generator = self._generator(self.engine)
+        if generator is not None:
+            state["generator"] = generator.get_state()
+        if self.lengths is not None:
+            state["lengths"] = self.lengths.state()
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        generator = self._generator(self.engine)
+        if generator is not None and "generator" in state:
+            generator.set_state(state["generator"])
+        if self.lengths is not None and "lengths" in state:
+            self.lengths.load_state(state["lengths"])
 
     def close(self) -> None:
         """End the engine thread after its current step (closing twice is harmless)."""
@@ -131,7 +193,15 @@ class MegatronInference:
 
     # The engine thread.
 
-    def _run(self) -> None:
+    def _run(self, build: Callable[[], Any], built: threading.Event) -> None:
+        try:
+            self.engine = build()
+        except BaseException as error:  # the constructor raises it
+            self._failure = error
+            self.state = State.CLOSED
+            return
+        finally:
+            built.set()
         try:
             while True:
                 stepping = self.state is State.SERVING and self.engine.has_unfinished_requests()
@@ -157,14 +227,14 @@ class MegatronInference:
 
     def _handle(self, command: str, future: asyncio.Future[Any], payload: Any) -> None:
         if command == "add":
-            prompt, n, greedy = payload
-            ids = [next(self._ids) for _ in range(n)]
+            prompt, greedy, limits = payload
+            ids = [next(self._ids) for _ in limits]
             pending = _Pending(ids, future)
             self._pending.update(dict.fromkeys(ids, pending))
             if self.state is State.DOWN:
-                self._held.append((ids, prompt, greedy))
+                self._held.append((ids, prompt, greedy, limits))
             else:
-                self._add(ids, prompt, greedy)
+                self._add(ids, prompt, greedy, limits)
             return
         if command == "suspend":
             if self.state is State.SERVING:
@@ -176,16 +246,20 @@ class MegatronInference:
                 self.state = State.RESUMING
                 self.engine.resume()
                 held, self._held = self._held, []
-                for ids, prompt, greedy in held:
-                    self._add(ids, prompt, greedy)
+                for ids, prompt, greedy, limits in held:
+                    self._add(ids, prompt, greedy, limits)
                 self.state = State.SERVING
         else:
             raise AssertionError(f"unknown command {command!r}")
         _settle(future, None)
 
-    def _add(self, ids: list[int], prompt: Sequence[int], greedy: bool) -> None:
-        for request_id in ids:
-            self.engine.add_request(request_id, list(prompt), self.sampling(greedy))
+    def _add(self, ids: list[int], prompt: Sequence[int], greedy: bool, limits: list[int]) -> None:
+        for request_id, limit in zip(ids, limits, strict=True):
+            answered = self.engine.add_request(request_id, list(prompt), self.sampling(greedy, limit))
+            # megatron answers at once only a request it failed (too long for its context or
+            # cache), which would then never be stepped: what `generate` checks should prevent.
+            if answered is not None and answered.done():
+                raise RuntimeError(f"megatron's engine failed request {request_id} as it was added")
 
     def _step(self) -> None:
         result = self.engine.step_modern()
@@ -193,11 +267,12 @@ class MegatronInference:
             request = record.merge()
             pending = self._pending.pop(request.request_id)
             tokens = tuple(request.generated_tokens)
-            stopped = bool(tokens) and tokens[-1] in self.stop_token_ids
+            logprobs = tuple(request.generated_log_probs)
+            assert tokens and len(logprobs) == len(tokens), (request.request_id, len(tokens), len(logprobs))
+            # Short of max_new_tokens without a stop token: its bench length ended it.
+            stopped = tokens[-1] in self.stop_token_ids or len(tokens) < self.max_new_tokens
             pending.done[request.request_id] = Completion(
-                tokens=tokens,
-                logprobs=tuple(request.generated_log_probs),
-                finish_reason="stop" if stopped else "length",
+                tokens=tokens, logprobs=logprobs, finish_reason="stop" if stopped else "length"
             )
             if len(pending.done) == len(pending.ids):
                 _settle(pending.future, [pending.done[i] for i in pending.ids])

@@ -3,16 +3,25 @@
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
+from backends.bench_lengths import BenchLengths, LengthDraw
 from backends.megatron.inference import MegatronInference, State
+from pipeline.errors import RequestRejected
 from pipeline.messages import Completion
 from pipeline.testing import FakeDynamicEngine, InjectedFault
 
 
-def _adapter(engine: FakeDynamicEngine) -> MegatronInference:
-    return MegatronInference(engine, sampling=lambda greedy: {"greedy": greedy}, stop_token_ids=[9])
+def _sampling(greedy: bool, limit: int) -> SimpleNamespace:
+    return SimpleNamespace(greedy=greedy, num_tokens_to_generate=limit)
+
+
+def _adapter(engine: FakeDynamicEngine, **options) -> MegatronInference:
+    options.setdefault("max_new_tokens", 3)
+    return MegatronInference(lambda: engine, sampling=_sampling, stop_token_ids=[9], **options)
 
 
 async def test_generate_returns_each_requests_tokens_and_logprobs() -> None:
@@ -27,7 +36,7 @@ async def test_generate_returns_each_requests_tokens_and_logprobs() -> None:
     length = Completion(tokens=(3, 4, 5), logprobs=(-0.5, -0.5, -0.5), finish_reason="length")
     assert first == [length, length]
     assert second == [Completion(tokens=(7, 8, 9), logprobs=(-0.5,) * 3, finish_reason="stop")]
-    assert engine.sampling == [{"greedy": False}, {"greedy": False}, {"greedy": True}]
+    assert engine.sampling == [_sampling(False, 3), _sampling(False, 3), _sampling(True, 3)]
     assert adapter.blocks_training and adapter.wake_carries_weights
 
 
@@ -88,3 +97,73 @@ async def test_close_fails_what_is_still_pending() -> None:
         await request
     with pytest.raises(RuntimeError, match="the megatron inference engine is closed"):
         await adapter.generate([1], 1)
+
+
+async def test_bench_lengths_end_requests_early_as_a_stop_and_their_draw_is_saved(tmp_path: Path) -> None:
+    """Each request's drawn length reaches the engine as its own limit; one cut short of
+    max_new_tokens reads as a stop, as in the torch engine; a resume continues the draw."""
+    lengths = BenchLengths(median_tokens=2, sigma=1.0)
+    adapter = _adapter(
+        FakeDynamicEngine(length=8),
+        max_new_tokens=8,
+        lengths=LengthDraw(lengths, max_new_tokens=8, seed=0),
+    )
+    expected = LengthDraw(lengths, max_new_tokens=8, seed=0).draw(12)
+    try:
+        completions = await adapter.generate([10], 6)  # tokens 11, 12, ...: no stop token
+        adapter.save(tmp_path)
+        later = await adapter.generate([10], 6)
+    finally:
+        adapter.close()
+    assert [len(c.tokens) for c in completions + later] == expected
+    assert [c.finish_reason for c in completions] == ["stop" if n < 8 else "length" for n in expected[:6]]
+    resumed = _adapter(
+        FakeDynamicEngine(length=8), max_new_tokens=8, lengths=LengthDraw(lengths, max_new_tokens=8, seed=5)
+    )
+    try:
+        resumed.load(tmp_path)
+        again = await resumed.generate([10], 6)
+    finally:
+        resumed.close()
+    assert [len(c.tokens) for c in again] == expected[6:]
+
+
+async def test_a_prompt_too_long_for_the_engine_is_rejected_before_it_enters() -> None:
+    engine = FakeDynamicEngine(length=3)
+    adapter = _adapter(engine, max_sequence_length=6)
+    try:
+        with pytest.raises(RequestRejected) as raised:
+            await adapter.generate([1, 2, 3, 4], 2)
+        assert len(await adapter.generate([1, 2, 3], 1)) == 1  # 3 + 3 fits
+    finally:
+        adapter.close()
+    assert str(raised.value) == (
+        "a prompt of 4 tokens + 3 new tokens exceeds the megatron engine's max sequence length 6"
+    )
+    assert engine.events == ["add 0", "step", "step", "step"]
+
+
+def test_a_failed_build_is_raised_by_the_constructor() -> None:
+    def build() -> FakeDynamicEngine:
+        raise InjectedFault("no GPU")
+
+    with pytest.raises(InjectedFault, match="no GPU"):
+        MegatronInference(build, sampling=_sampling, stop_token_ids=[9], max_new_tokens=3)
+
+
+async def test_the_engine_is_built_and_stepped_on_its_own_thread_away_from_the_event_loop() -> None:
+    """megatron's engine adopts the event loop running where it is built, for its own
+    run_until_complete in every step: built here (a loop runs) it could never step."""
+    seen = []
+
+    def build() -> FakeDynamicEngine:
+        try:
+            asyncio.get_running_loop()
+            seen.append("a loop runs")
+        except RuntimeError:
+            seen.append("no loop")
+        return FakeDynamicEngine(length=1)
+
+    adapter = MegatronInference(build, sampling=_sampling, stop_token_ids=[9], max_new_tokens=1)
+    adapter.close()
+    assert seen == ["no loop"]
