@@ -1,11 +1,14 @@
-"""Builds the megatron backend for a recipe: a megatron-core trainer and our torch engine.
+"""Builds the megatron backend for a recipe: a megatron-core trainer and the engine
+`rollout.engine` names.
 
 The model section is the torch backend's (`model.config` from random weights, or `model.path`, a
 Hugging Face directory): the torch `Decoder` is built or loaded first and its weights are
-copied into the megatron `GPTModel`, so both start equal. The engine samples from that
-`Decoder`, refreshed from megatron's weights by `reshard` (the engine's `refresh_weights`) on
-each wake (colocated) or refit (separate). On CPU the trainer steps with torch AdamW, on CUDA
-with megatron's DDP and distributed optimizer (bf16 weights through float32 masters).
+copied into the megatron `GPTModel`, so both start equal. Our torch engine (`rollout.engine:
+torch`) samples from that `Decoder`, refreshed from megatron's weights by `reshard` (the
+engine's `refresh_weights`) on each wake (colocated) or refit (separate); megatron's dynamic
+inference engine (`megatron`, `backends/megatron/serve.py`) runs the `GPTModel` itself, and the
+`Decoder` is let go once copied. On CPU the trainer steps with torch AdamW, on CUDA with
+megatron's DDP and distributed optimizer (bf16 weights through float32 masters).
 
 Train options the torch trainer has and this one does not yet are refused by name.
 """
@@ -63,7 +66,7 @@ def require_megatron() -> None:
         ) from None
 
 
-def build_backend(recipe: Any, *, vocab_size: int, stop_ids: Sequence[int]) -> tuple[TorchEngine, Any]:
+def build_backend(recipe: Any, *, vocab_size: int, stop_ids: Sequence[int]) -> tuple[Any, Any]:
     check(recipe)
     require_megatron()
     # Imported once megatron is known to import (each of these imports it).
@@ -111,6 +114,15 @@ def build_backend(recipe: Any, *, vocab_size: int, stop_ids: Sequence[int]) -> t
         compute=trainer_thread,
         fingerprints=recipe.async_rl.handoff_checks,
     )
+    if rollout.engine == "megatron":
+        from backends.megatron.serve import build_inference
+
+        del decoder  # copied into `model`; the engine serves `model` itself
+        try:
+            return build_inference(model, config, recipe, stop_ids=stop_ids, device=device), trainer
+        except BaseException:
+            trainer.close()
+            raise
     engine = TorchEngine(
         # Engine kernels round as the trainer's megatron layers do (compiled or eager).
         Sampler(decoder, graphs=section.cuda_graphs, eager_rounding=not train.compile),

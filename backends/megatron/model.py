@@ -18,6 +18,7 @@ tensor parallelism each rank holds its shard (`backends.megatron.layout` says wh
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -102,6 +103,19 @@ def build_gpt_model(
 
 def compile_layers(model: GPTModel) -> None:
     """`train.compile`: each TransformerLayer torch.compile'd whole (fused norms, rotary, SwiGLU
-    around its SDPA core)."""
+    around its SDPA core) for training. Called by megatron's inference engine (with an inference
+    context: paged KV cache, flash-attention calls, host-side bookkeeping) a layer runs eagerly."""
     for layer in model.decoder.layers:
         layer.compile()
+        layer._compiled_call_impl = _CompiledForTraining(layer._compiled_call_impl, layer._call_impl)
+
+
+class _CompiledForTraining:
+    def __init__(self, compiled: Any, eager: Any) -> None:
+        self.compiled = compiled
+        self.eager = eager
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("inference_context") is not None:
+            return self.eager(*args, **kwargs)
+        return self.compiled(*args, **kwargs)
