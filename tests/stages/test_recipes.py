@@ -36,6 +36,12 @@ def test_the_recipes_with_figures_in_the_readme_carry_gates() -> None:
     }
 
 
+# rollout.engine megatron where it can run (the device is checked by `validate` and `run`).
+MEGATRON_ON_GPU = (
+    "train:\n  backend: megatron\nmodel:\n  device: cuda\n  dtype: bfloat16\n  config: {vocab_size: 16}\n"
+    "rollout:\n  engine: megatron\n"
+)
+
 VALID_RUN_FIELDS = "dir, steps, seed, stop_grace_s, progress, log_every_steps, plot"
 
 
@@ -263,6 +269,64 @@ VALID_RUN_FIELDS = "dir, steps, seed, stop_grace_s, progress, log_every_steps, p
             id="placement-collective-on-a-shared-gpu",
         ),
         pytest.param(
+            "rollout:\n  kv_cache_gb: 4\n",
+            "rollout.kv_cache_gb: 4 sizes the KV cache of rollout.engine megatron; the torch engine sizes "
+            "its own for each decode loop: leave it at 0",
+            id="kv-cache-gb-for-the-torch-engine",
+        ),
+        pytest.param(
+            "rollout:\n  engine: megatron\n",
+            "rollout.engine: megatron needs train.backend: megatron (it serves the megatron trainer's own "
+            "model), got torch; set train.backend: megatron or rollout.engine: torch",
+            id="megatron-engine-torch-trainer",
+        ),
+        pytest.param(
+            MEGATRON_ON_GPU + "colocated: false\n",
+            "rollout.engine: megatron needs colocated: true (it serves the trainer's model in place; a "
+            "separate engine would need a model of its own and a weight copy after each step); set "
+            "colocated: true or rollout.engine: torch",
+            id="megatron-engine-separate",
+        ),
+        pytest.param(
+            "train:\n  backend: megatron\nrollout:\n  engine: megatron\n",
+            "rollout.engine: megatron needs model.device: cuda (megatron's dynamic inference context "
+            "allocates its KV cache and bookkeeping on CUDA only), got cpu; set rollout.engine: torch",
+            id="megatron-engine-on-cpu",
+        ),
+        pytest.param(
+            "train:\n  backend: megatron\nmodel:\n  device: cuda\n  config: {vocab_size: 16}\n"
+            "rollout:\n  engine: megatron\n",
+            "rollout.engine: megatron needs model.dtype: bfloat16 (its attention runs flash-attention "
+            "kernels, which take bf16), got float32",
+            id="megatron-engine-float32",
+        ),
+        pytest.param(
+            MEGATRON_ON_GPU + "placement:\n  backend: ray\n",
+            "rollout.engine: megatron is not built for placement.backend ray yet: set placement.backend: "
+            "local or rollout.engine: torch",
+            id="megatron-engine-on-ray",
+        ),
+        pytest.param(
+            MEGATRON_ON_GPU.replace("engine: megatron", "engine: megatron\n  partial: true"),
+            "rollout.partial: true needs rollout.engine: torch (the weights version of each token of a "
+            "continued request is the torch engine's bookkeeping); set rollout.partial: false",
+            id="megatron-engine-partial",
+        ),
+        pytest.param(
+            MEGATRON_ON_GPU.replace("engine: megatron", "engine: megatron\n  temperature: 0"),
+            "rollout.temperature: 0 needs rollout.engine: torch (megatron's sampler divides the logits by "
+            "the temperature, and its greedy mode reports logprob 0 for every token): set a temperature "
+            "above 0",
+            id="megatron-engine-greedy-rollouts",
+        ),
+        pytest.param(
+            MEGATRON_ON_GPU.replace("engine: megatron", "engine: megatron\n  top_p: 0.9"),
+            "rollout.top_p: 0.9 needs rollout.engine: torch (megatron's engine reports the logprobs of the "
+            "nucleus it renormalised, the trainer those of the whole tempered distribution): set "
+            "rollout.top_p: 1.0",
+            id="megatron-engine-top-p",
+        ),
+        pytest.param(
             "placement:\n  backend: ray\n  weights: nccl\n",
             "placement.weights: Invalid enum value 'nccl'; expected one of: auto, collective, cuda_ipc, "
             "object_store",
@@ -389,3 +453,11 @@ def test_gates_accept_the_names_the_recipe_makes(tmp_path: Path) -> None:
         f"{path}: gates.checks[0]: unknown metric `reward/a/b` (did you mean `reward/mean`?); the names "
         "a run logs are listed in README.md, 'Watching a run'"
     )
+
+
+
+def test_megatron_inference_loads_where_it_can_run(tmp_path: Path) -> None:
+    path = tmp_path / "megatron.yaml"
+    path.write_text(MEGATRON_ON_GPU + "  kv_cache_gb: 2.5\n  bench_lengths: {median_tokens: 4}\n")
+    rollout = pipeline.load_recipe(path).rollout
+    assert (rollout.engine, rollout.kv_cache_gb) == ("megatron", 2.5)
