@@ -130,9 +130,8 @@ async def test_the_builder_hands_the_trainers_own_model_to_megatrons_engine(monk
         assert (tokens.eod, seed, inference.max_requests) == (1, 1, 32 * 8 * 2)
         assert len(await engine.generate([3, 4, 5], 2)) == 2
         await engine.generate([3], 1, greedy=True)
-        asked = [
-            (p.temperature, p.top_k, p.num_tokens_to_generate, p.termination_id) for p in engine.engine.sampling
-        ]
+        sampling = engine.engine.sampling  # as the fake engine received it
+        asked = [(p.temperature, p.top_k, p.num_tokens_to_generate, p.termination_id) for p in sampling]
         assert asked == [(0.8, 0, 5, 1), (0.8, 0, 5, 1), (1.0, 1, 5, 1)]
     finally:
         engine.close()
