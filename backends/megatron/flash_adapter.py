@@ -12,6 +12,7 @@ these two functions with each call's blocks gathered into one contiguous run per
 
 from __future__ import annotations
 
+import importlib.machinery
 import sys
 import types
 from typing import Any
@@ -30,6 +31,9 @@ def install() -> None:
         import flash_attn  # noqa: F401
     except ImportError:
         module = types.ModuleType("flash_attn")
+        # A spec, as an imported module has: importlib.util.find_spec (transformers' probe of
+        # installed packages) raises on a module in sys.modules without one.
+        module.__spec__ = importlib.machinery.ModuleSpec("flash_attn", None)
         module.__version__ = _VERSION  # type: ignore[attr-defined]
         module.flash_attn_varlen_func = flash_attn_varlen_func  # type: ignore[attr-defined]
         module.flash_attn_with_kvcache = flash_attn_with_kvcache  # type: ignore[attr-defined]

@@ -13,7 +13,8 @@ carries a future of the caller's loop that the thread settles with `call_soon_th
                                     kept (recomputed or restored at resume, as the engine's
                                     `kv_cache_management_mode` says)
     wake       -> ("resume", ...)   `engine.resume()`: memory back, frozen requests re-added
-    close      -> ("close", None)   the thread ends (requests still pending fail)
+    close      -> ("close", None)   a serving engine is suspended, the thread ends (requests
+                                    still pending fail)
 
 States: serving -> suspending -> down -> resuming -> serving; closed at the end. The thread
 steps the engine only while serving and holding unfinished requests, and otherwise blocks on
@@ -186,7 +187,9 @@ class MegatronInference:
             self.lengths.load_state(state["lengths"])
 
     def close(self) -> None:
-        """End the engine thread after its current step (closing twice is harmless)."""
+        """End the engine thread after its current step, suspending a serving engine first (its
+        KV cache and megatron's process-wide "inference active" flag, which the model's
+        forward reads, are let go); closing twice is harmless."""
         if self._thread.is_alive():
             self._commands.put(("close", None))
             self._thread.join()
@@ -211,6 +214,8 @@ class MegatronInference:
                     self._step()
                     continue
                 if command == "close":
+                    if self.state is State.SERVING:
+                        self.engine.suspend()
                     break
                 self._handle(command, *payload)
         except Exception as error:  # a bug: every caller gets it (with its traceback), once each

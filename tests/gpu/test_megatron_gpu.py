@@ -1,5 +1,6 @@
 """The megatron backend on a GPU: megatron's DDP and distributed optimizer train a bf16 model
-through float32 masters, and our CUDA engine serves the trained weights after each hand-off.
+through float32 masters, and our CUDA engine serves the trained weights after each hand-off;
+with `rollout.engine: megatron`, megatron's dynamic engine generates on the trained model itself.
 
 Written on a CPU-only machine: not yet run (the lead runs `pytest -m gpu` on the H200)."""
 
@@ -7,6 +8,7 @@ from __future__ import annotations
 
 import math
 
+import anyio
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -14,6 +16,7 @@ pytest.importorskip("megatron.core")
 
 import pipeline  # noqa: E402
 from backends.megatron.build import build_backend  # noqa: E402
+from pipeline.metrics import read  # noqa: E402
 from tests.backends.megatron_cases import groups  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -75,3 +78,39 @@ async def test_a_saved_step_loads_into_a_fresh_backend_and_trains_on_alike(tmp_p
     finally:
         engine.close()
         trainer.close()
+
+
+def test_megatron_inference_generates_colocated_on_the_trained_model(tmp_path) -> None:
+    """The quickstart, on-policy (L = 0), with megatron's dynamic engine: it stands down
+    (suspend) for each step and wakes (resume) serving the new weights; its logprobs are the
+    trainer's to bf16 rounding; evaluations (greedy) and checkpoints (its RNG) run too."""
+    recipe = pipeline.load_recipe(
+        "recipes/quickstart.yaml",
+        [
+            f"run.dir={tmp_path}",
+            "run.steps=4",
+            "run.progress=false",
+            "run.plot=false",
+            "model.device=cuda",
+            "model.dtype=bfloat16",
+            "train.backend=megatron",
+            "rollout.engine=megatron",
+            "async_rl.max_lookahead_versions=0",
+            "eval.every_steps=2",
+            "eval.num_prompts=32",
+            "checkpoint.every_steps=2",
+        ],
+    )
+    summary = anyio.run(pipeline.run, recipe)
+    assert summary.steps_done == 4 and not summary.stopped
+    steps = [r for r in read(tmp_path / "metrics.jsonl") if "train/loss" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3, 4]
+    for record in steps:
+        assert all(math.isfinite(v) for v in record.values() if isinstance(v, float)), record
+        assert record["train/applied_updates"] == 1.0 and record["train/grad_norm"] > 0, record
+        assert record["timing/stand_down_s"] >= 0 and record["timing/wake_s"] >= 0, record
+        assert record["rollout/poisoned_samples"] == 0 and record["rollout/max_lag"] == 0, record
+        assert record["train/token_mult_prob_error"] < 1.05, record
+    evals = read(tmp_path / "eval.jsonl")
+    assert {r["step"] for r in evals} >= {0, 2, 4}
+    assert all(math.isfinite(r["eval/reward"]) for r in evals)
