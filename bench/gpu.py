@@ -13,7 +13,10 @@ Parts (each can be picked with --parts):
   free up (`stream`), and `before`, each batch a fixed loop to its longest row; each with its
   useful tokens/s (only tokens before each row's end) and idle slot fraction (`before` over the
   first `--before-batches` batches: each runs alone, so more only repeat it), beside the
-  fixed-length figure of the same width (`graphs`).
+  fixed-length figure of the same width (`graphs`). `--megatron-inference` also times
+  `megatron_inference`: megatron-core's dynamic engine as `rollout.engine: megatron` builds it,
+  over a megatron `GPTModel` with the same weights, on the same batch (tokens/s beside
+  `graphs`', its logprobs against the recomputed ones), and its stand-down and wake.
 - `handoff`: `release` (stand-down) and `wake` times of the sampler's KV cache, a check that
   the captured graphs still
   give the same greedy tokens afterwards, and the handoff check's cost: the trainer's and the
@@ -35,6 +38,7 @@ Parts (each can be picked with --parts):
 
     python -m bench.gpu [--parts generate,handoff,train] [--train-modes eager,model] [--out ...]
     python -m bench.gpu --parts generate --new-tokens 2048 --bench-lengths 256,0.9 --repeats 1
+    python -m bench.gpu --parts generate --megatron-inference
 """
 
 from __future__ import annotations
@@ -137,6 +141,11 @@ def bench_generate(model: Decoder, args: argparse.Namespace) -> dict[str, Any]:
         sampler.cache.pool.free()
         del sampler
         torch.cuda.empty_cache()
+    if args.megatron_inference:
+        out["megatron_inference"] = _megatron_inference(model, prompts, args)
+        out["megatron_inference"]["over_graphs"] = (
+            out["megatron_inference"]["tokens_per_s"] / out["graphs"]["tokens_per_s"]
+        )
     if args.bench_lengths:
         out["long_tail"] = tail = _long_tail(model, args)
         fixed = out["graphs"]["tokens_per_s"]  # the fixed-length figure at the same width
@@ -144,6 +153,79 @@ def bench_generate(model: Decoder, args: argparse.Namespace) -> dict[str, Any]:
         tail["continuous_over_fixed_length"] = tail["continuous"]["tokens_per_s"] / fixed
         tail["continuous_over_before"] = tail["continuous"]["tokens_per_s"] / tail["before"]["tokens_per_s"]
     return out
+
+
+def _megatron_inference(model: Decoder, prompts: list[list[int]], args: argparse.Namespace) -> dict[str, Any]:
+    """`MegatronInference` as `rollout.engine: megatron` builds it (`serve.build_inference`, for
+    `recipes/bench-h200-colocated.yaml` with this batch), over a megatron `GPTModel` holding
+    `model`'s weights, on the same prompts: each a request of one row, no stop token. Then its
+    stand-down (`suspend()`) and wake (`resume()`), each timed through the adapter as the gate
+    times them."""
+    import asyncio
+
+    import pipeline
+    from backends.megatron import layout, parallel
+    from backends.megatron.model import build_gpt_model
+    from backends.megatron.serve import build_inference
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    parallel.initialise(device=device)
+    gpt = build_gpt_model(QWEN_1_5B, dtype=torch.bfloat16, device=device)
+    layout.load_hf(gpt, model.state_dict(), QWEN_1_5B)
+    recipe = pipeline.load_recipe(
+        "recipes/bench-h200-colocated.yaml",
+        [
+            "train.backend=megatron",
+            "rollout.engine=megatron",
+            f"rollout.max_new_tokens={args.new_tokens}",
+            f"rollout.samples_per_prompt={args.samples_per_prompt}",
+            f"prompts.prompts_per_step={args.batch // args.samples_per_prompt}",
+        ],
+    )
+    engine = build_inference(gpt, QWEN_1_5B, recipe, stop_ids=(), device=device)
+
+    async def generate() -> tuple[float, list[Completion]]:
+        start = _sync_time()
+        answers = await asyncio.gather(*(engine.generate(p, 1) for p in prompts))
+        return _sync_time() - start, [c for (c,) in answers]
+
+    async def handoffs() -> list[tuple[float, float]]:
+        times = []
+        for _ in range(args.repeats):
+            start = _sync_time()
+            await engine.stand_down()
+            down = _sync_time() - start
+            start = _sync_time()
+            await engine.wake()
+            times.append((down, _sync_time() - start))
+        return times
+
+    try:
+        first, _ = asyncio.run(generate())
+        runs = [asyncio.run(generate()) for _ in range(args.repeats)]
+        outs = runs[-1][1]
+        tokens = sum(len(o.tokens) for o in outs)
+        best = min(t for t, _ in runs)
+        memory = engine.memory_in_use()
+        handoff = asyncio.run(handoffs())
+        after, _ = asyncio.run(generate())
+    finally:
+        engine.close()
+    result = {
+        "first_call_s": first,
+        "call_s": [t for t, _ in runs],
+        "tokens": tokens,
+        "tokens_per_s": tokens / best,
+        "kv_cache_bytes": memory,
+        "stand_down_ms": [1000 * d for d, _ in handoff],
+        "wake_ms": [1000 * w for _, w in handoff],
+        "call_after_wakes_s": after,
+        "mismatch": _mismatch(model, prompts, outs),
+    }
+    print("megatron_inference", json.dumps(result), flush=True)
+    del gpt
+    torch.cuda.empty_cache()
+    return result
 
 
 def _long_tail(model: Decoder, args: argparse.Namespace) -> dict[str, Any]:
@@ -460,6 +542,11 @@ def main() -> None:
         help="comma list of eager, layers (each layer compiled), model (forward compiled), "
         "trainer (the trainer's pass with train.compile), megatron (the megatron backend's step), "
         "megatron-compiled (its layers compiled)",
+    )
+    parser.add_argument(
+        "--megatron-inference",
+        action="store_true",
+        help="generate: also time megatron's dynamic engine (rollout.engine megatron) on the same batch",
     )
     parser.add_argument("--residual", choices=["model", "float32"], default="model")
     parser.add_argument(
