@@ -12,8 +12,9 @@ flash-attn's functions, answered by torch's flash kernels where flash-attn is mi
 - KV cache: `kv_cache_management_mode` recompute. The gate drains the requests in flight
   before each stand-down, so `suspend()` frees the cache with nothing to recompute, where offload
   would copy the whole cache to host memory and back at every step. Its size
-  (`kv_cache_bytes`): `rollout.kv_cache_gb` when set, else one batch's rows in flight at once
-  (prompts_per_step x samples_per_prompt x (L + 1)) times 2 x max_new_tokens tokens each (room
+  (`kv_cache_bytes`): `rollout.kv_cache_gb` when set, else the rows in flight at once
+  (`rollout.max_rows`, else prompts_per_step x samples_per_prompt x (L + 1): megatron's
+  `max_requests`, the rest wait in its queue) times 2 x max_new_tokens tokens each (room
   for a prompt as long as the response), rounded up to whole 256-token blocks, times the
   model's KV bytes per token (2 x layers x kv_heads x head_dim x the dtype's bytes). Rows past
   that wait in megatron's queue (it pauses requests the cache cannot hold); a single row longer
@@ -63,8 +64,9 @@ def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
 
 
 def rows_in_flight(recipe: Any) -> int:
-    """The most rows generating at once: L + 1 batches admitted, each of every sample."""
-    return (
+    """The most rows generating at once (megatron's `max_requests`): `rollout.max_rows`, else
+    L + 1 batches admitted, each of every sample."""
+    return recipe.rollout.max_rows or (
         recipe.prompts.prompts_per_step
         * recipe.rollout.samples_per_prompt
         * (recipe.async_rl.max_lookahead_versions + 1)

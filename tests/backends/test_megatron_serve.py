@@ -89,6 +89,8 @@ def test_the_kv_cache_holds_a_batchs_rows_at_twice_max_new_tokens() -> None:
     assert inference.materialize_only_last_token_logits
     set_by_hand = serve.inference_config(_bench("rollout.kv_cache_gb=2.5"), config, torch.bfloat16)
     assert set_by_hand.buffer_size_gb == 2.5
+    capped = serve.inference_config(_bench("rollout.max_rows=64"), config, torch.bfloat16)
+    assert capped.max_requests == 64 and capped.buffer_size_gb * 2**30 == (64 * 4 + 1) * 256 * per_token
 
 
 def test_a_kv_cache_too_small_for_one_row_is_refused() -> None:
