@@ -8,6 +8,10 @@ No flash-attn 2 or 3 wheel exists for the GPU machine, and torch's
 `aten._flash_attention_forward` (torch 2.11) takes no block table, so `install` gives megatron
 these two functions with each call's blocks gathered into one contiguous run per request
 (the rows' keys then values are copied once per layer and step: the price of this route).
+Megatron's block table has a column for every block of its longest possible sequence; only the
+blocks of the step's longest row are gathered (`_used`), so the copy follows the rows' lengths,
+not the context's `max_sequence_length` (decode steps find that length on the device: one
+host sync per layer).
 """
 
 from __future__ import annotations
@@ -56,6 +60,12 @@ def _gathered(cache: Tensor, block_table: Tensor) -> Tensor:
     """Each request's blocks of a paged cache in order: [rows * M * block_tokens, kv_heads, D]
     for a block table [rows, M] (unused entries may be negative: any block serves, unread)."""
     return cache.index_select(0, block_table.reshape(-1).clamp(min=0)).flatten(0, 1)
+
+
+def _used(block_table: Tensor, rows: int, longest: int, block_tokens: int) -> Tensor:
+    """The first `rows` rows of a block table, cut to the blocks a row of `longest` tokens
+    uses (later columns are unused by every row)."""
+    return block_table[:rows, : -(-longest // block_tokens)]
 
 
 def _paged(
@@ -132,7 +142,7 @@ def flash_attn_varlen_func(
             cu_seqlens_k.diff(),
             softmax_scale,
             causal,
-            block_table[:rows],
+            _used(block_table, rows, max_seqlen_k, k.shape[1]),
         )
     return (out, lse, None) if return_attn_probs else out
 
@@ -164,7 +174,7 @@ def flash_attn_with_kvcache(
         cache_seqlens,
         softmax_scale,
         causal,
-        block_table[:b],
+        _used(block_table, b, int(cache_seqlens[:b].max()), k_cache.shape[1]),
     )
     out = out.view(b, s, h, d)
     return (out, lse) if return_softmax_lse else out

@@ -71,3 +71,21 @@ def test_prefill_chunks_over_a_paged_cache() -> None:
         torch.testing.assert_close(
             out[rows].float(), _reference(q[rows], k, v, table, row, n, True), atol=2e-2, rtol=2e-2
         )
+
+
+def test_a_block_table_as_wide_as_megatrons_gives_the_same_attention() -> None:
+    """megatron's table has a column for each block of its longest possible sequence: the
+    unused ones (-1) are not gathered, and change nothing."""
+    lengths = [1, 300, 777, 256]
+    k, v, table = _paged(lengths)
+    wide = F.pad(table, (0, 60), value=-1)  # a 16k-token context's width
+    q = torch.randn(len(lengths), 1, HEADS, D, device="cuda", dtype=torch.bfloat16)
+    seqlens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+    narrow = flash_attn_with_kvcache(q, k, v, cache_seqlens=seqlens, causal=True, block_table=table)
+    out = flash_attn_with_kvcache(q, k, v, cache_seqlens=seqlens, causal=True, block_table=wide)
+    assert torch.equal(out, narrow)
+    cu = F.pad(seqlens.cumsum(0), (1, 0)).to(torch.int32)
+    cu_q = torch.arange(len(lengths) + 1, dtype=torch.int32, device="cuda")
+    flat = q.flatten(0, 1)
+    prefill = flash_attn_varlen_func(flat, k, v, cu_q, cu, 1, max(lengths), causal=True, block_table=wide)
+    assert torch.equal(prefill, out.flatten(0, 1))
