@@ -455,7 +455,6 @@ def test_gates_accept_the_names_the_recipe_makes(tmp_path: Path) -> None:
     )
 
 
-
 def test_megatron_inference_loads_where_it_can_run(tmp_path: Path) -> None:
     path = tmp_path / "megatron.yaml"
     path.write_text(MEGATRON_ON_GPU + "  kv_cache_gb: 2.5\n  bench_lengths: {median_tokens: 4}\n")
