@@ -60,6 +60,7 @@ BLOCK_TOKENS = 256  # megatron's default KV block
 
 def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
     """Keys and values of every layer for one token (one tensor-parallel rank)."""
+    assert config.head_dim is not None  # ModelConfig resolves it
     return 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * dtype.itemsize
 
 
