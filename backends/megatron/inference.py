@@ -101,8 +101,10 @@ class MegatronInference:
         lengths: LengthDraw | None = None,
         memory_in_use: Callable[[Any], int | None] = lambda engine: None,
         generator: Callable[[Any], Any] = lambda engine: None,
+        serving: Callable[[], None] = lambda: None,
     ) -> None:
         self.engine: Any = None
+        self._serving = serving  # on the engine thread, before it serves: once built, each resume
         self.sampling = sampling
         self.stop_token_ids = frozenset(stop_token_ids)
         self.max_new_tokens = max_new_tokens
@@ -199,6 +201,7 @@ class MegatronInference:
     def _run(self, build: Callable[[], Any], built: threading.Event) -> None:
         try:
             self.engine = build()
+            self._serving()
         except BaseException as error:  # the constructor raises it
             self._failure = error
             self.state = State.CLOSED
@@ -250,6 +253,7 @@ class MegatronInference:
             if self.state is State.DOWN:
                 self.state = State.RESUMING
                 self.engine.resume()
+                self._serving()
                 held, self._held = self._held, []
                 for ids, prompt, greedy, limits in held:
                     self._add(ids, prompt, greedy, limits)

@@ -189,4 +189,7 @@ def build_inference(
         else LengthDraw(rollout.bench_lengths, max_new_tokens=rollout.max_new_tokens, seed=recipe.run.seed),
         memory_in_use=_kv_cache_in_use,
         generator=lambda engine: engine.controller.sampling_rng,
+        # megatron's inference attention asserts eval mode; the trainer's step sets train mode
+        # again (colocated, the two never run at once).
+        serving=model.eval,
     )

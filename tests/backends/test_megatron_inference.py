@@ -61,6 +61,26 @@ async def test_requests_in_flight_freeze_while_down_and_finish_after_the_wake() 
     assert engine.events == ["add 0", "step", "suspend", "resume", "step", "step", "suspend"]
 
 
+async def test_the_model_is_made_ready_to_serve_once_built_and_at_every_wake() -> None:
+    """`serving` (the builder's `model.eval`: megatron's inference attention asserts eval mode,
+    and the trainer's step leaves train mode on) runs on the engine's thread after the build and
+    after each resume, before anything is stepped."""
+    engine = FakeDynamicEngine(length=1)
+    adapter = _adapter(engine, serving=lambda: engine.events.append("serving"))
+    try:
+        await adapter.generate([1], 1)
+        for _ in range(2):
+            await adapter.stand_down()
+            await adapter.wake()
+        await adapter.generate([1], 1)
+    finally:
+        adapter.close()
+    assert engine.events == [
+        "serving", "add 0", "step", "suspend", "resume", "serving", "suspend", "resume", "serving",
+        "add 1", "step", "suspend",
+    ]  # fmt: skip
+
+
 async def test_a_request_made_while_down_enters_the_engine_at_the_wake() -> None:
     engine = FakeDynamicEngine(length=1)
     adapter = _adapter(engine)
