@@ -1,13 +1,16 @@
 """CPU benchmark: the controller's overhead per step on Ray beside in-process, in one run.
 
-Runs the quickstart (colocated, L = 1, no evaluation) in rounds, each round once in-process
-(`placement.backend: local`) and once on Ray (`ray`: trainer and engine in one actor, the
-controller awaiting it), one after the other so that both see the same machine; steps 1-5 are
-warm-up and excluded. The Ray runtime (2 CPUs, no dashboard) is started once, before the first
-round. Writes each round's medians and the overhead (Ray's median step over in-process's,
-minus 1) to the `placement` section of bench/results-cpu.json.
+Runs the quickstart (colocated, L = 1, no evaluation) in many short rounds, each round once
+in-process (`placement.backend: local`) and once on Ray (`ray`: trainer and engine in one actor,
+the controller awaiting it), one right after the other and in turn first, so that both see the
+same machine; steps 1-5 of each are warm-up and excluded. The Ray runtime (2 CPUs, no
+dashboard) is started once, before the first round, and timed apart: a user pays it once per
+run. A round's overhead is Ray's median step over in-process's, minus 1; on a shared machine
+whose speed drifts over minutes the median of many rounds' overheads is the figure, and their
+spread and the load average at each round's start are written beside it (section
+`placement` of bench/results-cpu.json; the file's other sections are kept).
 
-    python -m bench.placement [--steps 60] [--rounds 3] [key.path=value ...]
+    python -m bench.placement [--steps 30] [--rounds 10] [key.path=value ...]
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import json
 import logging
 import os
 import statistics
+import time
 from pathlib import Path
 from typing import Any
 
@@ -28,8 +32,8 @@ MODES = {"local": ["placement.backend=local"], "ray": ["placement.backend=ray"]}
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--out", default="bench/results-cpu.json")
     parser.add_argument("overrides", nargs="*", help="recipe overrides applied to both")
     args = parser.parse_args()
@@ -37,21 +41,30 @@ def main() -> None:
     os.environ.setdefault("RAY_worker_niceness", "0")  # as a runtime the pipeline starts has
     import ray
 
+    start = time.perf_counter()
     ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level=logging.WARNING)
+    ray_init_s = time.perf_counter() - start
     base = ["async_rl.max_lookahead_versions=1", "colocated=true", *args.overrides]  # ours() drops the gates
     rounds: list[dict[str, Any]] = []
     for index in range(args.rounds):
-        result = {mode: ours([*base, *extra], args.steps, recipe=RECIPE) for mode, extra in MODES.items()}
+        order = list(MODES) if index % 2 == 0 else list(reversed(MODES))
+        result: dict[str, Any] = {"load": os.getloadavg()[0], "first": order[0]}
+        for mode in order:
+            result[mode] = ours([*base, *MODES[mode]], args.steps, recipe=RECIPE)
         result["overhead"] = result["ray"]["step_s_median"] / result["local"]["step_s_median"] - 1
         print(f"round {index + 1}", json.dumps(result), flush=True)
         rounds.append(result)
     ray.shutdown()
+    overheads = [r["overhead"] for r in rounds]
     summary = {
         "recipe": RECIPE,
         "steps": args.steps,
         "overrides": base,
+        "ray_init_s": ray_init_s,
         "rounds": rounds,
-        "overhead_median": statistics.median(r["overhead"] for r in rounds),
+        "overhead_median": statistics.median(overheads),
+        "overhead_range": [min(overheads), max(overheads)],
+        "load_range": [min(r["load"] for r in rounds), max(r["load"] for r in rounds)],
         "step_s_median": {
             mode: statistics.median(r[mode]["step_s_median"] for r in rounds) for mode in MODES
         },

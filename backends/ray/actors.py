@@ -73,26 +73,30 @@ class BackendPart:
             "gpu_ids": context.get_accelerator_ids(),
         }
 
-    async def generate(self, requests: list[Request]) -> tuple[int, int, list[Any]]:
+    async def generate(self, requests: list[Request]) -> tuple[int, int, bytes, dict[int, Exception]]:
         """Sample every request in one batched call; (version at the start, at the end, each
-        request's completions in order). A refit between two batches moves the version."""
+        request's completions in order (`wire.encode_completions`), the error of each request
+        that failed, by its index). A refit between two batches moves the version."""
+        from backends.ray.wire import encode_completions
+
         for request_id, *_ in requests:
             assert request_id not in self.served, f"request {request_id} answered twice"
         first = self.version
         results: list[Any] = [None] * len(requests)
+        errors: dict[int, Exception] = {}
 
         async def one(index: int, request: Request) -> None:
             _, tokens, n, greedy = request
             try:
                 results[index] = await self.engine.generate(tokens, n, greedy=greedy)
             except Exception as error:  # handed back per request, as the in-process engine does
-                results[index] = error
+                errors[index] = error
 
         async with anyio.create_task_group() as group:
             for index, request in enumerate(requests):
                 group.start_soon(one, index, request)
         self.served.update(request_id for request_id, *_ in requests)
-        return first, self.version, results
+        return first, self.version, encode_completions(results), errors
 
     async def stand_down(self) -> int | None:
         await self.engine.stand_down()
@@ -163,10 +167,12 @@ class BackendPart:
         self.version = version
         return self.engine.fingerprint()
 
-    async def train_step(
-        self, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> tuple[dict[str, float], dict[str, int] | None, int]:
-        metrics = await self.trainer.train_step(*args, **kwargs)
+    async def train_step(self, groups: bytes) -> tuple[dict[str, float], dict[str, int] | None, int]:
+        """One step on `groups` (`wire.encode_groups`); its metrics, fingerprint and the
+        trainer's completed steps after it."""
+        from backends.ray.wire import decode_groups
+
+        metrics = await self.trainer.train_step(decode_groups(groups))
         return dict(metrics), self.trainer.fingerprint(), self.trainer.completed_steps
 
     def fingerprint(self) -> dict[str, int] | None:

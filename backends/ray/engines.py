@@ -36,6 +36,7 @@ import ray
 
 from backends.ray.actors import Request
 from backends.ray.lost import ACTOR_LOST, cause, unwrapped
+from backends.ray.wire import decode_completions
 from pipeline.errors import BackendLost, PipelineError
 from pipeline.messages import Completion
 
@@ -161,7 +162,9 @@ class RayEngine:
         incarnation = replica.incarnation
         replica.calls += 1
         try:
-            first, last, results = await replica.actor.generate.remote([request for request, _, _ in batch])
+            first, last, encoded, errors = await replica.actor.generate.remote(
+                [request for request, _, _ in batch]
+            )
         except ACTOR_LOST as error:
             for _, slot, done in batch:
                 slot.append(_LOST)
@@ -173,8 +176,9 @@ class RayEngine:
                 f"engine replica {replica.index} served weights of versions {first}..{last}; "
                 f"dispatched at {dispatched}, announced {self.announced}"
             )
-        for (_, slot, done), result in zip(batch, results, strict=True):
-            slot.append(result)
+        results = decode_completions(encoded)
+        for index, ((_, slot, done), result) in enumerate(zip(batch, results, strict=True)):
+            slot.append(errors.get(index, result))
             done.set()
 
     async def _replace(self, replica: Replica, incarnation: int, error: BaseException) -> None:

@@ -17,7 +17,9 @@ import ray
 
 from backends.ray.lost import ACTOR_LOST, cause, unwrapped
 from backends.ray.weights import Transport
+from backends.ray.wire import encode_groups
 from pipeline.errors import BackendLost
+from pipeline.messages import TrainGroup
 
 
 class RayTrainer:
@@ -28,12 +30,13 @@ class RayTrainer:
         self.completed_steps = 0
         self._published: Mapping[str, int] | None = None
 
-    async def train_step(self, *args: Any, **kwargs: Any) -> Mapping[str, float]:
+    async def train_step(self, groups: Sequence[TrainGroup]) -> Mapping[str, float]:
         answers: list[Any] = [None] * len(self.ranks)
+        encoded = encode_groups(groups)  # once for every rank
 
         async def one(rank: int, actor: Any) -> None:
             try:
-                answers[rank] = await actor.train_step.remote(args, kwargs)
+                answers[rank] = await actor.train_step.remote(encoded)
             except ACTOR_LOST as error:
                 raise self.lost(rank, f"during step {self.completed_steps + 1}", error) from None
 

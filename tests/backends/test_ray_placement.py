@@ -207,6 +207,26 @@ def test_colocated_in_one_actor_then_resumed_on_separate_actors(
     assert placements[1].agreed == [True]
 
 
+def test_colocated_on_ray_trains_what_in_process_trains_bit_for_bit(tmp_path: Path, ray_cluster: Any) -> None:
+    """At L = 0 (nothing sampled depends on timing) the colocated actor's run logs the
+    in-process run's rewards and losses exactly: each batch's completions and train groups
+    cross the actor boundary unchanged and in order (`backends/ray/wire.py`)."""
+    same = ["run.steps=3", "colocated=true", "async_rl.max_lookahead_versions=0", *SMALL]
+    run(tmp_path / "ray", *same)
+    local = [
+        f"run.dir={tmp_path / 'local' / 'run'}",
+        "run.progress=false",
+        "run.plot=false",
+        "model.threads=1",
+    ]
+    local_recipe = pipeline.load_recipe("recipes/quickstart.yaml", [*local, *same])
+    anyio.run(lambda: program.run_program(local_recipe))
+    keys = ("reward/mean", "train/loss", "train/grad_norm", "train/token_mult_prob_error")
+    on_ray, in_process = (read(tmp_path / side / "run" / "metrics.jsonl") for side in ("ray", "local"))
+    assert [[r[k] for k in keys] for r in on_ray] == [[r[k] for k in keys] for r in in_process]
+    assert len(on_ray) == 3
+
+
 @pytest.mark.parametrize("during", ["batch", "refit"])
 def test_weights_by_a_collective_broadcast_reach_both_replicas_and_a_restarted_one_rejoins(
     tmp_path: Path, placements: list[Placed], during: str
