@@ -5,7 +5,9 @@ A backend is a module with
     build_backend(recipe, *, vocab_size: int, stop_ids: Sequence[int]) -> tuple[Engine, Trainer]
 
 that builds the run's engine and trainer from the recipe (the trainer, and an engine with state,
-also `Checkpointable`); a bad recipe raises `RecipeError` naming the field. Its recipe sections
+also `Checkpointable`); a bad recipe raises `RecipeError` naming the field. A backend that
+refuses some recipes also gives `check(recipe)`, which raises that error without building (the
+pre-flight checks of `validate` and `run` call it). Its recipe sections
 live beside it (`backends/torch/section.py`). Importing this module imports no backend, so
 `pipeline/` and `stages/` stay free of torch until a run builds one. To add a backend, add its
 name to `BackendName` and its module to `BACKENDS`.
@@ -23,6 +25,14 @@ BackendName = Literal["torch", "megatron"]  # what the recipe's `train.backend` 
 
 BACKENDS: dict[str, str] = {"torch": "backends.torch.build", "megatron": "backends.megatron.build"}
 assert set(BACKENDS) == set(get_args(BackendName)), "a backend named in one place only"
+
+
+def check(recipe: Any) -> None:
+    """The recipe refusals of the backend `recipe.train.backend` names (its module's `check`, if
+    it has one), without building anything: `validate` runs them as `run` does."""
+    module = importlib.import_module(BACKENDS[recipe.train.backend])
+    if (refuse := getattr(module, "check", None)) is not None:
+        refuse(recipe)
 
 
 def build_backend(recipe: Any, *, vocab_size: int, stop_ids: Sequence[int]) -> tuple[Engine, Trainer]:

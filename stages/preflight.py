@@ -4,7 +4,8 @@
 model and device, with a traceback): a resume path that is not a checkpoint or a recipe that
 does not match it, a missing model directory or config.json, a device this machine lacks, data
 files that do not parse, a reward function that does not import, Ray missing where the recipe
-places the backend on it, and prompts plus
+places the backend on it, what the chosen backend refuses (`backends.registry.check`), and
+prompts plus
 `rollout.max_new_tokens` past a learned position table. What it built on the way (the resume
 prompts, the reward function) is what `run` goes on with.
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from backends import registry
 from backends.placement import RayPlacement, check_ray
 from pipeline.errors import RecipeError
 from stages.checkpoint import open_resume
@@ -34,6 +36,8 @@ def preflight(recipe: Recipe, *, model: bool = True, resume: bool = True) -> Che
     loads and verifies it whole). Imports torch when `model`."""
     if resume:
         _check_resume(recipe)
+    if model:
+        registry.check(recipe)  # the backend's own refusals (megatron's unsupported train fields)
     position_limit = _check_model(recipe) if model else None
     prompts = build_prompts(recipe.prompts, recipe.run.seed, model_path=recipe.model.path)
     reward_fn = resolve(recipe.reward.function, source_reward=prompts.reward)

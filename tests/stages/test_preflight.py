@@ -37,6 +37,14 @@ def check(recipe: Path, *overrides: str) -> str:
     return str(error.value)
 
 
+def test_the_backends_own_refusals_come_before_the_run() -> None:
+    """`validate` refuses what the megatron backend would refuse at build (it said ok, then
+    `run` failed)."""
+    assert check(QUICKSTART, "train.backend=megatron", "train.kl_coef=0.1").startswith(
+        "train.kl_coef: 0.1 needs a reference model"
+    )
+
+
 def test_a_missing_model_directory_is_named_before_its_files() -> None:
     assert check(GSM8K) == (
         "model.path: models/qwen2.5-math-1.5b-instruct: no such directory; fetch the model into it "
