@@ -127,15 +127,14 @@ class TorchTrainer:
 
     def _chunk(self, pieces: list[tuple[TrainGroup, list[TrainSample]]]) -> _Chunk:
         """One micro-batch: samples of one or more groups, each group's prompt stored once."""
-        prompts: dict[int, int] = {}  # id(group) -> its prompt's index
-        for group, _ in pieces:
-            prompts.setdefault(id(group), len(prompts))
+        groups = {id(group): group for group, _ in pieces}  # in order, each once
+        index = {key: i for i, key in enumerate(groups)}
         samples = [s for _, part in pieces for s in part]
         longest = max(len(s.tokens) for s in samples)
         gen = [list(s.logprobs) + [0.0] * (longest - len(s.logprobs)) for s in samples]
         return _Chunk(
-            prompts=list({id(group): group.prompt_tokens for group, _ in pieces}.values()),
-            owner=[prompts[id(group)] for group, part in pieces for _ in part],
+            prompts=[group.prompt_tokens for group in groups.values()],
+            owner=[index[id(group)] for group, part in pieces for _ in part],
             responses=[s.tokens for s in samples],
             gen=torch.tensor(gen, device=self.device),
             advantages=torch.tensor([s.advantage for s in samples], dtype=torch.float32, device=self.device),
