@@ -204,6 +204,5 @@ class MegatronAdam:
             for group in adam.param_groups:
                 for p in group["params"]:
                     if not adam.state[p]:
-                        state = adam.state[p]
-                        state["step"] = torch.tensor(0.0)
-                        state["exp_avg"], state["exp_avg_sq"] = torch.zeros_like(p), torch.zeros_like(p)
+                        zeros = torch.zeros_like
+                        adam.state[p].update(step=torch.tensor(0.0), exp_avg=zeros(p), exp_avg_sq=zeros(p))
