@@ -16,7 +16,9 @@ Parts (each can be picked with --parts):
   fixed-length figure of the same width (`graphs`). `--megatron-inference` also times
   `megatron_inference`: megatron-core's dynamic engine as `rollout.engine: megatron` builds it,
   over a megatron `GPTModel` with the same weights, on the same batch (tokens/s beside
-  `graphs`', its logprobs against the recomputed ones), and its stand-down and wake.
+  `graphs`', its logprobs against the recomputed ones), and its stand-down and wake, with the
+  bytes each stand-down gave back to the driver, then the same with megatron's own
+  `delete_cuda_graphs` in `suspend()` (`megatron_suspend`, what `serve.install_suspend` replaces).
 - `handoff`: `release` (stand-down) and `wake` times of the sampler's KV cache, a check that
   the captured graphs still
   give the same greedy tokens afterwards, and the handoff check's cost: the trainer's and the
@@ -162,6 +164,10 @@ def _megatron_inference(model: Decoder, prompts: list[list[int]], args: argparse
     stand-down (`suspend()`) and wake (`resume()`), each timed through the adapter as the gate
     times them."""
     import asyncio
+    from unittest import mock
+
+    from megatron.core.inference.engines import dynamic_engine as engine_module
+    from megatron.core.transformer import cuda_graphs
 
     import pipeline
     from backends.megatron import layout, parallel
@@ -189,15 +195,18 @@ def _megatron_inference(model: Decoder, prompts: list[list[int]], args: argparse
         answers = await asyncio.gather(*(engine.generate(p, 1) for p in prompts))
         return _sync_time() - start, [c for (c,) in answers]
 
-    async def handoffs() -> list[tuple[float, float]]:
+    async def handoffs() -> list[tuple[float, float, int]]:
+        """(stand-down s, wake s, bytes the stand-down gave back to the driver) per cycle."""
         times = []
         for _ in range(args.repeats):
+            reserved = torch.cuda.memory_reserved()
             start = _sync_time()
             await engine.stand_down()
             down = _sync_time() - start
+            released = reserved - torch.cuda.memory_reserved()
             start = _sync_time()
             await engine.wake()
-            times.append((down, _sync_time() - start))
+            times.append((down, _sync_time() - start, released))
         return times
 
     try:
@@ -208,6 +217,9 @@ def _megatron_inference(model: Decoder, prompts: list[list[int]], args: argparse
         best = min(t for t, _ in runs)
         memory = engine.memory_in_use()
         handoff = asyncio.run(handoffs())
+        # megatron's own suspend, as it was before `serve.install_suspend`, side by side.
+        with mock.patch.object(engine_module, "delete_cuda_graphs", cuda_graphs.delete_cuda_graphs):
+            handoff_megatron = asyncio.run(handoffs())
         after, _ = asyncio.run(generate())
     finally:
         engine.close()
@@ -217,8 +229,14 @@ def _megatron_inference(model: Decoder, prompts: list[list[int]], args: argparse
         "tokens": tokens,
         "tokens_per_s": tokens / best,
         "kv_cache_bytes": memory,
-        "stand_down_ms": [1000 * d for d, _ in handoff],
-        "wake_ms": [1000 * w for _, w in handoff],
+        "stand_down_ms": [1000 * d for d, _, _ in handoff],
+        "wake_ms": [1000 * w for _, w, _ in handoff],
+        "released_bytes": [r for _, _, r in handoff],
+        "megatron_suspend": {
+            "stand_down_ms": [1000 * d for d, _, _ in handoff_megatron],
+            "wake_ms": [1000 * w for _, w, _ in handoff_megatron],
+            "released_bytes": [r for _, _, r in handoff_megatron],
+        },
         "call_after_wakes_s": after,
         "mismatch": _mismatch(model, prompts, outs),
     }
@@ -285,11 +303,13 @@ def stream(
     ``slots`` rows at once. ``continuous``: one `Sampler.serve` loop, each request admitted as
     soon as its rows fit the free slots (another loop only if one did not fit the cache);
     otherwise (today's fixed batches) one loop per ``slots`` rows, nothing admitted mid-loop.
-    Returns seconds ``s``, ``tokens``, ``loops`` and ``idle_slot_fraction``."""
+    Returns seconds ``s`` (``drain_s`` of them after the last admission), ``tokens``, ``loops``
+    and ``idle_slot_fraction``."""
     waiting = list(requests)
     done: list[Completion] = []
     loops = 0
     before = sampler.slot_steps
+    admitted = [0.0]  # when the last request was admitted (at a check: the host is in step)
 
     def source(rows: int | None, positions: int | None) -> list[Admission]:
         given: list[Admission] = []
@@ -299,6 +319,8 @@ def stream(
                 break
             given.append(waiting.pop(0))
             free -= len(given[-1].limits)
+        if given and not waiting:
+            admitted[0] = time.perf_counter()
         return given
 
     sync()
@@ -312,6 +334,8 @@ def stream(
     assert tokens == sum(sum(r.limits) for r in requests), "every row ends at its limit"
     return {
         "s": seconds,
+        # From the last admission to the end: the slots drain, and nothing refills them.
+        "drain_s": start + seconds - admitted[0],
         "tokens": tokens,
         "loops": loops,
         "idle_slot_fraction": 1 - tokens / (sampler.slot_steps - before),

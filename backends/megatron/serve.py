@@ -19,6 +19,13 @@ flash-attn's functions, answered by torch's flash kernels where flash-attn is mi
   model's KV bytes per token (2 x layers x kv_heads x head_dim x the dtype's bytes). Rows past
   that wait in megatron's queue (it pauses requests the cache cannot hold); a single row longer
   than the whole cache could never run, so `max_sequence_length` is bounded by it too.
+- Stand-down: megatron's `suspend()` frees the cache's tensors, then calls
+  `delete_cuda_graphs()`, which also runs `gc.collect()` and `torch.cuda.empty_cache()`
+  whether or not any graph was captured: 146-354 ms a stand-down on the H200 with the pipeline's
+  heap. This engine captures no graphs (megatron's `cuda_graph_impl` is left off), so
+  `install_suspend` puts `empty_cache_unless_graphs` in its place in the engine's module: the
+  cache still goes back to the driver, the collection is skipped, and an engine that did capture
+  graphs has them deleted by megatron's own function as before.
 - Sampling (`sampling_params`): the recipe's temperature with neither top-k nor top-p
   (`check_engine` refuses top_p < 1 and temperature 0); greedy requests (evaluation) take
   megatron's greedy draw, top_k 1. One termination id, the tokenizer's one stop token (megatron
@@ -40,6 +47,7 @@ from typing import Any
 import torch
 from megatron.core.inference.config import InferenceConfig, KVCacheManagementMode
 from megatron.core.inference.contexts.dynamic_context import DynamicInferenceContext
+from megatron.core.inference.engines import dynamic_engine as engine_module
 from megatron.core.inference.engines.dynamic_engine import DynamicInferenceEngine
 from megatron.core.inference.model_inference_wrappers.gpt.gpt_inference_wrapper import (
     GPTInferenceWrapper,
@@ -48,6 +56,7 @@ from megatron.core.inference.sampling_params import SamplingParams
 from megatron.core.inference.text_generation_controllers.text_generation_controller import (
     TextGenerationController,
 )
+from megatron.core.transformer import cuda_graphs
 
 from backends.bench_lengths import LengthDraw
 from backends.megatron import flash_adapter
@@ -157,11 +166,27 @@ def inference_config(recipe: Any, config: ModelConfig, dtype: torch.dtype) -> In
     )
 
 
+def empty_cache_unless_graphs() -> None:
+    """What megatron's `suspend()` calls after freeing the KV cache (module docstring): its own
+    `delete_cuda_graphs` where megatron recorded graphs, else only `torch.cuda.empty_cache()`."""
+    record = cuda_graphs._CudagraphGlobalRecord
+    if record.cudagraph_record or record.cudagraph_inference_record:
+        cuda_graphs.delete_cuda_graphs()
+    else:
+        torch.cuda.empty_cache()
+
+
+def install_suspend() -> None:
+    """Make megatron's `suspend()` call `empty_cache_unless_graphs` (idempotent)."""
+    engine_module.delete_cuda_graphs = empty_cache_unless_graphs
+
+
 def dynamic_engine(
     model: Any, inference: InferenceConfig, *, tokens: _Tokens, seed: int, device: torch.device
 ) -> DynamicInferenceEngine:
     """megatron's engine over `model`; called on the engine's own thread."""
     flash_adapter.install()
+    install_suspend()
     torch.cuda.set_device(device)  # this thread's: megatron allocates on the current device
     context = DynamicInferenceContext(model.config, inference)
     controller = TextGenerationController(GPTInferenceWrapper(model, context), tokens)
