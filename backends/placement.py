@@ -106,12 +106,13 @@ def gpus(recipe: Any, side: str) -> float:
 
 
 def shares_gpu(recipe: Any) -> bool:
-    """One engine and the trainer, apart, that fit on one GPU between them: Ray puts them in
-    one placement-group bundle (the same GPU)."""
+    """One engine and the trainer (of one rank), apart, that fit on one GPU between them: Ray
+    puts them in one placement-group bundle (the same GPU)."""
     engine, trainer = gpus(recipe, "engine"), gpus(recipe, "trainer")
     return (
         not recipe.colocated
         and recipe.placement.engines == 1
+        and recipe.train.tensor_parallel == 1
         and 0 < engine
         and 0 < trainer
         and engine + trainer <= 1
@@ -154,6 +155,13 @@ def check_placement(recipe: Any) -> None:
                     f"an actor only the GPUs it asks for; leave it unset (a GPU of its own) or set "
                     "0.5 for the engine and the trainer each (the two share one GPU)"
                 )
+    ranks = recipe.train.tensor_parallel
+    if ranks > 1 and recipe.model.device.startswith("cuda") and gpus(recipe, "trainer") < 1:
+        raise ValueError(
+            f"train.tensor_parallel: {ranks} with placement.trainer_gpus: {gpus(recipe, 'trainer'):g}: "
+            "NCCL takes one rank per GPU, so each trainer rank needs a GPU of its own: leave "
+            "placement.trainer_gpus unset"
+        )
     weights = section.weights
     if weights != "auto" and recipe.colocated:
         raise ValueError(

@@ -5,7 +5,13 @@ A backend is a module with
     build_backend(recipe, *, vocab_size: int, stop_ids: Sequence[int]) -> tuple[Engine, Trainer]
 
 that builds the run's engine and trainer from the recipe (the trainer, and an engine with state,
-also `Checkpointable`); a bad recipe raises `RecipeError` naming the field. A backend that
+also `Checkpointable`), and
+
+    build_trainer_alone(recipe, *, vocab_size: int) -> Trainer
+
+that builds the trainer alone, for a process whose engines run elsewhere (a Ray trainer actor:
+one a rank), whose `served_parameters()` are the weights an engine's torch `Decoder` takes
+(its names and layout); a bad recipe raises `RecipeError` naming the field. A backend that
 refuses some recipes also gives `check(recipe)`, which raises that error without building (the
 pre-flight checks of `validate` and `run` call it). Its recipe sections
 live beside it (`backends/torch/section.py`). Importing this module imports no backend, so
@@ -33,6 +39,14 @@ def check(recipe: Any) -> None:
     module = importlib.import_module(BACKENDS[recipe.train.backend])
     if (refuse := getattr(module, "check", None)) is not None:
         refuse(recipe)
+
+
+def build_trainer_alone(recipe: Any, *, vocab_size: int) -> Trainer:
+    """The trainer alone, of the backend `recipe.train.backend` names: this process's rank of it,
+    where its engines run elsewhere (a Ray trainer actor)."""
+    module = importlib.import_module(BACKENDS[recipe.train.backend])
+    trainer: Trainer = module.build_trainer_alone(recipe, vocab_size=vocab_size)
+    return trainer
 
 
 def build_backend(recipe: Any, *, vocab_size: int, stop_ids: Sequence[int]) -> tuple[Engine, Trainer]:

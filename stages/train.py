@@ -69,6 +69,9 @@ class TrainSection(Section, frozen=True):
     compile: bool = False
     # Recompute each layer in the backward pass instead of keeping its activations.
     activation_checkpointing: bool = False
+    # Tensor-parallel ranks of the trainer (train.backend megatron, placement.backend ray: one
+    # trainer actor a rank, each with placement.trainer_gpus).
+    tensor_parallel: PositiveInt = 1
     # Stop the run when this many batches in a row have nothing to train on (every group
     # dropped, poisoned or unscored), or this many steps in a row apply no optimizer update
     # (non-finite loss or gradient norm).

@@ -19,7 +19,10 @@ import functools
 from collections.abc import Sequence
 from typing import Any
 
+import torch
+
 from backends.bench_lengths import LengthDraw
+from backends.placement import RayPlacement
 from backends.torch.build import DTYPES, build_model
 from backends.torch.compute import ComputeThread
 from backends.torch.engine import TorchEngine
@@ -47,6 +50,18 @@ def check(recipe: Any) -> None:
                 f"train.{field}: {value!r} needs {feature}, which train.backend megatron does not "
                 f"have yet; use train.backend: torch, or leave train.{field} at {default!r}"
             )
+    ray = isinstance(recipe.placement, RayPlacement)
+    if recipe.train.tensor_parallel > 1 and not ray:
+        raise RecipeError(
+            f"train.tensor_parallel: {recipe.train.tensor_parallel} needs placement.backend: ray (a "
+            "pipeline process is one rank: Ray starts one trainer actor a rank)"
+        )
+    if ray and recipe.placement.weights == "collective":
+        raise RecipeError(
+            "placement.weights: collective is not built for train.backend megatron (its broadcast "
+            "group would replace the process group megatron's trainer holds); set "
+            "placement.weights: auto"
+        )
     if recipe.model.dtype != "float32" and not recipe.model.device.startswith("cuda"):
         raise RecipeError(
             f"model.dtype: {recipe.model.dtype} with train.backend megatron needs model.device: cuda "
@@ -67,25 +82,103 @@ def require_megatron() -> None:
 
 
 def build_backend(recipe: Any, *, vocab_size: int, stop_ids: Sequence[int]) -> tuple[Any, Any]:
+    """The engine `rollout.engine` names and the megatron trainer (this process's rank of it)."""
+    decoder, trainer = _build(recipe, vocab_size=vocab_size)
+    from backends.megatron import reshard
+
+    rollout = recipe.rollout
+    if rollout.engine == "megatron":
+        from backends.megatron.serve import build_inference
+
+        del decoder  # copied into the trainer's model; the engine serves that model itself
+        try:
+            return (
+                build_inference(
+                    trainer.model, trainer.config, recipe, stop_ids=stop_ids, device=trainer.device
+                ),
+                trainer,
+            )
+        except BaseException:
+            trainer.close()
+            raise
+    refresh: Any = functools.partial(reshard.copy_into, decoder, trainer.model, trainer.config)
+    if recipe.train.tensor_parallel > 1:
+        # A wake or refit on this rank alone cannot gather the other ranks' shards: every rank
+        # gathers after each step and load, and this one copies the result in then.
+        trainer.on_weights = functools.partial(_copy_served, decoder)
+        trainer.weights_changed()  # as every other rank does once built
+        refresh = None
+    engine = TorchEngine(
+        # Engine kernels round as the trainer's megatron layers do (compiled or eager).
+        Sampler(decoder, graphs=recipe.model.cuda_graphs, eager_rounding=not recipe.train.compile),
+        shared=recipe.colocated,
+        source=decoder,
+        max_new_tokens=rollout.max_new_tokens,
+        temperature=rollout.temperature,
+        top_p=rollout.top_p,
+        stop_token_ids=tuple(stop_ids),
+        seed=recipe.run.seed + 1,
+        compute=trainer.compute if recipe.colocated else ComputeThread("engine"),
+        fingerprints=recipe.async_rl.handoff_checks,
+        refresh_weights=refresh,
+        partial=rollout.partial,
+        max_rows=rollout.max_rows,
+        lengths=None
+        if rollout.bench_lengths is None
+        else LengthDraw(rollout.bench_lengths, max_new_tokens=rollout.max_new_tokens, seed=recipe.run.seed),
+    )
+    return engine, trainer
+
+
+def build_trainer_alone(recipe: Any, *, vocab_size: int) -> Any:
+    """This process's rank of the megatron trainer alone (a Ray trainer actor, whose engines are
+    elsewhere). Rank 0 keeps the served weights after each step (`served_parameters`: one copy
+    of the model in the engine's layout, alive until the next step, as a CUDA IPC package of
+    them needs), which it publishes; under tensor parallelism they are gathered from every
+    rank then, the one point where all ranks run together."""
+    import torch.distributed as dist
+
+    _, trainer = _build(recipe, vocab_size=vocab_size)
+    if dist.get_rank() == 0:
+        trainer.keep_served()
+    trainer.weights_changed()  # every rank, once built: rank 0 keeps the first weights
+    return trainer
+
+
+@torch.no_grad()
+def _copy_served(decoder: Any, served: list[tuple[str, Any]]) -> None:
+    weights = dict(served)
+    for name, target in decoder.named_parameters():
+        target.copy_(weights[name])
+
+
+def _build(recipe: Any, *, vocab_size: int) -> tuple[Any, Any]:
+    """(the torch `Decoder` the model section gives, the trainer of this rank's megatron copy of it)."""
     check(recipe)
     require_megatron()
     # Imported once megatron is known to import (each of these imports it).
-    from backends.megatron import layout, parallel, reshard
+    from megatron.core import parallel_state
+
+    from backends.megatron import layout, parallel
     from backends.megatron.model import build_gpt_model, compile_layers
     from backends.megatron.optimizer import MegatronAdam, TorchAdamW
     from backends.megatron.trainer import MegatronTrainer
 
-    section, train, rollout = recipe.model, recipe.train, recipe.rollout
+    section, train = recipe.model, recipe.train
     seed = recipe.run.seed
     try:
         decoder = build_model(section, vocab_size=vocab_size, seed=seed)
     except ModelLoadError as error:  # a missing file or an unsupported model: the user's to fix
         raise RecipeError(f"model.path: {error}") from None
     config = decoder.config
+    size = train.tensor_parallel
+    check_shape(config, size)
     device = next(decoder.parameters()).device
-    parallel.initialise(device=device, seed=recipe.run.seed)
-    model = build_gpt_model(config, dtype=DTYPES[section.dtype], device=device)
-    layout.load_hf(model, decoder.state_dict(), config)
+    parallel.initialise(tensor_parallel=size, device=device, seed=seed)
+    model = build_gpt_model(config, dtype=DTYPES[section.dtype], device=device, tensor_parallel=size)
+    layout.load_hf(
+        model, decoder.state_dict(), config, rank=parallel_state.get_tensor_model_parallel_rank(), size=size
+    )
     if train.compile:
         compile_layers(model)
     step = (MegatronAdam if device.type == "cuda" else TorchAdamW)(
@@ -95,8 +188,6 @@ def build_backend(recipe: Any, *, vocab_size: int, stop_ids: Sequence[int]) -> t
         weight_decay=train.weight_decay,
         grad_clip=train.grad_clip,
     )
-    # Colocated, engine and trainer never run at once: one thread (one OpenMP team) for both.
-    trainer_thread = ComputeThread("trainer")
     trainer = MegatronTrainer(
         model,
         step,
@@ -109,37 +200,21 @@ def build_backend(recipe: Any, *, vocab_size: int, stop_ids: Sequence[int]) -> t
         total_steps=recipe.run.steps,
         micro_batch_samples=train.micro_batch_samples,
         updates_per_step=train.updates_per_step,
-        temperature=rollout.temperature,
+        temperature=recipe.rollout.temperature,
         seed=seed + 2,
-        compute=trainer_thread,
+        # Colocated, engine and trainer never run at once: one thread (one OpenMP team) for both.
+        compute=ComputeThread("trainer"),
         fingerprints=recipe.async_rl.handoff_checks,
     )
-    if rollout.engine == "megatron":
-        from backends.megatron.serve import build_inference
+    return decoder, trainer
 
-        del decoder  # copied into `model`; the engine serves `model` itself
-        try:
-            return build_inference(model, config, recipe, stop_ids=stop_ids, device=device), trainer
-        except BaseException:
-            trainer.close()
-            raise
-    engine = TorchEngine(
-        # Engine kernels round as the trainer's megatron layers do (compiled or eager).
-        Sampler(decoder, graphs=section.cuda_graphs, eager_rounding=not train.compile),
-        shared=recipe.colocated,
-        source=decoder,
-        max_new_tokens=rollout.max_new_tokens,
-        temperature=rollout.temperature,
-        top_p=rollout.top_p,
-        stop_token_ids=tuple(stop_ids),
-        seed=seed + 1,
-        compute=trainer_thread if recipe.colocated else ComputeThread("engine"),
-        fingerprints=recipe.async_rl.handoff_checks,
-        refresh_weights=functools.partial(reshard.copy_into, decoder, model, config),
-        partial=rollout.partial,
-        max_rows=rollout.max_rows,
-        lengths=None
-        if rollout.bench_lengths is None
-        else LengthDraw(rollout.bench_lengths, max_new_tokens=rollout.max_new_tokens, seed=seed),
-    )
-    return engine, trainer
+
+def check_shape(config: Any, size: int) -> None:
+    """The model's dimensions that `train.tensor_parallel` ranks must divide."""
+    for field in ("num_attention_heads", "num_key_value_heads", "vocab_size", "intermediate_size"):
+        value = getattr(config, field)
+        if value % size:
+            raise RecipeError(
+                f"train.tensor_parallel: {size} does not divide the model's {field} ({value}); "
+                f"pick a tensor_parallel that does"
+            )

@@ -13,10 +13,15 @@ sequences; the torch trainer computes a group's prompt once instead); only the r
 positions go through the output layer (`response_logprobs`). Under tensor parallelism every
 rank is given the same groups.
 
-With `fingerprints` (`async_rl.handoff_checks`) each step and each load takes the fingerprint of
-the weights it publishes as the engine's `Decoder` holds them (`reshard.served`: gathered over
-tensor-parallel ranks, in the decoder's parameter names and layout), so the gate checks that the
-reshard into the engine copied exactly these weights.
+After each step and each load the weights an engine's `Decoder` should now hold
+(`reshard.served`: gathered over tensor-parallel ranks, in the decoder's parameter names and
+layout) are computed on every rank when anything reads them: with `fingerprints`
+(`async_rl.handoff_checks`) their fingerprint, so the gate checks that the reshard into the
+engine copied exactly these weights; and `on_weights`, given them (a Ray trainer rank keeps
+them to publish, `served_parameters`; colocated under tensor parallelism rank 0 copies them
+into its engine's decoder, since a wake on one rank cannot gather from the others). Under
+tensor parallelism every rank gathers at these points whatever it does with the result: the
+gathers are collectives.
 
 `Checkpointable`: `save` writes the model and optimizer through megatron's `dist_checkpointing`
 (directory `megatron/` of the step directory, resharded on load to any tensor-parallel size)
@@ -26,7 +31,7 @@ and the trainer's counters and RNG to `megatron-trainer.pt`; `load` reads both b
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -120,11 +125,14 @@ class MegatronTrainer:
         seed: int,
         compute: ComputeThread | None = None,
         fingerprints: bool = False,
+        on_weights: Callable[[list[tuple[str, torch.Tensor]]], None] | None = None,
     ) -> None:
         self.model = model  # the GPTModel (its parameters: what `reshard` reads)
         self.config = config
         self.fingerprints = fingerprints
+        self.on_weights = on_weights
         self._published: dict[str, int] | None = None
+        self._served: list[tuple[str, torch.Tensor]] | None = None
         self.optimizer = step
         self.loss = loss
         self.lr = lr
@@ -149,10 +157,31 @@ class MegatronTrainer:
     def fingerprint(self) -> dict[str, int] | None:
         return self._published
 
-    def _take_fingerprint(self) -> None:
-        if not self.fingerprints:
+    def served_parameters(self) -> list[tuple[str, torch.Tensor]]:
+        """The weights as an engine's `Decoder` holds them (names and layout), as of the last
+        step or load (`keep_served`): gathered then, so no collective runs here."""
+        assert self._served is not None, "keep_served() first"
+        return self._served
+
+    def keep_served(self) -> None:
+        """Keep the served weights after each step and load, for `served_parameters`."""
+
+        def keep(served: list[tuple[str, torch.Tensor]]) -> None:
+            self._served = served
+
+        self.on_weights = keep
+
+    def weights_changed(self) -> None:
+        """After a step or a load, and once built (module docstring); a collective under tensor
+        parallelism: every rank calls it at the same points."""
+        sharded = parallel_state.get_tensor_model_parallel_world_size() > 1
+        if not (self.fingerprints or self.on_weights or sharded):
             return
-        self._published = Fingerprinter(parameter_probes(reshard.served(self.model, self.config)))()
+        served = reshard.served(self.model, self.config)
+        if self.fingerprints:
+            self._published = Fingerprinter(parameter_probes(served))()
+        if self.on_weights is not None:
+            self.on_weights(served)
 
     def _lr(self, update: int) -> float:
         return self.lr * lr_factor(
@@ -245,7 +274,7 @@ class MegatronTrainer:
             }
         )
         self.completed_steps += 1
-        self._take_fingerprint()
+        self.weights_changed()
         return metrics
 
     def _sharded_state(self, *, loading: bool) -> dict[str, Any]:
@@ -276,7 +305,7 @@ class MegatronTrainer:
         self.generator.set_state(state["generator"])
         self.skipped_steps = int(state["skipped_steps"])
         self.completed_steps = int(state["completed_steps"])
-        self._take_fingerprint()
+        self.weights_changed()
 
     def close(self) -> None:
         """Stop the compute thread (after its current call)."""

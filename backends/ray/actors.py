@@ -19,6 +19,7 @@ import anyio
 
 if TYPE_CHECKING:  # importing torch here would load it before `runtime.load` could set it up
     from backends.ray.weights import Package, Transport
+    from backends.ray.world import World
 
 Role = Literal["engine", "trainer", "both"]
 # (request id, prompt tokens, samples, greedy)
@@ -29,20 +30,36 @@ class BackendPart:
     """One actor's part of the backend, built from the recipe where the actor runs.
 
     `both`: the colocated pair sharing one model, as the recipe's backend builds it in one
-    process (stand-down and wake instead of weight packages). Apart, with the torch backend's
-    builders: `engine`, a replica that samples from its own copy of the weights, refreshed by
-    `set_weights`; `trainer`, the trainer, which publishes its weights with `publish`.
+    process (stand-down and wake instead of weight packages). Apart: `engine`, a replica of our
+    torch engine that samples from its own copy of the weights, refreshed by `set_weights`;
+    `trainer`, the recipe's backend's trainer alone, which publishes its weights as the
+    engine's `Decoder` holds them (`served_parameters`) with `publish`. Under tensor
+    parallelism (`world`) the actor joins the ranks' world as rank `rank` before it builds
+    anything; rank 0 is the `both` or publishing one.
     """
 
     def __init__(
-        self, recipe: Any, *, role: Role, vocab_size: int, stop_ids: Sequence[int], replica: int = 0
+        self,
+        recipe: Any,
+        *,
+        role: Role,
+        vocab_size: int,
+        stop_ids: Sequence[int],
+        replica: int = 0,
+        world: World | None = None,
+        rank: int = 0,
     ) -> None:
         from backends.torch.runtime import load
 
         load()  # torch as the controller loads it (OpenMP's spinning, before the first import)
-        from backends.registry import build_backend
-        from backends.torch.build import build_engine, build_model, build_trainer
+        from backends.registry import build_backend, build_trainer_alone
+        from backends.torch.build import build_engine, build_model
         from backends.torch.compute import ComputeThread
+
+        if world is not None:  # rank `rank` of the trainer's tensor-parallel ranks
+            from backends.ray.world import join
+
+            join(world, rank)
 
         self.role = role
         self.version = 0  # of the weights this engine serves (set by set_weights)
@@ -53,15 +70,19 @@ class BackendPart:
         self.kept: Any = None  # the trainer's last broadcast (backends/ray/broadcast.py)
         if role == "both":
             self.engine, self.trainer = build_backend(recipe, vocab_size=vocab_size, stop_ids=stop_ids)
-            return
-        model = build_model(recipe.model, vocab_size=vocab_size, seed=recipe.run.seed)
-        compute = ComputeThread(role)
-        if role == "engine":
+        elif role == "trainer":
+            self.trainer = build_trainer_alone(recipe, vocab_size=vocab_size)
+        else:  # our torch engine, whichever backend trains
+            model = build_model(recipe.model, vocab_size=vocab_size, seed=recipe.run.seed)
             self.engine = build_engine(
-                recipe, model, shared=False, source=model, stop_ids=stop_ids, compute=compute, replica=replica
+                recipe,
+                model,
+                shared=False,
+                source=model,
+                stop_ids=stop_ids,
+                compute=ComputeThread("engine"),
+                replica=replica,
             )
-        else:
-            self.trainer = build_trainer(recipe, model, compute=compute)
 
     def where(self) -> dict[str, Any]:
         import ray
@@ -119,7 +140,7 @@ class BackendPart:
         from backends.ray.weights import pack
 
         return await self.trainer.compute.run(
-            pack, version, list(self.trainer.model.named_parameters()), transport
+            lambda: pack(version, self.trainer.served_parameters(), transport)
         )
 
     async def open_group(self, timeout_s: float) -> tuple[str, int]:
@@ -154,8 +175,9 @@ class BackendPart:
         from backends.ray.broadcast import bucketed
 
         if self.kept is None or self.kept.header.version != version:
-            parameters = list(self.trainer.model.named_parameters())
-            self.kept = await self.trainer.compute.run(bucketed, version, parameters)
+            self.kept = await self.trainer.compute.run(
+                lambda: bucketed(version, self.trainer.served_parameters())
+            )
         return self.kept
 
     async def receive_weights(self, version: int) -> dict[str, int] | None:

@@ -28,6 +28,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from backends.ray.world import init
 from backends.ray.weights import Header, Package, WeightsMismatch, check, header
 
 BUCKET_BYTES = 256 << 20
@@ -51,14 +52,10 @@ class Group:
     def join(self, address: tuple[str, int], rank: int, world: int, backend: str, timeout_s: float) -> None:
         """Join the group `address` (the trainer's `open`) as `rank`; a collective that waits
         longer than `timeout_s` on a member (it died) fails."""
-        timeout = timedelta(seconds=timeout_s)
         if rank != 0:
             self.leave()
-            self.store = dist.TCPStore(*address, is_master=False, timeout=timeout)
-        device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else None
-        dist.init_process_group(
-            backend, store=self.store, rank=rank, world_size=world, timeout=timeout, device_id=device
-        )
+            self.store = dist.TCPStore(*address, is_master=False, timeout=timedelta(seconds=timeout_s))
+        init(self.store, rank=rank, size=world, backend=backend, timeout_s=timeout_s)
 
     def leave(self) -> None:
         if dist.is_initialized():

@@ -6,7 +6,10 @@
   what this run started.
 - Colocated: one actor holds the engine and the trainer (one model, the trainer's resources).
 - Separate: `placement.engines` engine replicas and one trainer actor, each with its own CPUs,
-  GPUs and custom resources. One engine and the trainer that fit on one GPU between them
+  GPUs and custom resources.
+- Tensor parallelism (`train.tensor_parallel` > 1, megatron): one trainer actor a rank, each
+  with the trainer's resources, joined into one torch.distributed world through a rendezvous
+  this process holds (`backends/ray/world.py`); colocated, rank 0's actor also holds the engine. One engine and the trainer that fit on one GPU between them
   (engine_gpus + trainer_gpus <= 1) share a placement-group bundle, so Ray gives them the same
   GPU, and weights move by CUDA IPC; otherwise through the object store, or by a broadcast in
   one process group of them all (`placement.weights: collective`, `backends/ray/collective.py`).
@@ -93,17 +96,35 @@ def _place(
         strategy = PlacementGroupSchedulingStrategy(placement_group=group, placement_group_bundle_index=0)
         trainer_options["scheduling_strategy"] = engine_options["scheduling_strategy"] = strategy
 
-    def start(options: dict[str, Any], role: str, replica: int = 0) -> Any:
-        actor = _Part.options(**options).remote(recipe, role=role, replica=replica, **build)
+    world = None
+    if recipe.train.tensor_parallel > 1:
+        from backends.ray.world import rendezvous
+
+        cuda = recipe.model.device.startswith("cuda")
+        world, store = rendezvous(recipe.train.tensor_parallel, "nccl" if cuda else "gloo", START_S)
+        cleanups.append(lambda: store.__class__)  # the ranks' rendezvous lives as long as they do
+
+    def start(options: dict[str, Any], role: str, replica: int = 0, rank: int | None = None) -> Any:
+        ranked = {} if rank is None else {"world": world, "rank": rank}
+        actor = _Part.options(**options).remote(recipe, role=role, replica=replica, **ranked, **build)
         # ray's remote() is typed ActorHandle | type[T] (the latter for its method stubs), its
         # kill() takes only an ActorHandle.
         cleanups.append(lambda: ray.kill(actor))  # type: ignore[arg-type]
         return actor
 
+    def start_trainer(first: str) -> RayTrainer:
+        """The trainer's ranks, rank 0 in role `first` (one actor a rank: `world`)."""
+        ranked = world is not None
+        actors = [
+            start(trainer_options, first if rank == 0 else "trainer", rank=rank if ranked else None)
+            for rank in range(recipe.train.tensor_parallel)
+        ]
+        wheres = _started([a.where.remote() for a in actors], section)
+        return RayTrainer(list(zip(actors, wheres, strict=True)), transport=transport)
+
     if recipe.colocated:
-        actor = start(trainer_options, "both")
-        [where] = _started([actor.where.remote()], section)
-        trainer = RayTrainer([(actor, where)], transport=transport)
+        trainer = start_trainer("both")
+        actor, where = trainer.ranks[0]
         engine = RayEngine(
             [Replica(0, actor, where)],
             spawn=None,
@@ -113,10 +134,9 @@ def _place(
             counts=counts,
         )
     else:
-        trainer_actor = start(trainer_options, "trainer")
         engine_actors = [start(engine_options, "engine", i) for i in range(section.engines)]
-        wheres = _started([a.where.remote() for a in [trainer_actor, *engine_actors]], section)
-        trainer = RayTrainer([(trainer_actor, wheres[0])], transport=transport)
+        trainer = start_trainer("trainer")
+        wheres = _started([a.where.remote() for a in engine_actors], section)
 
         def spawn(index: int) -> tuple[Any, dict[str, Any]]:
             actor = start(engine_options, "engine", index)
@@ -124,7 +144,7 @@ def _place(
             return actor, where
 
         engine = RayEngine(
-            [Replica(i, a, w) for i, (a, w) in enumerate(zip(engine_actors, wheres[1:], strict=True))],
+            [Replica(i, a, w) for i, (a, w) in enumerate(zip(engine_actors, wheres, strict=True))],
             spawn=spawn,
             publish=trainer.publish,
             colocated=False,

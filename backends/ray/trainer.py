@@ -1,7 +1,8 @@
 """The pipeline's `Trainer` over the trainer's Ray actors, one per rank.
 
-Every rank runs each step; rank 0's metrics and fingerprint are the step's (the torch backend
-has one rank). A rank whose actor dies stops the run with `BackendLost`, naming the rank, its
+Every rank runs each step, saves and loads (megatron's checkpoints are collectives over its
+tensor-parallel ranks); rank 0's metrics, fingerprint and weights are the step's (the torch
+backend has one rank). A rank whose actor dies stops the run with `BackendLost`, naming the rank, its
 process and node and the step: its optimizer state exists nowhere else, so there is nothing to
 save, and the last committed checkpoint stays the one a rerun resumes from.
 """
@@ -65,11 +66,14 @@ class RayTrainer:
         return self._published
 
     def save(self, directory: Path) -> None:
-        """Rank 0's files, written by its actor into `directory` (on storage its node sees)."""
-        try:
-            unwrapped(self.ranks[0][0].save.remote("trainer", str(directory)))
-        except ACTOR_LOST as error:
-            raise self.lost(0, "while it saved a checkpoint", error) from None
+        """Every rank's files, written by its actor into `directory` (on storage every rank's
+        node sees)."""
+        refs = [actor.save.remote("trainer", str(directory)) for actor, _ in self.ranks]
+        for rank, ref in enumerate(refs):
+            try:
+                unwrapped(ref)
+            except ACTOR_LOST as error:
+                raise self.lost(rank, "while it saved a checkpoint", error) from None
 
     def load(self, directory: Path) -> None:
         done = unwrapped([actor.load.remote("trainer", str(directory)) for actor, _ in self.ranks])

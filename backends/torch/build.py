@@ -23,6 +23,15 @@ from pipeline.errors import RecipeError
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
+def check(recipe: Any) -> None:
+    """Refuse, naming the field, what `train.backend: torch` does not do."""
+    if recipe.train.tensor_parallel > 1:
+        raise RecipeError(
+            f"train.tensor_parallel: {recipe.train.tensor_parallel} needs train.backend: megatron "
+            "(the torch trainer holds the whole model on one device)"
+        )
+
+
 def build_model(section: ModelSection, *, vocab_size: int, seed: int) -> Decoder:
     if section.threads:
         torch.set_num_threads(section.threads)
@@ -63,6 +72,15 @@ def build_backend(
         recipe, engine_model, shared=recipe.colocated, source=model, stop_ids=stop_ids, compute=engine_thread
     )
     return engine, build_trainer(recipe, model, compute=trainer_thread)
+
+
+def build_trainer_alone(recipe: Any, *, vocab_size: int) -> TorchTrainer:
+    """The trainer alone, on a model of its own (a Ray trainer actor, whose engines are elsewhere)."""
+    try:
+        model = build_model(recipe.model, vocab_size=vocab_size, seed=recipe.run.seed)
+    except ModelLoadError as error:
+        raise RecipeError(f"model.path: {error}") from None
+    return build_trainer(recipe, model, compute=ComputeThread("trainer"))
 
 
 def build_engine(

@@ -273,6 +273,10 @@ class TorchTrainer:
     def fingerprint(self) -> dict[str, int] | None:
         return self._published
 
+    def served_parameters(self) -> list[tuple[str, torch.Tensor]]:
+        """The weights an engine's `Decoder` takes: the model's own parameters."""
+        return list(self.model.named_parameters())
+
     def _update(self, *, finite_loss: bool, grad_norms: list[float]) -> bool:
         """Clip and apply the accumulated gradients; True when the update was skipped."""
         if self.master is None:

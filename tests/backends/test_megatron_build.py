@@ -89,3 +89,64 @@ def test_without_megatron_core_the_backend_says_how_to_install_it(monkeypatch: p
         "megatron.core halted; None in sys.modules); install it with: pip install --no-deps "
         "--ignore-requires-python megatron-core==0.19.2 triton==3.6.0 (see README)"
     )
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (
+            ["train.backend=torch", "train.tensor_parallel=2"],
+            "train.tensor_parallel: 2 needs train.backend: megatron (the torch trainer holds the "
+            "whole model on one device)",
+        ),
+        (
+            ["train.backend=megatron", "train.tensor_parallel=2"],
+            "train.tensor_parallel: 2 needs placement.backend: ray (a pipeline process is one rank: "
+            "Ray starts one trainer actor a rank)",
+        ),
+        (
+            [
+                "train.backend=megatron",
+                "placement.backend=ray",
+                "colocated=false",
+                "placement.weights=collective",
+            ],
+            "placement.weights: collective is not built for train.backend megatron (its broadcast "
+            "group would replace the process group megatron's trainer holds); set "
+            "placement.weights: auto",
+        ),
+    ],
+)
+def test_tensor_parallel_and_collective_weights_are_refused_where_not_built(
+    overrides: list[str], message: str
+) -> None:
+    """What `validate` and `run` refuse before building (the backend's `check`)."""
+    from backends import registry
+
+    with pytest.raises(RecipeError) as error:
+        registry.check(_recipe(*overrides))
+    assert str(error.value) == message
+
+
+def test_a_tensor_parallel_size_that_does_not_divide_the_model_is_refused_by_name() -> None:
+    from backends.megatron.build import check_shape
+    from tests.backends.megatron_cases import CONFIGS
+
+    config = CONFIGS["qwen2-bias"]
+    check_shape(config, 2)
+    with pytest.raises(RecipeError) as error:
+        check_shape(config, 3)
+    assert str(error.value).startswith(
+        "train.tensor_parallel: 3 does not divide the model's num_attention_heads"
+    )
+
+
+def test_tensor_parallel_on_cuda_needs_a_gpu_for_each_trainer_rank() -> None:
+    with pytest.raises(RecipeError, match="each trainer rank needs a GPU of its own"):
+        _recipe(
+            "train.backend=megatron",
+            "train.tensor_parallel=2",
+            "placement.backend=ray",
+            "model.device=cuda",
+            "placement.trainer_gpus=0.5",
+        )
