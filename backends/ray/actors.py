@@ -56,6 +56,10 @@ class BackendPart:
         from backends.torch.build import build_engine, build_model
         from backends.torch.compute import ComputeThread
 
+        if recipe.train.backend == "megatron":
+            # Its warning filters first: a megatron process pickles tensors through megatron's
+            # `safe_load_from_bytes`, so an engine unpickling the trainer's weights imports it.
+            import backends.megatron  # noqa: F401
         if world is not None:  # rank `rank` of the trainer's tensor-parallel ranks
             from backends.ray.world import join
 

@@ -7,6 +7,8 @@ the trainer's weights (gathered from every rank) stops the run."""
 from __future__ import annotations
 
 import math
+import os
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -15,9 +17,12 @@ import pytest
 
 pytest.importorskip("megatron.core")
 
-import pipeline  # noqa: E402
-from pipeline.metrics import read  # noqa: E402
-from stages import program  # noqa: E402
+import pipeline
+from backends.placement import Placed, place
+from pipeline.errors import BackendLost
+from pipeline.metrics import read
+from stages import program
+from stages.checkpoint import committed
 
 MEGATRON = [
     "run.progress=false",
@@ -84,3 +89,39 @@ def test_tensor_parallel_2_colocated_on_rank_0_trains_as_in_process_and_resumes(
     again = run(resumed, *same, "run.steps=3", "train.tensor_parallel=2")
     assert (again.steps_done, again.policy_version) == (3, 3)
     assert close(figures(resumed)[-1:], figures(whole)[-1:]), (figures(resumed), figures(whole))
+
+
+def test_a_rank_that_dies_stops_the_run_naming_it_with_the_last_checkpoint_intact(
+    tmp_path: Path, ray_cluster: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rank 1 killed after step 2's save: rank 0, waiting on it in a collective, is not waited
+    for; the run stops with the dead rank's name and steps 1 and 2 committed."""
+    found: list[Placed] = []
+
+    def capture(*args: Any, **kwargs: Any) -> Placed:
+        found.append(place(*args, **kwargs))
+        return found[-1]
+
+    def echo(record: dict[str, Any]) -> None:
+        if record["step"] == 2:
+            os.kill(found[0].trainer.ranks[1][1]["pid"], signal.SIGKILL)
+
+    monkeypatch.setattr(program, "place", capture)
+    recipe = pipeline.load_recipe(
+        "recipes/quickstart.yaml",
+        [
+            f"run.dir={tmp_path}",
+            *MEGATRON,
+            "run.steps=6",
+            "checkpoint.every_steps=1",
+            "colocated=false",
+            "train.tensor_parallel=2",
+        ],
+    )
+    with pytest.raises(BackendLost) as raised:
+        anyio.run(lambda: program.run_program(recipe, echo=echo))
+    where = found[0].trainer.ranks[1][1]
+    assert str(raised.value).startswith(
+        f"placement: trainer rank 1 (pid {where['pid']}, node {where['node_id'][:12]}) died during step 3: "
+    )
+    assert [p.name for p in committed(tmp_path / "checkpoints")] == ["step-000001", "step-000002"]
