@@ -62,6 +62,8 @@ def check(recipe: Any) -> None:
             "group would replace the process group megatron's trainer holds); set "
             "placement.weights: auto"
         )
+    if recipe.model.config is not None:  # a model.path's config is read when it is built
+        check_shape(recipe.model.config, recipe.train.tensor_parallel)
     if recipe.model.dtype != "float32" and not recipe.model.device.startswith("cuda"):
         raise RecipeError(
             f"model.dtype: {recipe.model.dtype} with train.backend megatron needs model.device: cuda "
@@ -132,10 +134,11 @@ def build_backend(recipe: Any, *, vocab_size: int, stop_ids: Sequence[int]) -> t
 
 def build_trainer_alone(recipe: Any, *, vocab_size: int) -> Any:
     """This process's rank of the megatron trainer alone (a Ray trainer actor, whose engines are
-    elsewhere). Rank 0 keeps the served weights after each step (`served_parameters`: one copy
-    of the model in the engine's layout, alive until the next step, as a CUDA IPC package of
-    them needs), which it publishes; under tensor parallelism they are gathered from every
-    rank then, the one point where all ranks run together."""
+    elsewhere). Rank 0 keeps the served weights after each step (`served_parameters`), which it
+    publishes: the last two versions stay alive, as a CUDA IPC package handed to a replaced
+    replica may be the one before (at one rank some of them, the norms, are the live
+    parameters themselves, as the torch trainer's are); under tensor parallelism they are
+    gathered from every rank then, the one point where all ranks run together."""
     import torch.distributed as dist
 
     _, trainer = _build(recipe, vocab_size=vocab_size)

@@ -42,7 +42,10 @@ _SHARDED = (ShardedTensor, ShardedTensorFactory)
 
 def save(state: dict[str, Any], directory: Path) -> None:
     where = nonfinite({v.key: v.data for v in nested_values(state) if isinstance(v, _SHARDED)})
-    if where is not None:
+    # Every rank refuses together: one that refused alone would leave the others waiting in
+    # dist_checkpointing's collectives.
+    if _any_rank(where is not None):
+        where = where or "another tensor-parallel rank's shards"
         raise NonFiniteState(f"{directory.name}/ would hold non-finite values at {where}")
     if filesystem_async._results_queue is None:
         filesystem_async._results_queue = queue.Queue()
@@ -63,6 +66,7 @@ def load(state: dict[str, Any], directory: Path) -> dict[str, Any]:
         )
 
     template = dict_list_map_inplace(fresh, state)
+    problem = None
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
@@ -72,8 +76,24 @@ def load(state: dict[str, Any], directory: Path) -> dict[str, Any]:
     # megatron and torch report a missing or torn shard many ways; torch's CheckpointException
     # (what a torn shard raises) is a BaseException.
     except (Exception, CheckpointException) as error:
-        raise DamagedState(f"{directory.name}/ does not load: {type(error).__name__}: {error}") from None
-    where = nonfinite(loaded)
-    if where is not None:
-        raise DamagedState(f"{directory.name}/ holds non-finite values at {where}")
+        problem = f"does not load: {type(error).__name__}: {error}"
+    else:
+        where = nonfinite(loaded)
+        if where is not None:
+            problem = f"holds non-finite values at {where}"
+    # Every rank refuses together (the trainer's next collective would wait on one that did alone).
+    if _any_rank(problem is not None):
+        raise DamagedState(f"{directory.name}/ {problem or 'does not load on another tensor-parallel rank'}")
     return loaded
+
+
+def _any_rank(flag: bool) -> bool:
+    """`flag` of any rank of the world (every rank calls it at the same point)."""
+    if not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1:
+        return flag
+    cuda = torch.distributed.get_backend() == "nccl"
+    vote = torch.tensor(
+        [int(flag)], device=torch.device("cuda", torch.cuda.current_device()) if cuda else "cpu"
+    )
+    torch.distributed.all_reduce(vote, op=torch.distributed.ReduceOp.MAX)
+    return bool(vote.item())

@@ -133,6 +133,7 @@ class MegatronTrainer:
         self.on_weights = on_weights
         self._published: dict[str, int] | None = None
         self._served: list[tuple[str, torch.Tensor]] | None = None
+        self._previous: list[tuple[str, torch.Tensor]] | None = None
         self.optimizer = step
         self.loss = loss
         self.lr = lr
@@ -167,7 +168,9 @@ class MegatronTrainer:
         """Keep the served weights after each step and load, for `served_parameters`."""
 
         def keep(served: list[tuple[str, torch.Tensor]]) -> None:
-            self._served = served
+            # The version before stays alive one step more: a replaced engine replica is
+            # handed the last refit's CUDA IPC package, which may be that version's.
+            self._previous, self._served = self._served, served
 
         self.on_weights = keep
 

@@ -28,8 +28,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from backends.ray.world import init
 from backends.ray.weights import Header, Package, WeightsMismatch, check, header
+from backends.ray.world import init
 
 BUCKET_BYTES = 256 << 20
 

@@ -6,15 +6,15 @@
   what this run started.
 - Colocated: one actor holds the engine and the trainer (one model, the trainer's resources).
 - Separate: `placement.engines` engine replicas and one trainer actor, each with its own CPUs,
-  GPUs and custom resources.
-- Tensor parallelism (`train.tensor_parallel` > 1, megatron): one trainer actor a rank, each
-  with the trainer's resources, joined into one torch.distributed world through a rendezvous
-  this process holds (`backends/ray/world.py`); colocated, rank 0's actor also holds the engine. One engine and the trainer that fit on one GPU between them
+  GPUs and custom resources. One engine and the trainer that fit on one GPU between them
   (engine_gpus + trainer_gpus <= 1) share a placement-group bundle, so Ray gives them the same
   GPU, and weights move by CUDA IPC; otherwise through the object store, or by a broadcast in
   one process group of them all (`placement.weights: collective`, `backends/ray/collective.py`).
   Every replica is loaded with the trainer's weights (through the object store) before the run
   starts.
+- Tensor parallelism (`train.tensor_parallel` > 1, megatron): one trainer actor a rank, each
+  with the trainer's resources, joined into one torch.distributed world through a rendezvous
+  this process holds (`backends/ray/world.py`); colocated, rank 0's actor also holds the engine.
 - With `placement.reward_workers`, a pool of reward-worker actors scores the groups.
 """
 

@@ -69,11 +69,13 @@ class RayTrainer:
         """Every rank's files, written by its actor into `directory` (on storage every rank's
         node sees)."""
         refs = [actor.save.remote("trainer", str(directory)) for actor, _ in self.ranks]
-        for rank, ref in enumerate(refs):
+        pending = list(refs)
+        while pending:  # the first rank to fail, not rank 0 waiting on it in a collective
+            [ref], pending = ray.wait(pending, num_returns=1)
             try:
                 unwrapped(ref)
             except ACTOR_LOST as error:
-                raise self.lost(rank, "while it saved a checkpoint", error) from None
+                raise self.lost(refs.index(ref), "while it saved a checkpoint", error) from None
 
     def load(self, directory: Path) -> None:
         done = unwrapped([actor.load.remote("trainer", str(directory)) for actor, _ in self.ranks])
