@@ -58,3 +58,10 @@ class LengthDraw:
     def load_state(self, state: list[Any]) -> None:
         version, internal, gauss = state
         self.rng.setstate((version, tuple(internal), gauss))
+
+
+def length_draw(rollout: Any, *, seed: int) -> LengthDraw | None:
+    """An engine's draw of `rollout.bench_lengths` (None when it is off)."""
+    if rollout.bench_lengths is None:
+        return None
+    return LengthDraw(rollout.bench_lengths, max_new_tokens=rollout.max_new_tokens, seed=seed)

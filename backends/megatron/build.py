@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from backends.bench_lengths import LengthDraw
+from backends.bench_lengths import length_draw
 from backends.placement import RayPlacement
 from backends.torch.build import DTYPES, build_model
 from backends.torch.compute import ComputeThread
@@ -125,9 +125,7 @@ def build_backend(recipe: Any, *, vocab_size: int, stop_ids: Sequence[int]) -> t
         refresh_weights=refresh,
         partial=rollout.partial,
         max_rows=rollout.max_rows,
-        lengths=None
-        if rollout.bench_lengths is None
-        else LengthDraw(rollout.bench_lengths, max_new_tokens=rollout.max_new_tokens, seed=recipe.run.seed),
+        lengths=length_draw(rollout, seed=recipe.run.seed),
     )
     return engine, trainer
 

@@ -58,7 +58,7 @@ from megatron.core.inference.text_generation_controllers.text_generation_control
 )
 from megatron.core.transformer import cuda_graphs
 
-from backends.bench_lengths import LengthDraw
+from backends.bench_lengths import length_draw
 from backends.megatron import flash_adapter
 from backends.megatron.inference import MegatronInference
 from backends.torch.config import ModelConfig
@@ -209,9 +209,7 @@ def build_inference(
         stop_token_ids=stop_ids,
         max_new_tokens=rollout.max_new_tokens,
         max_sequence_length=inference.max_sequence_length,
-        lengths=None
-        if rollout.bench_lengths is None
-        else LengthDraw(rollout.bench_lengths, max_new_tokens=rollout.max_new_tokens, seed=recipe.run.seed),
+        lengths=length_draw(rollout, seed=recipe.run.seed),
         memory_in_use=_kv_cache_in_use,
         generator=lambda engine: engine.controller.sampling_rng,
         # megatron's inference attention asserts eval mode; the trainer's step sets train mode

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from backends.bench_lengths import LengthDraw
+from backends.bench_lengths import length_draw
 from backends.torch.compute import ComputeThread
 from backends.torch.engine import TorchEngine
 from backends.torch.errors import ModelLoadError
@@ -110,13 +110,7 @@ def build_engine(
         fingerprints=recipe.async_rl.handoff_checks,
         partial=rollout.partial,
         max_rows=rollout.max_rows,
-        lengths=None
-        if rollout.bench_lengths is None
-        else LengthDraw(
-            rollout.bench_lengths,
-            max_new_tokens=rollout.max_new_tokens,
-            seed=recipe.run.seed + 1000 * replica,
-        ),
+        lengths=length_draw(rollout, seed=recipe.run.seed + 1000 * replica),
     )
 
 
