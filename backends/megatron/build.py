@@ -26,7 +26,6 @@ from backends.placement import RayPlacement
 from backends.torch.build import DTYPES, build_model
 from backends.torch.compute import ComputeThread
 from backends.torch.engine import TorchEngine
-from backends.torch.errors import ModelLoadError
 from backends.torch.grpo_loss import LossConfig
 from backends.torch.sampler import Sampler
 from pipeline.errors import RecipeError
@@ -167,13 +166,11 @@ def _build(recipe: Any, *, vocab_size: int) -> tuple[Any, Any]:
 
     section, train = recipe.model, recipe.train
     seed = recipe.run.seed
-    try:
-        decoder = build_model(section, vocab_size=vocab_size, seed=seed)
-    except ModelLoadError as error:  # a missing file or an unsupported model: the user's to fix
-        raise RecipeError(f"model.path: {error}") from None
+    decoder = build_model(section, vocab_size=vocab_size, seed=seed)
     config = decoder.config
     size = train.tensor_parallel
-    check_shape(config, size)
+    if section.config is None:  # `check` did it for a config in the recipe
+        check_shape(config, size)
     device = next(decoder.parameters()).device
     parallel.initialise(tensor_parallel=size, device=device, seed=seed)
     model = build_gpt_model(config, dtype=DTYPES[section.dtype], device=device, tensor_parallel=size)

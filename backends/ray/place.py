@@ -102,7 +102,7 @@ def _place(
 
         cuda = recipe.model.device.startswith("cuda")
         world, store = rendezvous(recipe.train.tensor_parallel, "nccl" if cuda else "gloo", START_S)
-        cleanups.append(lambda: store.__class__)  # the ranks' rendezvous lives as long as they do
+        cleanups.append(lambda: store)  # holds the ranks' rendezvous until the run closes
 
     def start(options: dict[str, Any], role: str, replica: int = 0, rank: int | None = None) -> Any:
         ranked = {} if rank is None else {"world": world, "rank": rank}

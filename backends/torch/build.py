@@ -38,7 +38,10 @@ def build_model(section: ModelSection, *, vocab_size: int, seed: int) -> Decoder
     if section.path is not None:
         from backends.torch.hf import load_pretrained
 
-        _, model = load_pretrained(section.path, dtype=DTYPES[section.dtype], device=section.device)
+        try:
+            _, model = load_pretrained(section.path, dtype=DTYPES[section.dtype], device=section.device)
+        except ModelLoadError as error:  # a missing file or an unsupported model: the user's to fix
+            raise RecipeError(f"model.path: {error}") from None
         field = "model.path"
     else:
         assert section.config is not None
@@ -60,10 +63,7 @@ def build_backend(
     recipe: Any, *, vocab_size: int, stop_ids: Sequence[int]
 ) -> tuple[TorchEngine, TorchTrainer]:
     """(engine, trainer) sharing one model when `recipe.colocated`, else two copies."""
-    try:
-        model = build_model(recipe.model, vocab_size=vocab_size, seed=recipe.run.seed)
-    except ModelLoadError as error:  # a missing file or an unsupported model: the user's to fix
-        raise RecipeError(f"model.path: {error}") from None
+    model = build_model(recipe.model, vocab_size=vocab_size, seed=recipe.run.seed)
     engine_model = model if recipe.colocated else copy.deepcopy(model)
     # Colocated, engine and trainer never run at once: one thread (one OpenMP team) for both.
     trainer_thread = ComputeThread("trainer")
@@ -76,10 +76,7 @@ def build_backend(
 
 def build_trainer_alone(recipe: Any, *, vocab_size: int) -> TorchTrainer:
     """The trainer alone, on a model of its own (a Ray trainer actor, whose engines are elsewhere)."""
-    try:
-        model = build_model(recipe.model, vocab_size=vocab_size, seed=recipe.run.seed)
-    except ModelLoadError as error:
-        raise RecipeError(f"model.path: {error}") from None
+    model = build_model(recipe.model, vocab_size=vocab_size, seed=recipe.run.seed)
     return build_trainer(recipe, model, compute=ComputeThread("trainer"))
 
 
