@@ -30,6 +30,7 @@ if TYPE_CHECKING:
 _TRAIN_STAGE = (
     "batch",
     "reward/std",
+    "reward/flat_groups",
     "rollout/dropped_groups",
     "rollout/unscored_samples",
     "rollout/mean_lag",

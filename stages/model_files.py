@@ -83,6 +83,19 @@ def _trained_length(path: Path) -> int | None:
     return value if isinstance(value, int) and value > 0 else None
 
 
+def _source_generation(hf_dir: Path) -> dict[str, object]:
+    """The source directory's generation_config.json (its stop ids, sampling defaults), or {}."""
+    try:
+        generation = json.loads((hf_dir / GENERATION_CONFIG_FILE).read_text())
+    except FileNotFoundError:
+        return {}
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise RecipeError(f"{hf_dir / GENERATION_CONFIG_FILE}: cannot be read ({error})") from None
+    if not isinstance(generation, dict):
+        raise RecipeError(f"{hf_dir / GENERATION_CONFIG_FILE}: not a JSON object")
+    return generation
+
+
 def _open_checkpoint(path: Path, device: str) -> OpenedModel:
     recipe_path = path / RECIPE_FILE
     recipe = convert(yaml.safe_load(recipe_path.read_text()) or {}, Recipe, source=str(recipe_path))
@@ -127,22 +140,23 @@ def export(checkpoint: str | Path, out_dir: str | Path) -> Path:
             "Llama/Qwen2 equivalent and cannot be exported"
         )
     save_pretrained(opened.config, opened.model, out)
+    generation: dict[str, object] = {}
     if opened.hf_dir is not None:
         for name in TOKENIZER_FILES:
-            if (opened.hf_dir / name).is_file():
+            if name != GENERATION_CONFIG_FILE and (opened.hf_dir / name).is_file():
                 shutil.copyfile(opened.hf_dir / name, out / name)
+        generation = _source_generation(opened.hf_dir)
     if isinstance(opened.tokenizer, CharTokenizer):
         opened.tokenizer.save(out)
-    if not (out / GENERATION_CONFIG_FILE).exists() and opened.tokenizer is not None:
-        # transformers then stops generating where our engine does, and `generate` (ours and
-        # transformers') generates as many tokens as the run did.
-        tokenizer = opened.tokenizer
-        stop = list(tokenizer.stop_ids)
-        generation: dict[str, object] = {
-            "eos_token_id": stop[0] if len(stop) == 1 else stop,
-            "pad_token_id": tokenizer.pad_id,
-        }
-        if opened.max_new_tokens is not None:
-            generation["max_new_tokens"] = opened.max_new_tokens
+    if opened.tokenizer is not None:
+        # transformers then stops generating where our engine does.
+        stop = list(opened.tokenizer.stop_ids)
+        generation.setdefault("eos_token_id", stop[0] if len(stop) == 1 else stop)
+        generation.setdefault("pad_token_id", opened.tokenizer.pad_id)
+    if opened.max_new_tokens is not None:
+        # The run's length, not the source model's: `generate` (ours and transformers')
+        # then generates as many tokens as the run was trained to.
+        generation["max_new_tokens"] = opened.max_new_tokens
+    if generation:
         (out / GENERATION_CONFIG_FILE).write_text(json.dumps(generation, indent=2) + "\n")
     return out

@@ -2,22 +2,35 @@
 
 `rollout(batch, groups, dropped, version)` gives what the batch itself says (drops, poisoned and
 unscored samples, rewards, lag against the engine's `version`, response lengths and their
-percentiles, partial rollouts); `finish`
+percentiles, partial rollouts, groups whose rewards are all equal); `finish`
 adds, once the step's weights are published, the gate's and the stages' timings, the step's
 seconds (from the previous step's end, evaluations not charged), throughput, queue depths and
 the run's counters. Metric names are listed in `stages.metric_names`.
+
+A group whose samples all got the same reward has advantage 0 everywhere and teaches nothing; a
+run where that holds for every group, step after step, trains at loss 0 and looks healthy. After
+`FLAT_STEPS_WARNING` steps in a row with no group's rewards spread, the recorder warns once,
+naming what to check.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable, Mapping, Sequence
 from statistics import fmean
 from typing import Any
 
+from pipeline.logs import warn_once
 from pipeline.messages import Dropped, Group, Sample
 from stages.advantages import population_std
 from stages.context import RunContext
+
+log = logging.getLogger(__name__)
+
+# Long enough that a hard task's first all-zero steps pass quietly, short enough to say it
+# before a run has spent much of its time learning nothing.
+FLAT_STEPS_WARNING = 10
 
 
 class StepRecorder:
@@ -36,6 +49,7 @@ class StepRecorder:
         self.last_step_end = context.clock.source.now()
         self._response_tokens = 0  # of the batch being trained
         self._stage_timings: dict[str, float] = {}
+        self._flat_in_row = 0  # steps in a row whose every group had equal rewards
 
     def rollout(self, batch: int, groups: Sequence[Group], dropped: Sequence[Dropped]) -> dict[str, Any]:
         """The batch's own counts (its line's first fields, and an empty batch's warning); takes
@@ -56,10 +70,12 @@ class StepRecorder:
         rewards = [s.reward for s in samples if s.reward is not None]
         lags = [version - s.gen_version[0] for s in samples]
         self._response_tokens = sum(len(s.tokens) for s in samples)
+        flat = self._flat_groups(step, groups)
         return {
             "step": step,
             "reward/mean": fmean(rewards),
             "reward/std": population_std(rewards),
+            "reward/flat_groups": flat,
             **_info_means(samples),
             "rollout/max_lag": max(lags),
             "rollout/mean_lag": fmean(lags),
@@ -74,6 +90,32 @@ class StepRecorder:
             "rollout/partial_samples": sum(s.reprefilled_tokens > 0 for s in samples),
             "rollout/reprefilled_tokens": sum(s.reprefilled_tokens for s in samples),
         }
+
+    def _flat_groups(self, step: int, groups: Sequence[Group]) -> int:
+        """How many of the trained groups had one reward for all their samples; warns once when
+        every group was so for `FLAT_STEPS_WARNING` steps in a row."""
+        spreads = [
+            max(rewards) > min(rewards)
+            for rewards in (
+                [s.reward for s in g.samples if not s.poisoned and s.reward is not None] for g in groups
+            )
+            if rewards
+        ]
+        flat = spreads.count(False)
+        self._flat_in_row = 0 if any(spreads) else self._flat_in_row + 1
+        if self._flat_in_row == FLAT_STEPS_WARNING:
+            warn_once(
+                log,
+                "flat rewards",
+                "steps %d-%d learned nothing: in every group all samples got the same reward, so "
+                "every advantage was 0 (train/loss 0). Check that reward.function scores different "
+                "answers differently (a constant, or a parse that always fails?) and that samples "
+                "differ (rollout.temperature > 0, rollout.samples_per_prompt > 1); "
+                "reward/flat_groups counts such groups each step",
+                step - FLAT_STEPS_WARNING + 1,
+                step,
+            )
+        return flat
 
     def finish(
         self,

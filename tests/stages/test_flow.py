@@ -26,6 +26,7 @@ from pipeline.testing import EngineCrash, FakeEngine, FakeTime, FakeTrainer, Fau
 from pipeline.tickets import TicketBox
 from stages.program import RunSummary, run_program
 from stages.recipe import Recipe
+from stages.step_record import FLAT_STEPS_WARNING
 
 PROMPTS_PER_STEP = 2
 
@@ -453,6 +454,42 @@ async def test_non_finite_rewards_over_the_budget_stop_the_run(tmp_path: Path, f
         "2 reward failures, over reward.max_failures=1; last: NonFiniteReward: "
         "reward function returned non-finite values: {'reward': nan}"
     )
+
+
+def always_half(prompt: Any, completion: str) -> float:
+    """A reward function (`test_flow:always_half`) that cannot tell answers apart."""
+    return 0.5
+
+
+def first_character(prompt: Any, completion: str) -> float:
+    """A reward function (`test_flow:first_character`): the FakeEngine's samples of a group
+    differ in their tokens, so their rewards differ."""
+    return float(ord(completion[0])) if completion else 0.0
+
+
+async def test_a_run_whose_groups_all_have_equal_rewards_says_so_once(
+    tmp_path: Path, fake: FakeTime, caplog: pytest.LogCaptureFixture
+) -> None:
+    recipe = make_recipe(tmp_path, steps=FLAT_STEPS_WARNING + 2, reward={"function": "test_flow:always_half"})
+    await drive(recipe, FakeEngine(time=fake, latency=1.0), FakeTrainer(time=fake), fake)
+    warned = [r.getMessage() for r in caplog.records if r.name == "stages.step_record"]
+    assert warned == [
+        f"steps 1-{FLAT_STEPS_WARNING} learned nothing: in every group all samples got the same reward, "
+        "so every advantage was 0 (train/loss 0). Check that reward.function scores different answers "
+        "differently (a constant, or a parse that always fails?) and that samples differ "
+        "(rollout.temperature > 0, rollout.samples_per_prompt > 1); reward/flat_groups counts such "
+        "groups each step"
+    ]
+    assert [m["reward/flat_groups"] for m in metrics(recipe)] == [PROMPTS_PER_STEP] * (FLAT_STEPS_WARNING + 2)
+
+
+async def test_groups_whose_rewards_differ_raise_no_warning(
+    tmp_path: Path, fake: FakeTime, caplog: pytest.LogCaptureFixture
+) -> None:
+    recipe = make_recipe(tmp_path, steps=FLAT_STEPS_WARNING + 2, reward={"function": "test_flow:first_character"})
+    await drive(recipe, FakeEngine(time=fake, latency=1.0), FakeTrainer(time=fake), fake)
+    assert [r.getMessage() for r in caplog.records if r.name == "stages.step_record"] == []
+    assert {m["reward/flat_groups"] for m in metrics(recipe)} == {0}
 
 
 async def test_batches_with_nothing_to_train_on_stop_the_run(tmp_path: Path, fake: FakeTime) -> None:

@@ -10,6 +10,7 @@ from pathlib import Path
 import anyio
 import pytest
 import torch
+import yaml
 from transformers import (
     AutoModelForCausalLM,
     MistralConfig,
@@ -87,6 +88,30 @@ def test_export_loads_in_transformers_and_generates_our_tokens(hf_run: Path, tmp
     new = theirs[0, ids.shape[1] :].tolist()
     assert ours.tokens and ours.tokens == new[: len(ours.tokens)]
     assert ours.finish_reason == "stop" or len(ours.tokens) == len(new) == 12
+
+
+def test_export_writes_the_runs_length_over_the_source_models(tiny_qwen2_run, tmp_path: Path) -> None:
+    """The source's generation_config.json is kept (its stop ids, its sampling defaults), with the
+    run's `rollout.max_new_tokens` in place of the source model's."""
+    recipe, run_dir = tiny_qwen2_run
+    source = tmp_path / "model"
+    shutil.copytree(recipe.model.path, source)
+    eos = json.loads((source / "generation_config.json").read_text())["eos_token_id"]
+    (source / "generation_config.json").write_text(
+        json.dumps({"eos_token_id": eos, "max_new_tokens": 2048, "temperature": 0.7})
+    )
+    checkpoint = tmp_path / "checkpoint"
+    shutil.copytree(_checkpoint(run_dir), checkpoint)
+    saved = yaml.safe_load((checkpoint / "recipe.yaml").read_text())
+    saved["model"]["path"] = str(source)
+    (checkpoint / "recipe.yaml").write_text(yaml.safe_dump(saved))
+    out = export(checkpoint, tmp_path / "exported")
+    assert json.loads((out / "generation_config.json").read_text()) == {
+        "eos_token_id": eos,
+        "max_new_tokens": recipe.rollout.max_new_tokens,
+        "temperature": 0.7,
+        "pad_token_id": open_model(checkpoint).tokenizer.pad_id,
+    }
 
 
 def test_export_refuses_a_directory_with_a_model(tiny_qwen2_run, tmp_path: Path) -> None:
