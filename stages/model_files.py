@@ -5,8 +5,9 @@ is the state dict) and `recipe.yaml`, whose `model` section gives the shape (`co
 Hugging Face directory the run started from (`path`, read again for its config.json and its
 tokenizer). `export` writes what `transformers` loads: config.json, model.safetensors, and the
 tokenizer files of that directory (or, for a character-tokenizer run, its alphabet in
-char_tokenizer.json and a generation_config.json with its end-of-sequence id), into a new or
-empty directory.
+char_tokenizer.json), and a generation_config.json: the source directory's where it has one
+(its stop ids, its sampling defaults), else one with the tokenizer's end-of-sequence and pad
+ids, and either way the run's `rollout.max_new_tokens`. All into a new or empty directory.
 
 Used by the `export` and `generate` commands; it imports torch, so the CLI imports it lazily.
 """
