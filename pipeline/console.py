@@ -6,7 +6,10 @@ reward, loss, lag, tokens/s, ETA, queue depths, gate state), with a permanent li
 a file): the same permanent lines, plain, and nothing redrawn.
 
 The status line is cut to the terminal's width: a line that wraps cannot be erased by `\r`,
-and each redraw would leave a copy behind. The ETA is the steps left times the median of the
+and each redraw would leave a copy behind. Permanent lines (and log records printed above the
+status line) are wrapped to it instead, between fields where they can be, the rest indented, so
+nothing is lost and nothing is left to the terminal to break mid-figure; where the width is
+unknown (not a terminal, no `COLUMNS`) it is 80. The ETA is the steps left times the median of the
 last steps' durations, so the slow first steps (and an evaluation's step) do not inflate it.
 """
 
@@ -42,6 +45,28 @@ def _duration(seconds: float) -> str:
     if seconds >= 60:
         return f"{seconds // 60}m{seconds % 60:02d}s"
     return f"{seconds}s"
+
+
+_INDENT = "    "  # a wrapped line's continuation
+
+
+def _wrap(text: str, width: int) -> list[str]:
+    """`text` as lines of at most `width` columns: broken after a whole field (fields are two
+    spaces apart) where one ends in the line's second half, else at a space, else anywhere."""
+    lines: list[str] = []
+    for physical in text.splitlines() or [""]:
+        rest, prefix = physical, ""
+        while len(prefix) + len(rest) > width:
+            room = max(width - len(prefix), 1)
+            cut = rest.rfind("  ", 0, room + 1)
+            if cut < room // 2:
+                cut = rest.rfind(" ", 0, room + 1)
+            if cut <= 0:
+                cut = room
+            lines.append(prefix + rest[:cut].rstrip())
+            rest, prefix = rest[cut:].lstrip(), _INDENT
+        lines.append(prefix + rest)
+    return lines
 
 
 def _fit(text: str, width: int) -> str:
@@ -113,10 +138,10 @@ class Console:
             await anyio.sleep(period)
 
     def line(self, text: str) -> None:
-        """A permanent line (above the status line when live)."""
+        """A permanent line (above the status line when live), wrapped to the width."""
         with self._writing:
             self._clear()
-            self.stream.write(text + "\n")
+            self.stream.write("".join(line + "\n" for line in _wrap(text, max(self.width(), 1))))
             self._redraw()
 
     def close(self) -> None:

@@ -342,6 +342,20 @@ def test_the_status_line_fits_the_terminal_so_a_redraw_leaves_no_copy() -> None:
     assert drawn[-1] == "step 5/40  reward 0.500  loss +0.0100"  # whole fields only
 
 
+def test_permanent_lines_wrap_between_fields_within_the_width() -> None:
+    out = io.StringIO()
+    console = Console(1000, stream=out, log_every=1, now=lambda: 0.0, width=lambda: 60)
+    figures = {"throughput/tokens_per_s_per_gpu": 1234567.0, "timing/step_s": 0.25, "queue/scored": 3}
+    console.record(record(1000, **figures))
+    console.line("INFO    stages.gates: gate passed: at(eval/reward, step 80) = 0.998046875 (needs >= 0.9)")
+    assert out.getvalue().splitlines() == [
+        "step 1000/1000  reward 0.500  loss +0.0100  lag 1",
+        "    tok/s 1,234,567  s/step 0.250  queues scored 3",
+        "INFO    stages.gates: gate passed: at(eval/reward, step 80)",
+        "    = 0.998046875 (needs >= 0.9)",
+    ]
+
+
 def test_the_eta_follows_the_recent_steps_not_the_slow_first_ones() -> None:
     out = io.StringIO()
     times = iter([0.0, 30.0, 60.0, *(60.0 + i for i in range(1, 9))])  # two 30 s steps, then 1 s
