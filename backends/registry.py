@@ -17,6 +17,10 @@ pre-flight checks of `validate` and `run` call it). Its recipe sections
 live beside it (`backends/torch/section.py`). Importing this module imports no backend, so
 `pipeline/` and `stages/` stay free of torch until a run builds one. To add a backend, add its
 name to `BackendName` and its module to `BACKENDS`.
+
+Every backend runs on torch, and torch must come up through `backends.torch.runtime.load`
+(which sets how OpenMP's threads wait before libgomp reads it, and opens libtorch without the
+GIL): a backend module imports torch at its top, so each is imported only after `load`.
 """
 
 from __future__ import annotations
@@ -33,10 +37,17 @@ BACKENDS: dict[str, str] = {"torch": "backends.torch.build", "megatron": "backen
 assert set(BACKENDS) == set(get_args(BackendName)), "a backend named in one place only"
 
 
+def _module(name: str) -> Any:
+    from backends.torch.runtime import load
+
+    load()  # before the backend's own `import torch`, which would bring torch up unprepared
+    return importlib.import_module(BACKENDS[name])
+
+
 def check(recipe: Any) -> None:
     """The recipe refusals of the backend `recipe.train.backend` names (its module's `check`, if
     it has one), without building anything: `validate` runs them as `run` does."""
-    module = importlib.import_module(BACKENDS[recipe.train.backend])
+    module = _module(recipe.train.backend)
     if (refuse := getattr(module, "check", None)) is not None:
         refuse(recipe)
 
@@ -44,13 +55,13 @@ def check(recipe: Any) -> None:
 def build_trainer_alone(recipe: Any, *, vocab_size: int) -> Trainer:
     """The trainer alone, of the backend `recipe.train.backend` names: this process's rank of it,
     where its engines run elsewhere (a Ray trainer actor)."""
-    module = importlib.import_module(BACKENDS[recipe.train.backend])
+    module = _module(recipe.train.backend)
     trainer: Trainer = module.build_trainer_alone(recipe, vocab_size=vocab_size)
     return trainer
 
 
 def build_backend(recipe: Any, *, vocab_size: int, stop_ids: Sequence[int]) -> tuple[Engine, Trainer]:
     """The (engine, trainer) pair of the backend `recipe.train.backend` names."""
-    module = importlib.import_module(BACKENDS[recipe.train.backend])
+    module = _module(recipe.train.backend)
     engine, trainer = module.build_backend(recipe, vocab_size=vocab_size, stop_ids=stop_ids)
     return engine, trainer

@@ -1,5 +1,6 @@
 """How torch's native runtime comes up in this process: `load()` before the first `import torch`
-(the pipeline calls it on a worker thread, first thing).
+(`backends.registry` calls it before it imports a backend module, all of which import torch;
+the pipeline does so on a worker thread).
 
 - How long OpenMP's waiting threads spin. libgomp, which torch's CPU build uses, lets a thread
   that finished its share of a parallel region spin for the next one (300,000 rounds by

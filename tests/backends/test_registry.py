@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -14,6 +17,8 @@ from backends.torch.section import ModelSection
 from backends.torch.trainer import TorchTrainer
 from pipeline.errors import RecipeError
 from stages.recipe import Recipe
+
+ROOT = Path(__file__).parents[2]
 
 
 def test_the_default_backend_builds_the_torch_engine_and_trainer_sharing_one_model() -> None:
@@ -35,3 +40,20 @@ def test_a_model_directory_the_backend_cannot_load_is_a_model_path_error(tmp_pat
     assert str(raised.value) == (
         f"model.path: {tmp_path}: missing model.safetensors (and no model.safetensors.index.json)"
     )
+
+
+def test_a_backend_module_is_imported_only_after_torch_came_up_prepared() -> None:
+    """A backend module imports torch at its top: imported before `runtime.load`, torch comes up
+    with OpenMP's default spinning (which beside other busy processes made the quickstart's
+    steps 8x slower) and libtorch opened under the GIL. `check` is the first thing `validate`
+    and `run` ask of the registry."""
+    program = (
+        "import os, sys; import pipeline; from backends import registry; "
+        "registry.check(pipeline.load_recipe('recipes/quickstart.yaml')); "
+        "print(os.environ.get('GOMP_SPINCOUNT'), 'torch' in sys.modules)"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
+    done = subprocess.run(
+        [sys.executable, "-c", program], cwd=ROOT, env=env, capture_output=True, text=True, check=True
+    )
+    assert done.stdout.split() == ["1000", "True"]
