@@ -26,10 +26,13 @@ GIL): a backend module imports torch at its top, so each is imported only after 
 from __future__ import annotations
 
 import importlib
+import logging
 from collections.abc import Sequence
 from typing import Any, Literal, get_args
 
 from pipeline.protocols import Engine, Trainer
+
+log = logging.getLogger(__name__)
 
 BackendName = Literal["torch", "megatron"]  # what the recipe's `train.backend` accepts
 
@@ -63,5 +66,10 @@ def build_trainer_alone(recipe: Any, *, vocab_size: int) -> Trainer:
 def build_backend(recipe: Any, *, vocab_size: int, stop_ids: Sequence[int]) -> tuple[Engine, Trainer]:
     """The (engine, trainer) pair of the backend `recipe.train.backend` names."""
     module = _module(recipe.train.backend)
+    log.info(
+        "building the model, its engine and its trainer (train.backend %s, model.device %s)",
+        recipe.train.backend,
+        recipe.model.device,
+    )
     engine, trainer = module.build_backend(recipe, vocab_size=vocab_size, stop_ids=stop_ids)
     return engine, trainer

@@ -29,7 +29,7 @@ RECIPE = "recipes/quickstart.yaml"
 GOAL_MS = 50.0
 
 HOST = """
-import asyncio, json, os, sys, time
+import asyncio, json, logging, os, sys, time
 if sys.argv[2] == "torch-first":
     import torch
 import pipeline
@@ -40,9 +40,30 @@ try:
 except PermissionError:
     niced = False
 
+class Phases(logging.Handler):
+    """The pipeline's info lines (what it is doing: loading torch, building the model, ...) and
+    when they came, so that each stall can be put in its phase."""
+
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.seen = []
+
+    def emit(self, record):
+        if record.name.partition(".")[0] in ("pipeline", "stages", "backends"):
+            self.seen.append((time.perf_counter() - start, record.getMessage()))
+
+phases = Phases()
+logging.getLogger().addHandler(phases)
+logging.getLogger().setLevel(logging.INFO)
+start = time.perf_counter()
+
+def phase_at(at):
+    before = [message for seen, message in phases.seen if seen <= at]
+    return before[-1] if before else "before the first line"
+
 async def main(run_dir, overrides):
+    global start
     stalls, done = [], False
-    start = time.perf_counter()
 
     async def heartbeat():
         last = time.perf_counter()
@@ -62,7 +83,9 @@ async def main(run_dir, overrides):
     worst = sorted(stalls, reverse=True)[:5]
     print(json.dumps({
         "steps": summary.steps_done, "niced": niced, "run_s": time.perf_counter() - start,
-        "worst": [{"stall_ms": round(gap * 1000, 1), "at_s": round(at, 2)} for gap, at in worst],
+        "worst": [{"stall_ms": round(gap * 1000, 1), "at_s": round(at, 2), "after": phase_at(at - gap)}
+                  for gap, at in worst],
+        "phases": [[round(at, 2), message[:60]] for at, message in phases.seen if "gate" not in message],
         "over_50_ms": sum(gap > 0.05 for gap, _ in stalls),
     }))
 

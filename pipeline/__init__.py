@@ -11,6 +11,7 @@ Importing this package imports no torch, ray or megatron: the compute is loaded 
 from __future__ import annotations
 
 import importlib
+import logging
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -42,6 +43,8 @@ async def run(recipe: Recipe, **options: Any) -> RunSummary:
     import anyio
 
     from pipeline.startup import start_up
+
+    logging.getLogger("pipeline").info("starting a run of %d steps in %s", recipe.run.steps, recipe.run.dir)
 
     # The stages' modules are imported off the event loop: the host keeps its turns.
     with start_up():

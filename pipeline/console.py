@@ -142,6 +142,8 @@ class Console:
         with self._writing:
             self._clear()
             self.stream.write("".join(line + "\n" for line in _wrap(text, max(self.width(), 1))))
+            if not self.live:
+                self.stream.flush()  # a pipe or a file sees each line as it is made, not in bursts
             self._redraw()
 
     def close(self) -> None:

@@ -134,6 +134,7 @@ class TrainStage:
         watchdog, trace = self.context.watchdog, self.context.trace
         try:
             if self.evaluation is not None and self.progress.steps_done == 0:
+                log.info("evaluating the starting weights on the held-out prompts")
                 await self._evaluate(0)
             while True:
                 waiting_since = self.clock.source.now()

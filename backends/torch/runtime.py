@@ -22,9 +22,12 @@ from __future__ import annotations
 
 import ctypes
 import importlib.util
+import logging
 import os
 import sys
 from pathlib import Path
+
+log = logging.getLogger(__name__)
 
 
 def load() -> None:
@@ -33,6 +36,7 @@ def load() -> None:
     With torch already imported (by the host application, or an earlier call) it does nothing."""
     if "torch" in sys.modules:
         return
+    log.info("loading torch")  # seconds on a small machine, before anything else can show
     if "OMP_WAIT_POLICY" not in os.environ:
         os.environ.setdefault("GOMP_SPINCOUNT", "1000")
     if sys.platform.startswith("linux"):
