@@ -40,9 +40,9 @@ try:
 except PermissionError:
     niced = False
 
+# The pipeline's info lines (what it is doing: loading torch, building the model, ...) and when
+# they came, so that each stall can be put in its phase.
 class Phases(logging.Handler):
-    """The pipeline's info lines (what it is doing: loading torch, building the model, ...) and
-    when they came, so that each stall can be put in its phase."""
 
     def __init__(self):
         super().__init__(logging.INFO)

@@ -40,13 +40,18 @@ async def run(recipe: Recipe, **options: Any) -> RunSummary:
     Cancelling the awaiting task stops the pipeline and leaves no task running. Pass
     `stop=StopRequest()` to ask for a clean stop (admission closes, in-flight work drains).
     """
-    import anyio
+    import asyncio
 
     from pipeline.startup import start_up
 
     logging.getLogger("pipeline").info("starting a run of %d steps in %s", recipe.run.steps, recipe.run.dir)
 
-    # The stages' modules are imported off the event loop: the host keeps its turns.
+    def load() -> Any:
+        # anyio imports its asyncio backend at its first use, a tenth of a second of imports:
+        # here, with the stages' modules, off the event loop, so the host keeps its turns.
+        importlib.import_module("anyio._backends._asyncio")
+        return importlib.import_module("stages.program")
+
     with start_up():
-        program = await anyio.to_thread.run_sync(importlib.import_module, "stages.program")
+        program = await asyncio.to_thread(load)
     return await program.run_program(recipe, **options)

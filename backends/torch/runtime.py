@@ -15,7 +15,9 @@ the pipeline does so on a worker thread).
   here), and Python holds the GIL through an extension module's `dlopen`, so even an import on a
   worker thread froze the event loop for that long. The libraries are opened first through a
   foreign call (ctypes releases the GIL around it) with the flags torch itself uses: its global
-  dependencies `RTLD_GLOBAL`, libtorch_cpu local. torch's own import then finds them loaded.
+  dependencies `RTLD_GLOBAL`, libtorch_cpu and libtorch_python (which `torch._C` links) local.
+  torch's own import then finds them loaded; what is left under the GIL is `torch._C`'s
+  initialisation itself.
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ def _open_libraries() -> None:
     for name, flags in (
         ("libtorch_global_deps.so", os.RTLD_NOW | os.RTLD_GLOBAL),
         ("libtorch_cpu.so", os.RTLD_NOW | os.RTLD_LOCAL),
+        ("libtorch_python.so", os.RTLD_NOW | os.RTLD_LOCAL),  # torch._C's own library, beside it
     ):
         # A library that does not open here (another layout) is left to torch's own import.
         if (lib / name).is_file():
