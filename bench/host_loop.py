@@ -11,7 +11,11 @@ beside its figures. Written: the worst stalls of each run with the seconds since
 at which they ended, and, over all runs, the worst and the count above 50 ms (section
 `host_loop` of bench/results-cpu.json; the file's other sections are kept).
 
-    python -m bench.host_loop [--rounds 3] [--steps 8] [key.path=value ...]
+    python -m bench.host_loop [--rounds 3] [--steps 8] [--baseline DIR] [key.path=value ...]
+
+`--baseline DIR` (a checkout of other code, e.g. `git worktree add /tmp/before COMMIT`) runs the
+same hosts from DIR too, in turn with this checkout's in each round, for a before/after figure
+on the same machine at the same time.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -95,20 +100,30 @@ asyncio.run(main(sys.argv[1], json.loads(sys.argv[4])))
 HOSTS = ("torch-first", "pipeline-only")
 
 
-def one_run(host: str, overrides: list[str]) -> dict[str, Any]:
+def one_run(host: str, overrides: list[str], checkout: Path) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         command = [sys.executable, "-c", HOST, str(Path(tmp) / "run"), host, RECIPE, json.dumps(overrides)]
         load = os.getloadavg()[0]
-        done = subprocess.run(command, capture_output=True, text=True, check=False)
+        # `-c` puts the working directory first on the path: the checkout's pipeline is the one run.
+        done = subprocess.run(command, capture_output=True, text=True, check=False, cwd=checkout)
         if done.returncode != 0:
             raise RuntimeError(f"the {host} host exited {done.returncode}:\n{done.stderr}")
     return {"load": load, **json.loads(done.stdout.splitlines()[-1])}
+
+
+def _commit(path: Path) -> str:
+    done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=path, capture_output=True, text=True)
+    dirty = subprocess.run(
+        ["git", "status", "--porcelain", "--untracked-files=no"], cwd=path, capture_output=True, text=True
+    )
+    return done.stdout.strip() + ("+changes" if dirty.stdout.strip() else "")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--baseline", type=Path, help="another checkout, run in turn with this one")
     parser.add_argument("--out", default="bench/results-cpu.json")
     parser.add_argument("overrides", nargs="*", help="recipe overrides applied to every run")
     args = parser.parse_args()
@@ -116,22 +131,32 @@ def main() -> None:
         f"run.steps={args.steps}", "eval.every_steps=4", "eval.num_prompts=64", "checkpoint.every_steps=4",
         "run.plot=true", *args.overrides,
     ]  # fmt: skip
+    here = Path(__file__).resolve().parents[1]
+    checkouts = {"this": here, **({"baseline": args.baseline.resolve()} if args.baseline else {})}
+    hosts = [f"{host}@{name}" for name in checkouts for host in HOSTS]
     rounds = []
     for index in range(args.rounds):
-        order = HOSTS if index % 2 == 0 else HOSTS[::-1]
-        result = {host: one_run(host, overrides) for host in order}
+        order = hosts if index % 2 == 0 else hosts[::-1]
+        result = {}
+        for key in order:
+            host, _, name = key.partition("@")
+            result[key] = one_run(host, overrides, checkouts[name])
         print(f"round {index + 1}", json.dumps(result), flush=True)
         rounds.append(result)
-    runs = [r[host] for r in rounds for host in HOSTS]
+    runs = [r[key] for r in rounds for key in hosts]
     summary = {
         "recipe": RECIPE,
         "overrides": overrides,
         "command": " ".join(["python -m bench.host_loop", *sys.argv[1:]]),
+        "checkouts": {name: _commit(path) for name, path in checkouts.items()},
         "goal_ms": GOAL_MS,
         "rounds": rounds,
-        "worst_ms": {host: max(r[host]["worst"][0]["stall_ms"] for r in rounds) for host in HOSTS},
-        "runs_over_goal": sum(r["over_50_ms"] > 0 for r in runs),
-        "runs": len(runs),
+        "worst_ms": {key: max(r[key]["worst"][0]["stall_ms"] for r in rounds) for key in hosts},
+        "median_worst_ms": {
+            key: statistics.median(r[key]["worst"][0]["stall_ms"] for r in rounds) for key in hosts
+        },
+        "runs_over_goal": {key: sum(r[key]["over_50_ms"] > 0 for r in rounds) for key in hosts},
+        "runs": args.rounds,
         "load_range": [min(r["load"] for r in runs), max(r["load"] for r in runs)],
     }
     out = Path(args.out)

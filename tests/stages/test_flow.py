@@ -486,7 +486,9 @@ async def test_a_run_whose_groups_all_have_equal_rewards_says_so_once(
 async def test_groups_whose_rewards_differ_raise_no_warning(
     tmp_path: Path, fake: FakeTime, caplog: pytest.LogCaptureFixture
 ) -> None:
-    recipe = make_recipe(tmp_path, steps=FLAT_STEPS_WARNING + 2, reward={"function": "test_flow:first_character"})
+    recipe = make_recipe(
+        tmp_path, steps=FLAT_STEPS_WARNING + 2, reward={"function": "test_flow:first_character"}
+    )
     await drive(recipe, FakeEngine(time=fake, latency=1.0), FakeTrainer(time=fake), fake)
     assert [r.getMessage() for r in caplog.records if r.name == "stages.step_record"] == []
     assert {m["reward/flat_groups"] for m in metrics(recipe)} == {0}
