@@ -8,6 +8,13 @@ from pathlib import Path
 import pytest
 import uvloop
 
+from backends.torch.runtime import load
+
+# torch comes up here as a run brings it up (OpenMP's threads spin briefly, then sleep), before
+# any test module imports it: with the default spinning, the in-process runs' two threads were
+# many times slower on a machine loaded by other work.
+load()
+
 
 def pytest_asyncio_loop_factories(config, item):
     return {"asyncio": asyncio.new_event_loop, "uvloop": uvloop.new_event_loop}

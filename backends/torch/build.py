@@ -4,12 +4,14 @@ colocated (one model, one compute thread) or not."""
 from __future__ import annotations
 
 import copy
+import logging
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from backends.bench_lengths import length_draw
+from backends.torch import runtime
 from backends.torch.compute import ComputeThread
 from backends.torch.engine import TorchEngine
 from backends.torch.errors import ModelLoadError
@@ -19,6 +21,9 @@ from backends.torch.sampler import Sampler
 from backends.torch.section import ModelSection
 from backends.torch.trainer import TorchTrainer
 from pipeline.errors import RecipeError
+from pipeline.logs import warn_once
+
+log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -35,6 +40,15 @@ def check(recipe: Any) -> None:
 def build_model(section: ModelSection, *, vocab_size: int, seed: int) -> Decoder:
     if section.threads:
         torch.set_num_threads(section.threads)
+    if section.device == "cpu" and torch.get_num_threads() > 1 and runtime.spins_by_default():
+        warn_once(
+            log,
+            "spinning",
+            "torch was imported before the pipeline with OpenMP's default spinning: beside other "
+            "busy processes its %d threads can make steps many times slower; set GOMP_SPINCOUNT=1000 "
+            "in the environment before importing torch (or model.threads: 1)",
+            torch.get_num_threads(),
+        )
     if section.path is not None:
         from backends.torch.hf import load_pretrained
 

@@ -32,12 +32,17 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 
+_loaded_here = False  # whether `load` brought torch up (else the host did, before it)
+
+
 def load() -> None:
     """Set how long OpenMP's threads spin, open libtorch without the GIL, then import torch.
 
     With torch already imported (by the host application, or an earlier call) it does nothing."""
+    global _loaded_here
     if "torch" in sys.modules:
         return
+    _loaded_here = True
     log.info("loading torch")  # seconds on a small machine, before anything else can show
     if "OMP_WAIT_POLICY" not in os.environ:
         os.environ.setdefault("GOMP_SPINCOUNT", "1000")
@@ -62,3 +67,9 @@ def _open_libraries() -> None:
         # A library that does not open here (another layout) is left to torch's own import.
         if (lib / name).is_file():
             dlopen(str(lib / name).encode(), flags)
+
+
+def spins_by_default() -> bool:
+    """Whether torch came up (before `load`, in the host application) with OpenMP's default
+    spinning: neither variable set, so its waiting threads spin 300,000 rounds."""
+    return not _loaded_here and "GOMP_SPINCOUNT" not in os.environ and "OMP_WAIT_POLICY" not in os.environ

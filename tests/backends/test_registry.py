@@ -57,3 +57,22 @@ def test_a_backend_module_is_imported_only_after_torch_came_up_prepared() -> Non
         [sys.executable, "-c", program], cwd=ROOT, env=env, capture_output=True, text=True, check=True
     )
     assert done.stdout.split() == ["1000", "True"]
+
+
+def test_a_host_that_imported_torch_with_default_spinning_is_told_how_to_fix_it() -> None:
+    """torch reads how its threads wait once, as it loads: a host that imported it first cannot
+    be fixed from here, so the build says what to do (once), for a CPU model of several threads."""
+    program = (
+        "import torch, msgspec; from backends.registry import build_backend; from stages.recipe import Recipe; "
+        "recipe = Recipe(); recipe = msgspec.structs.replace(recipe, model=msgspec.structs.replace(recipe.model, threads=2)); "
+        "build_backend(recipe, vocab_size=16, stop_ids=(1,))[1].close()"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
+    done = subprocess.run(
+        [sys.executable, "-c", program], cwd=ROOT, env=env, capture_output=True, text=True, check=True
+    )
+    assert done.stderr.splitlines() == [
+        "torch was imported before the pipeline with OpenMP's default spinning: beside other busy "
+        "processes its 2 threads can make steps many times slower; set GOMP_SPINCOUNT=1000 in the "
+        "environment before importing torch (or model.threads: 1)"
+    ]
