@@ -4,7 +4,8 @@ A host process (a fresh interpreter per run) beats a heartbeat every 5 ms on its
 and awaits `pipeline.run` on a short quickstart (evaluations, checkpoints and the report's PNG
 included), from `load_recipe` to the end; every gap between beats past the 5 ms asked for is
 a stall, the pipeline's or the machine's. Each round runs two hosts in turn: one that imported
-torch itself before the run (its import is then not the pipeline's) and one that did not. The
+torch itself before the run (its import is then not the pipeline's; with `GOMP_SPINCOUNT=1000`,
+as the pipeline's warning tells such a host) and one that did not. The
 host asks for a higher priority where it may (`nice -10`, as root), so that on a shared machine
 the scheduler's own delays read less as the pipeline's stalls; whether it got it is written
 beside its figures. Written: the worst stalls of each run with the seconds since the run began
@@ -36,6 +37,7 @@ GOAL_MS = 50.0
 HOST = """
 import asyncio, json, logging, os, sys, time
 if sys.argv[2] == "torch-first":
+    os.environ.setdefault("GOMP_SPINCOUNT", "1000")  # what the pipeline tells such a host to do
     import torch
 import pipeline
 
