@@ -32,7 +32,7 @@ from typing import Any, Literal, get_args
 
 from pipeline.protocols import Engine, Trainer
 
-log = logging.getLogger(__name__)
+_say = logging.getLogger("pipeline.startup").info  # the run's start-up narration (pipeline/startup.py)
 
 BackendName = Literal["torch", "megatron"]  # what the recipe's `train.backend` accepts
 
@@ -66,8 +66,8 @@ def build_trainer_alone(recipe: Any, *, vocab_size: int) -> Trainer:
 def build_backend(recipe: Any, *, vocab_size: int, stop_ids: Sequence[int]) -> tuple[Engine, Trainer]:
     """The (engine, trainer) pair of the backend `recipe.train.backend` names."""
     module = _module(recipe.train.backend)
-    log.info(
-        "building the model, its engine and its trainer (train.backend %s, model.device %s)",
+    _say(
+        "building the model (train.backend %s, model.device %s)",
         recipe.train.backend,
         recipe.model.device,
     )

@@ -11,7 +11,6 @@ Importing this package imports no torch, ray or megatron: the compute is loaded 
 from __future__ import annotations
 
 import importlib
-import logging
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -42,9 +41,9 @@ async def run(recipe: Recipe, **options: Any) -> RunSummary:
     """
     import asyncio
 
-    from pipeline.startup import start_up
+    from pipeline.startup import say, start_up
 
-    logging.getLogger("pipeline").info("starting a run of %d steps in %s", recipe.run.steps, recipe.run.dir)
+    say("starting a run of %d steps in %s", recipe.run.steps, recipe.run.dir)
 
     def load() -> Any:
         # anyio imports its asyncio backend at its first use, a tenth of a second of imports:

@@ -10,6 +10,7 @@ once).
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import signal
 import sys
@@ -122,13 +123,21 @@ def _run(args: argparse.Namespace) -> int:
     if args.quiet:
         os.environ["WANDB_SILENT"] = "true"  # wandb prints its own banner and summary otherwise
     console = None
+    narration = logging.getLogger(logs.NARRATION)
+    told = None
     if not args.quiet and recipe.run.progress:
         console = Console(recipe.run.steps, log_every=recipe.run.log_every_steps)
         if console.live:
             logs.setup(args.log_level, ConsoleHandler(console))
+        else:  # what start-up is doing goes with the console's lines, not to stderr
+            told = ConsoleHandler(console)
+            told.setFormatter(logging.Formatter("%(asctime)s %(message)s", logs.DATE_FORMAT))
+            narration.addHandler(told)
     try:
         summary = anyio.run(_run_task, recipe, console, backend_options={"use_uvloop": True})
     finally:
+        if told is not None:
+            narration.removeHandler(told)
         if console is not None and console.live:
             logs.setup(args.log_level)  # the status line is gone: plain log lines again
     state = "stopped" if summary.stopped else "finished"

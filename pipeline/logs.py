@@ -17,11 +17,15 @@ DATE_FORMAT = "%H:%M:%S"
 
 _warned: set[tuple[str, str]] = set()
 OWN_LOGGERS = ("pipeline", "stages", "backends", "bench")
+NARRATION = "pipeline.startup"  # what start-up is doing: pipeline/startup.py
 
 
 def setup(level: str = "INFO", handler: logging.Handler | None = None) -> None:
-    """Route every record at `level` and above through `handler` (stderr by default)."""
-    handler = handler or logging.StreamHandler(sys.stderr)
+    """Route every record at `level` and above through `handler` (stderr by default; start-up's
+    narration, `pipeline.startup`, is the console's to show and never reaches stderr)."""
+    if handler is None:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.addFilter(lambda record: record.name != NARRATION)
     handler.setFormatter(logging.Formatter(FORMAT, DATE_FORMAT))
     root = logging.getLogger()
     for old in list(root.handlers):

@@ -6,7 +6,6 @@ title line per run (steps, time, final rewards). Needs matplotlib (`pip install 
 
 from __future__ import annotations
 
-import logging
 import os
 import sys
 from collections.abc import Sequence
@@ -208,7 +207,9 @@ async def draw_apart(run_dir: Path) -> str | None:
     """
     import anyio
 
-    logging.getLogger(__name__).info("drawing %s", run_dir / "report.png")  # seconds: matplotlib loads
+    from pipeline.startup import say
+
+    say("drawing %s", run_dir / "report.png")  # seconds: matplotlib loads in the child
     here = str(Path(__file__).resolve().parents[1])  # the child imports this very package
     path = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)
     done = await anyio.run_process(

@@ -27,6 +27,7 @@ from pipeline.gate import EngineGate
 from pipeline.messages import Dropped, Group, TrainGroup, TrainSample
 from pipeline.protocols import Trainer
 from pipeline.recipe import NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, Section
+from pipeline.startup import say
 from pipeline.tickets import Ticket, TicketBox
 from stages.advantages import leave_one_out
 from stages.batch_assembly import BatchAssembler
@@ -134,7 +135,7 @@ class TrainStage:
         watchdog, trace = self.context.watchdog, self.context.trace
         try:
             if self.evaluation is not None and self.progress.steps_done == 0:
-                log.info("evaluating the starting weights on the held-out prompts")
+                say("evaluating the starting weights on the held-out prompts")
                 await self._evaluate(0)
             while True:
                 waiting_since = self.clock.source.now()

@@ -42,6 +42,7 @@ from pipeline.errors import PipelineError
 from stages.metric_names import PLACEMENT_COUNTERS
 
 log = logging.getLogger("backends.ray.place")
+_say = logging.getLogger("pipeline.startup").info  # the run's start-up narration (pipeline/startup.py)
 
 START_S = 600.0  # for the actors to come up (importing torch, building the model)
 _Part = ray.remote(BackendPart)
@@ -57,7 +58,10 @@ def place_on_ray(recipe: Any, *, vocab_size: int, stop_ids: Sequence[int]) -> Pl
         os.environ.setdefault("RAY_worker_niceness", "0")
         # "local": a runtime of its own even where another runs (Ray would join the newest).
         address = section.address or "local"
-        log.info("starting Ray (placement.address %s)", address if section.address else "unset: a runtime of its own")
+        _say(
+            "starting Ray (placement.address %s)",
+            address if section.address else "unset: a runtime of its own",
+        )
         ray.init(address=address, include_dashboard=False, logging_level=logging.WARNING)
     cleanups: list[Callable[[], None]] = []
 
@@ -82,7 +86,7 @@ def _place(
     cleanups: list[Callable[[], None]],
     close: Callable[[], None],
 ) -> Placed:
-    log.info("starting the actors (each loads torch and builds its part of the model)")
+    _say("starting the actors (each loads torch and builds its part of the model)")
     counts: Counter[str] = Counter()
     build = {"vocab_size": vocab_size, "stop_ids": tuple(stop_ids)}
     trainer_options = _options(section.trainer_cpus, gpus(recipe, "trainer"), section.trainer_resources)

@@ -21,9 +21,9 @@ from backends.torch.sampler import Sampler
 from backends.torch.section import ModelSection
 from backends.torch.trainer import TorchTrainer
 from pipeline.errors import RecipeError
-from pipeline.logs import warn_once
 
 log = logging.getLogger(__name__)
+_told_spinning = False
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -40,10 +40,15 @@ def check(recipe: Any) -> None:
 def build_model(section: ModelSection, *, vocab_size: int, seed: int) -> Decoder:
     if section.threads:
         torch.set_num_threads(section.threads)
-    if section.device == "cpu" and torch.get_num_threads() > 1 and runtime.spins_by_default():
-        warn_once(
-            log,
-            "spinning",
+    global _told_spinning
+    if (
+        section.device == "cpu"
+        and torch.get_num_threads() > 1
+        and runtime.spins_by_default()
+        and not _told_spinning
+    ):
+        _told_spinning = True  # once a process: nothing a later run does changes it
+        log.warning(
             "torch was imported before the pipeline with OpenMP's default spinning: beside other "
             "busy processes its %d threads can make steps many times slower; set GOMP_SPINCOUNT=1000 "
             "in the environment before importing torch (or model.threads: 1)",

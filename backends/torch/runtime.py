@@ -29,7 +29,9 @@ import os
 import sys
 from pathlib import Path
 
-log = logging.getLogger(__name__)
+# The pipeline's start-up narration (pipeline/startup.py), named, not imported: a backend
+# imports nothing of the pipeline.
+_say = logging.getLogger("pipeline.startup").info
 
 
 _loaded_here = False  # whether `load` brought torch up (else the host did, before it)
@@ -43,7 +45,7 @@ def load() -> None:
     if "torch" in sys.modules:
         return
     _loaded_here = True
-    log.info("loading torch")  # seconds on a small machine, before anything else can show
+    _say("loading torch")
     if "OMP_WAIT_POLICY" not in os.environ:
         os.environ.setdefault("GOMP_SPINCOUNT", "1000")
     if sys.platform.startswith("linux"):

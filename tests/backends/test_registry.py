@@ -63,8 +63,10 @@ def test_a_host_that_imported_torch_with_default_spinning_is_told_how_to_fix_it(
     """torch reads how its threads wait once, as it loads: a host that imported it first cannot
     be fixed from here, so the build says what to do (once), for a CPU model of several threads."""
     program = (
-        "import torch, msgspec; from backends.registry import build_backend; from stages.recipe import Recipe; "
-        "recipe = Recipe(); recipe = msgspec.structs.replace(recipe, model=msgspec.structs.replace(recipe.model, threads=2)); "
+        "import torch, msgspec; from backends.registry import build_backend; "
+        "from stages.recipe import Recipe; recipe = Recipe(); "
+        "model = msgspec.structs.replace(recipe.model, threads=2); "
+        "recipe = msgspec.structs.replace(recipe, model=model); "
         "build_backend(recipe, vocab_size=16, stop_ids=(1,))[1].close()"
     )
     env = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}

@@ -107,11 +107,23 @@ def test_validate_good_recipe_exits_0(tmp_path: Path) -> None:
 
 def test_small_real_run(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    result = cli(
-        "run", str(QUICKSTART), "run.steps=3", f"run.dir={run_dir}", *SMALL, PASSING, "--quiet", timeout=240
-    )
+    result = cli("run", str(QUICKSTART), "run.steps=3", f"run.dir={run_dir}", *SMALL, PASSING, timeout=240)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "Traceback" not in result.stderr
+    # What start-up is doing, said as it starts (a timestamp first), with the console's lines
+    # (wrapped to 80 columns: a continuation is indented).
+    lines: list[str] = []
+    for line in result.stdout.splitlines():
+        if line.startswith("    ") and lines:
+            lines[-1] += " " + line.strip()
+        else:
+            lines.append(line)
+    assert all(len(line) <= 80 for line in result.stdout.splitlines())
+    assert [line.partition(" ")[2] for line in lines[:3]] == [
+        f"starting a run of 3 steps in {run_dir}",
+        "loading torch",
+        "building the model (train.backend torch, model.device cpu)",
+    ]
     assert result.stdout.splitlines()[-2:] == [
         f"finished after 3 steps (policy version 3); run dir {run_dir}",
         f"gates: all 1 passed (see {run_dir}/gates.json)",

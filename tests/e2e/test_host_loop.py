@@ -71,7 +71,7 @@ def test_a_run_imports_nothing_heavy_on_the_hosts_loop_and_says_what_it_starts(t
     assert said[:4] == [
         f"starting a run of 4 steps in {tmp_path / 'run'}",
         "loading torch",
-        "building the model, its engine and its trainer (train.backend torch, model.device cpu)",
+        "building the model (train.backend torch, model.device cpu)",
         "evaluating the starting weights on the held-out prompts",
     ]
     assert said[-1] == f"drawing {tmp_path / 'run' / 'report.png'}"
