@@ -58,7 +58,7 @@ from backends.bench_lengths import BenchLengths, LengthDraw
 from backends.torch.config import ModelConfig
 from backends.torch.fingerprint import Fingerprinter, parameter_probes
 from backends.torch.grouped import response_logprobs
-from backends.torch.grpo_loss import mismatch_metrics
+from pipeline.algorithms.losses import mismatch_metrics
 from backends.torch.logprobs import picked_logprobs
 from backends.torch.model import Decoder, token_logprobs
 from backends.torch.sampler import Admission, Sampler

@@ -27,6 +27,7 @@ import anyio
 import msgspec
 
 from backends.placement import Placed, place
+from pipeline.algorithms.presets import algorithm_of
 from pipeline.channel import Channel
 from pipeline.clock import DeadlineClock, TimeSource
 from pipeline.console import Console
@@ -371,6 +372,7 @@ class _Pipeline:
             save=self.save,
             save_due=lambda step: bool(every) and step % every == 0,
             limits=recipe.train,
+            algorithm=algorithm_of(recipe),
             evaluation=self.evaluation,
             echo=echo,
             on_eval=on_eval,

@@ -16,7 +16,7 @@ from statistics import fmean
 from typing import Any
 
 from pipeline.messages import Dropped, Group, Sample
-from stages.advantages import population_std
+from pipeline.algorithms.advantages import population_std
 from stages.context import RunContext
 
 

@@ -22,13 +22,13 @@ from typing import Annotated, Any, Literal
 import msgspec
 
 from backends.registry import BackendName
+from pipeline.algorithms.presets import Algorithm
 from pipeline.errors import NothingTrained
 from pipeline.gate import EngineGate
 from pipeline.messages import Dropped, Group, TrainGroup, TrainSample
 from pipeline.protocols import Trainer
 from pipeline.recipe import NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, Section
 from pipeline.tickets import Ticket, TicketBox
-from stages.advantages import leave_one_out
 from stages.batch_assembly import BatchAssembler
 from stages.context import RunContext
 from stages.evaluation import Evaluation, EvaluationSkipped
@@ -54,8 +54,22 @@ class TrainSection(Section, frozen=True):
     # in each micro-batch holding its samples), not whole groups padded to their longest.
     micro_batch_tokens: NonNegativeInt = 0
     updates_per_step: PositiveInt = 1
-    clip_low: NonNegativeFloat = 0.2
-    clip_high: NonNegativeFloat = 0.28
+    # The RL algorithm: a preset (pipeline/algorithms/presets.py), and each of its knobs, which
+    # a recipe may set on its own (unset: the preset's). `advantage` and `policy_loss` also take
+    # a `module:function` of your own.
+    algorithm: Literal["grpo", "dr_grpo", "dapo", "gspo", "rloo"] = "grpo"
+    advantage: str | None = None  # grpo | dr_grpo | rloo | module:function
+    policy_loss: str | None = None  # token | sequence (GSPO) | module:function
+    loss_aggregation: Literal["token_mean", "sequence_mean", "token_sum"] | None = None
+    clip_low: NonNegativeFloat | None = None
+    clip_high: NonNegativeFloat | None = None
+    # DAPO's dynamic sampling: a group whose rewards are all equal (no advantage to learn from)
+    # is filtered and another prompt generated for the same step in its place.
+    dynamic_sampling: bool | None = None
+    # DAPO's soft overlong penalty: over the last `overlong_buffer` tokens before
+    # rollout.max_new_tokens the reward falls linearly by up to `overlong_penalty`.
+    overlong_buffer: NonNegativeInt | None = None
+    overlong_penalty: NonNegativeFloat = 1.0
     kl_coef: NonNegativeFloat = 0.0
     is_correction: Literal["none", "tis", "icepop"] = "tis"
     is_cap: Annotated[float, msgspec.Meta(gt=1)] = 2.0
@@ -106,6 +120,7 @@ class TrainStage:
         save: Saver,
         save_due: Callable[[int], bool],
         limits: TrainSection,
+        algorithm: Algorithm,
         evaluation: Evaluation | None = None,
         echo: Callable[[dict[str, Any]], None] = lambda record: None,
         on_eval: Callable[[dict[str, Any]], None] = lambda record: None,
@@ -120,6 +135,7 @@ class TrainStage:
         self.clock = context.clock
         self.save = save
         self.save_due = save_due
+        self.algorithm = algorithm
         self.max_empty_in_row = limits.max_consecutive_empty_batches
         self.max_skipped_in_row = limits.max_consecutive_skipped_steps
         self.evaluation = evaluation
@@ -160,7 +176,7 @@ class TrainStage:
     async def _step(self, batch: int, items: list[Group | Dropped], *, wait_s: float) -> None:
         groups = [item for item in items if isinstance(item, Group)]
         dropped = [item for item in items if isinstance(item, Dropped)]
-        train_groups = [g for g in map(train_group, groups) if g.samples]
+        train_groups = [g for g in (train_group(group, self.algorithm) for group in groups) if g.samples]
         record = self.records.rollout(batch, groups, dropped)
         if not train_groups:
             self._empty(batch, record)
@@ -259,11 +275,15 @@ class TrainStage:
         self.on_eval(self.context.metrics.write_eval(record))
 
 
-def train_group(group: Group) -> TrainGroup:
+def train_group(group: Group, algorithm: Algorithm) -> TrainGroup:
     """What the trainer gets of a scored group: its prompt once, its usable samples with their
-    GRPO advantages (reward minus the leave-one-out mean, over the group's std)."""
-    scored = [(s, s.reward) for s in group.samples if not s.poisoned and s.reward is not None]
-    advantages = leave_one_out([reward for _, reward in scored])
+    advantages by the algorithm's estimator, over rewards shaped by its overlong penalty."""
+    scored = [
+        (s, s.reward + algorithm.overlong(len(s.tokens)))
+        for s in group.samples
+        if not s.poisoned and s.reward is not None
+    ]
+    advantages = algorithm.advantages()([reward for _, reward in scored])
     return TrainGroup(
         group_id=group.group_id,
         prompt_tokens=group.prompt.tokens,

@@ -13,14 +13,15 @@ from backends.megatron import layout, parallel, reshard  # noqa: E402
 from backends.megatron.model import build_gpt_model  # noqa: E402
 from backends.megatron.optimizer import TorchAdamW  # noqa: E402
 from backends.megatron.trainer import MegatronTrainer  # noqa: E402
-from backends.torch.grpo_loss import LossConfig  # noqa: E402
+from pipeline.algorithms.losses import LossConfig
+from pipeline.algorithms.presets import Algorithm  # noqa: E402
 from backends.torch.model import Decoder  # noqa: E402
 from backends.torch.trainer import TorchTrainer  # noqa: E402
 from pipeline.errors import DamagedState, NonFiniteState  # noqa: E402
 from tests.backends.megatron_cases import CONFIGS, groups  # noqa: E402
 
 CPU = torch.device("cpu")
-LOSS = LossConfig(clip_low=0.2, clip_high=0.28, kl_coef=0.0, is_correction="tis", is_cap=2.0)
+LOSS = Algorithm(loss=LossConfig(clip_low=0.2, clip_high=0.28, kl_coef=0.0, is_correction="tis", is_cap=2.0))
 SCHEDULE = dict(warmup_steps=2, schedule="cosine", min_lr_ratio=0.1, total_steps=10, temperature=0.7)
 
 
@@ -39,7 +40,7 @@ def megatron_trainer(
         model,
         step,
         config=config,
-        loss=LOSS,
+        algorithm=LOSS,
         lr=1e-3,
         micro_batch_samples=micro_batch_samples,
         updates_per_step=updates_per_step,
@@ -56,7 +57,7 @@ async def test_same_loss_metrics_and_gradients_as_the_torch_trainer(name: str) -
     ours = megatron_trainer(config, decoder.state_dict())
     theirs = TorchTrainer(
         decoder,
-        loss=LOSS,
+        algorithm=LOSS,
         lr=1e-3,
         betas=(0.9, 0.999),
         weight_decay=0.01,

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from backends.torch.config import ModelConfig
-from backends.torch.grpo_loss import LossConfig
+from pipeline.algorithms.losses import LossConfig
+from pipeline.algorithms.presets import Algorithm
 from backends.torch.model import Decoder
 from backends.torch.precision import HostParking, StreamedParking
 from backends.torch.trainer import TorchTrainer
@@ -24,7 +25,7 @@ def _model(dtype: torch.dtype = torch.bfloat16) -> Decoder:
 def _trainer(model: Decoder, *, lr: float = 1e-6, **options: bool) -> TorchTrainer:
     return TorchTrainer(
         model,
-        loss=LossConfig(clip_low=0.2, clip_high=0.28, kl_coef=0.0, is_correction="none", is_cap=2.0),
+        algorithm=Algorithm(loss=LossConfig(clip_low=0.2, clip_high=0.28, kl_coef=0.0, is_correction="none", is_cap=2.0)),
         lr=lr,
         betas=(0.9, 0.999),
         weight_decay=0.0,

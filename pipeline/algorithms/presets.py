@@ -1,0 +1,111 @@
+"""The algorithm a recipe names: presets, and `resolve` from the recipe's knobs to one typed
+`Algorithm` (what the stages and every trainer backend read; never the recipe itself).
+
+| preset  | advantage | policy_loss | loss_aggregation | clip (low, high) | dynamic sampling | overlong buffer |
+|---------|-----------|-------------|------------------|------------------|------------------|-----------------|
+| grpo    | grpo      | token       | token_mean       | 0.2, 0.28        | no               | 0               |
+| dr_grpo | dr_grpo   | token       | token_sum        | 0.2, 0.28        | no               | 0               |
+| dapo    | grpo      | token       | token_mean       | 0.2, 0.28        | yes              | max_new_tokens/4|
+| gspo    | grpo      | sequence    | sequence_mean    | 3e-4, 4e-4       | no               | 0               |
+| rloo    | rloo      | token       | token_mean       | 0.2, 0.28        | no               | 0               |
+
+`grpo` is what this project trained before presets existed (a token mean over the minibatch);
+the GRPO paper's sequence mean of token means is `loss_aggregation: sequence_mean`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from pipeline.algorithms.advantages import ADVANTAGES, AdvantageFn
+from pipeline.algorithms.aggregation import AGGREGATIONS, AggregationFn
+from pipeline.algorithms.losses import LOSSES, LossConfig, LossFn
+from pipeline.errors import RecipeError
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "grpo": {},
+    "dr_grpo": {"advantage": "dr_grpo", "loss_aggregation": "token_sum"},
+    "dapo": {"dynamic_sampling": True, "overlong_fraction": 0.25},
+    "gspo": {"policy_loss": "sequence", "loss_aggregation": "sequence_mean", "clip_low": 3e-4, "clip_high": 4e-4},
+    "rloo": {"advantage": "rloo"},
+}
+KNOBS = ("advantage", "policy_loss", "loss_aggregation", "clip_low", "clip_high", "dynamic_sampling", "overlong_buffer")
+
+
+@dataclass(frozen=True)
+class Algorithm:
+    """What an RL step computes, resolved once from the recipe (defaults: `grpo`)."""
+
+    loss: LossConfig = field(default_factory=lambda: LossConfig(0.2, 0.28, 0.0, "tis", 2.0))
+    name: str = "grpo"
+    advantage: str = "grpo"
+    policy_loss: str = "token"
+    loss_aggregation: str = "token_mean"
+    dynamic_sampling: bool = False  # filter groups whose rewards are all equal, and refill
+    overlong_buffer: int = 0  # tokens before max_new_tokens where the soft length penalty starts
+    overlong_penalty: float = 1.0  # the penalty at max_new_tokens
+    max_new_tokens: int = 0
+
+    def advantages(self) -> AdvantageFn:
+        return ADVANTAGES.get(self.advantage)
+
+    def loss_fn(self) -> LossFn:
+        return LOSSES.get(self.policy_loss)
+
+    def aggregation(self) -> AggregationFn:
+        return AGGREGATIONS.get(self.loss_aggregation)
+
+    def overlong(self, length: int) -> float:
+        """DAPO's soft overlong penalty for a response of `length` tokens: 0 up to
+        `max_new_tokens - overlong_buffer`, then falling linearly to -`overlong_penalty` at
+        `max_new_tokens` (and below it past that)."""
+        if not self.overlong_buffer:
+            return 0.0
+        start = self.max_new_tokens - self.overlong_buffer
+        if length <= start:
+            return 0.0
+        return -self.overlong_penalty * min(1.0, (length - start) / self.overlong_buffer)
+
+
+def resolve(train: Any, *, max_new_tokens: int, samples_per_prompt: int) -> Algorithm:
+    """The `Algorithm` of a recipe's `train` section: its preset, then each knob it sets.
+    Raises `RecipeError` naming the field for an unknown part or a combination that cannot run."""
+    preset = dict(PRESETS[train.algorithm])
+    fraction = preset.pop("overlong_fraction", 0.0)
+    preset.setdefault("overlong_buffer", int(max_new_tokens * fraction))
+    knobs = {**preset, **{k: getattr(train, k) for k in KNOBS if getattr(train, k) is not None}}
+    base = Algorithm()
+    loss = replace(
+        base.loss,
+        clip_low=knobs.pop("clip_low", base.loss.clip_low),
+        clip_high=knobs.pop("clip_high", base.loss.clip_high),
+        kl_coef=train.kl_coef,
+        is_correction=train.is_correction,
+        is_cap=train.is_cap,
+    )
+    algorithm = Algorithm(
+        loss=loss,
+        name=train.algorithm,
+        overlong_penalty=train.overlong_penalty,
+        max_new_tokens=max_new_tokens,
+        **knobs,
+    )
+    algorithm.advantages(), algorithm.loss_fn(), algorithm.aggregation()  # each name resolves
+    if algorithm.overlong_buffer >= max_new_tokens:
+        raise RecipeError(
+            f"train.overlong_buffer: {algorithm.overlong_buffer} must be below rollout.max_new_tokens "
+            f"({max_new_tokens}): the penalty would start before the first token"
+        )
+    if algorithm.dynamic_sampling and samples_per_prompt < 2:
+        raise RecipeError(
+            "train.dynamic_sampling needs rollout.samples_per_prompt >= 2 (a group of one always "
+            f"has equal rewards; it is {samples_per_prompt}), or train.dynamic_sampling: false"
+        )
+    return algorithm
+
+
+def algorithm_of(recipe: Any) -> Algorithm:
+    """The `Algorithm` of a whole recipe (its `train` and `rollout` sections)."""
+    rollout = recipe.rollout
+    return resolve(recipe.train, max_new_tokens=rollout.max_new_tokens, samples_per_prompt=rollout.samples_per_prompt)
