@@ -47,8 +47,8 @@ class Chunk:
         return cls(
             inputs=inputs,
             gen=torch.tensor([list(s.logprobs) + [0.0] * (longest - len(s.logprobs)) for s in samples], device=device),
-            advantages=torch.tensor([s.advantage for s in samples], dtype=torch.float32, device=device),
-            mask=(torch.arange(longest, device=device) < lengths[:, None]).float(),
+            advantages=torch.tensor([s.advantage for s in samples], device=device),
+            mask=(torch.arange(longest, device=device) < lengths[:, None]).to(torch.get_default_dtype()),
         )
 
 
