@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from backends.placement import RayPlacement
+from pipeline.algorithms.presets import knob
 from pipeline.metrics import REQUIRED_KEYS
 
 if TYPE_CHECKING:
@@ -79,6 +80,7 @@ _TRAINER = (
     "timing/optimizer_reload_s",
     "timing/optimizer_offload_s",
 )
+_DYNAMIC_SAMPLING = ("rollout/filtered_groups", "rollout/surplus_groups")  # stages/train.py's dynamic_sample
 _EVAL = ("step", "policy_version", "eval/reward", "timing/eval_s")  # stages/train.py's evaluations
 # The info keys of the built-in rewards (stages/reward.py, stages/math_reward.py).
 _BUILTIN_INFO: dict[str, tuple[str, ...]] = {"positional": ("exact_match",), "math": ("has_answer",)}
@@ -103,6 +105,7 @@ class MetricNames(msgspec.Struct, frozen=True, kw_only=True):
             *_TRAINER,
             *(f"rollout/lag_hist/{k}" for k in range(lookahead + 1)),
             *(f"reward/{key}" for key in info),
+            *(_DYNAMIC_SAMPLING if knob(recipe.train, "dynamic_sampling") else ()),
         }
         evals = {*_EVAL, *(f"eval/{key}" for key in info)}
         return cls(steps=frozenset(steps), evals=frozenset(evals), open_info=":" in recipe.reward.function)

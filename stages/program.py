@@ -199,7 +199,7 @@ async def _run_locked(
     if resumed is not None:
         state = resumed.state
         set_aside(resumed.damaged)
-        prompts.train.skip(state.next_batch * recipe.prompts.prompts_per_step)
+        prompts.train.skip(state.next_batch * algorithm_of(recipe).admitted(recipe.prompts.prompts_per_step))
         set_python_rng_state(state.python_rng)
         restore_metrics(run_dir, state)
         checkpoints.last_step = state.step
@@ -328,7 +328,8 @@ class _Pipeline:
             steps_done=state.step if state else 0,
             empty_batches=state.empty_batches if state else 0,
         )
-        per_step = recipe.prompts.prompts_per_step
+        algorithm = algorithm_of(recipe)
+        per_step = algorithm.admitted(recipe.prompts.prompts_per_step)  # prompts admitted a step
         batches: Channel[Batch] = Channel("batches", lookahead + 1)
         generated: Channel[Group | Dropped] = Channel("generated", per_step * (lookahead + 1))
         scored: Channel[Group | Dropped] = Channel("scored", per_step * (lookahead + 1))
@@ -372,7 +373,8 @@ class _Pipeline:
             save=self.save,
             save_due=lambda step: bool(every) and step % every == 0,
             limits=recipe.train,
-            algorithm=algorithm_of(recipe),
+            algorithm=algorithm,
+            prompts_per_step=recipe.prompts.prompts_per_step,
             evaluation=self.evaluation,
             echo=echo,
             on_eval=on_eval,

@@ -66,6 +66,11 @@ class TrainSection(Section, frozen=True):
     # DAPO's dynamic sampling: a group whose rewards are all equal (no advantage to learn from)
     # is filtered and another prompt generated for the same step in its place.
     dynamic_sampling: bool | None = None
+    # With dynamic sampling each step admits prompts_per_step x oversample prompts (one ticket,
+    # so within the lag bound) and trains the first prompts_per_step groups, in prompt order,
+    # whose rewards are not all equal: the rest are counted (rollout/filtered_groups,
+    # rollout/surplus_groups) and not trained. Fewer than prompts_per_step: the step trains those.
+    oversample: Annotated[float, msgspec.Meta(ge=1)] = 2.0
     # DAPO's soft overlong penalty: over the last `overlong_buffer` tokens before
     # rollout.max_new_tokens the reward falls linearly by up to `overlong_penalty`.
     overlong_buffer: NonNegativeInt | None = None
@@ -121,6 +126,7 @@ class TrainStage:
         save_due: Callable[[int], bool],
         limits: TrainSection,
         algorithm: Algorithm,
+        prompts_per_step: int,
         evaluation: Evaluation | None = None,
         echo: Callable[[dict[str, Any]], None] = lambda record: None,
         on_eval: Callable[[dict[str, Any]], None] = lambda record: None,
@@ -136,6 +142,7 @@ class TrainStage:
         self.save = save
         self.save_due = save_due
         self.algorithm = algorithm
+        self.prompts_per_step = prompts_per_step
         self.max_empty_in_row = limits.max_consecutive_empty_batches
         self.max_skipped_in_row = limits.max_consecutive_skipped_steps
         self.evaluation = evaluation
@@ -176,14 +183,18 @@ class TrainStage:
     async def _step(self, batch: int, items: list[Group | Dropped], *, wait_s: float) -> None:
         groups = [item for item in items if isinstance(item, Group)]
         dropped = [item for item in items if isinstance(item, Dropped)]
-        train_groups = [g for g in (train_group(group, self.algorithm) for group in groups) if g.samples]
+        pairs = [(g, t) for g, t in ((g, train_group(g, self.algorithm)) for g in groups) if t.samples]
         record = self.records.rollout(batch, groups, dropped)
-        if not train_groups:
+        if self.algorithm.dynamic_sampling:
+            pairs, filtered, surplus = dynamic_sample(pairs, self.prompts_per_step)
+            record.update({"rollout/filtered_groups": filtered, "rollout/surplus_groups": surplus})
+        if not pairs:
             self._empty(batch, record)
             return
+        train_groups = [t for _, t in pairs]
         self.empty_in_row = 0
         step = self.progress.steps_done + 1
-        record.update(self.records.trained(step, groups, self.gate.engine_version))
+        record.update(self.records.trained(step, [g for g, _ in pairs], self.gate.engine_version))
 
         async def train() -> Mapping[str, float]:
             result = await self.trainer.train_step(train_groups)
@@ -292,3 +303,12 @@ def train_group(group: Group, algorithm: Algorithm) -> TrainGroup:
             for (s, reward), advantage in zip(scored, advantages, strict=True)
         ),
     )
+
+
+def dynamic_sample(
+    pairs: list[tuple[Group, TrainGroup]], keep: int
+) -> tuple[list[tuple[Group, TrainGroup]], int, int]:
+    """DAPO's dynamic sampling over one batch's groups, in prompt order: the first `keep` whose
+    rewards (as trained: shaped) are not all equal; (kept, filtered, surplus) counts."""
+    spread = [pair for pair in pairs if len({s.reward for s in pair[1].samples}) > 1]
+    return spread[:keep], len(pairs) - len(spread), max(0, len(spread) - keep)

@@ -14,16 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from pipeline.algorithms.presets import LossConfig
 from pipeline.algorithms.registry import Registry
-
-
-@dataclass(frozen=True)
-class LossConfig:
-    clip_low: float
-    clip_high: float
-    kl_coef: float
-    is_correction: str  # "none" | "tis" | "icepop"
-    is_cap: float
 
 
 @dataclass(frozen=True)

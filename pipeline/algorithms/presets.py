@@ -15,12 +15,11 @@ the GRPO paper's sequence mean of token means is `loss_aggregation: sequence_mea
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from pipeline.algorithms.advantages import ADVANTAGES, AdvantageFn
-from pipeline.algorithms.aggregation import AGGREGATIONS, AggregationFn
-from pipeline.algorithms.losses import LOSSES, LossConfig, LossFn
 from pipeline.errors import RecipeError
 
 PRESETS: dict[str, dict[str, Any]] = {
@@ -31,6 +30,18 @@ PRESETS: dict[str, dict[str, Any]] = {
     "rloo": {"advantage": "rloo"},
 }
 KNOBS = ("advantage", "policy_loss", "loss_aggregation", "clip_low", "clip_high", "dynamic_sampling", "overlong_buffer")
+
+
+@dataclass(frozen=True)
+class LossConfig:
+    """The policy loss's options: the clip range, the reference KL's weight, the off-policy
+    importance-sampling correction (none | tis | icepop) and its cap."""
+
+    clip_low: float
+    clip_high: float
+    kl_coef: float
+    is_correction: str
+    is_cap: float
 
 
 @dataclass(frozen=True)
@@ -46,15 +57,16 @@ class Algorithm:
     overlong_buffer: int = 0  # tokens before max_new_tokens where the soft length penalty starts
     overlong_penalty: float = 1.0  # the penalty at max_new_tokens
     max_new_tokens: int = 0
+    oversample: float = 2.0  # with dynamic sampling: prompts admitted a step / prompts_per_step
+
+    def admitted(self, prompts_per_step: int) -> int:
+        """Prompts admitted for one step: over-admitted by `oversample` with dynamic sampling."""
+        if not self.dynamic_sampling:
+            return prompts_per_step
+        return math.ceil(prompts_per_step * self.oversample)
 
     def advantages(self) -> AdvantageFn:
         return ADVANTAGES.get(self.advantage)
-
-    def loss_fn(self) -> LossFn:
-        return LOSSES.get(self.policy_loss)
-
-    def aggregation(self) -> AggregationFn:
-        return AGGREGATIONS.get(self.loss_aggregation)
 
     def overlong(self, length: int) -> float:
         """DAPO's soft overlong penalty for a response of `length` tokens: 0 up to
@@ -71,10 +83,7 @@ class Algorithm:
 def resolve(train: Any, *, max_new_tokens: int, samples_per_prompt: int) -> Algorithm:
     """The `Algorithm` of a recipe's `train` section: its preset, then each knob it sets.
     Raises `RecipeError` naming the field for an unknown part or a combination that cannot run."""
-    preset = dict(PRESETS[train.algorithm])
-    fraction = preset.pop("overlong_fraction", 0.0)
-    preset.setdefault("overlong_buffer", int(max_new_tokens * fraction))
-    knobs = {**preset, **{k: getattr(train, k) for k in KNOBS if getattr(train, k) is not None}}
+    knobs = {k: knob(train, k, max_new_tokens=max_new_tokens) for k in KNOBS}
     base = Algorithm()
     loss = replace(
         base.loss,
@@ -88,10 +97,15 @@ def resolve(train: Any, *, max_new_tokens: int, samples_per_prompt: int) -> Algo
         loss=loss,
         name=train.algorithm,
         overlong_penalty=train.overlong_penalty,
+        oversample=train.oversample,
         max_new_tokens=max_new_tokens,
         **knobs,
     )
-    algorithm.advantages(), algorithm.loss_fn(), algorithm.aggregation()  # each name resolves
+    # Each name resolves (the losses' modules import torch: only here, not at import).
+    from pipeline.algorithms.aggregation import AGGREGATIONS
+    from pipeline.algorithms.losses import LOSSES
+
+    algorithm.advantages(), LOSSES.get(algorithm.policy_loss), AGGREGATIONS.get(algorithm.loss_aggregation)
     if algorithm.overlong_buffer >= max_new_tokens:
         raise RecipeError(
             f"train.overlong_buffer: {algorithm.overlong_buffer} must be below rollout.max_new_tokens "
@@ -109,3 +123,16 @@ def algorithm_of(recipe: Any) -> Algorithm:
     """The `Algorithm` of a whole recipe (its `train` and `rollout` sections)."""
     rollout = recipe.rollout
     return resolve(recipe.train, max_new_tokens=rollout.max_new_tokens, samples_per_prompt=rollout.samples_per_prompt)
+
+
+def knob(train: Any, name: str, *, max_new_tokens: int = 0) -> Any:
+    """One knob's value: the recipe's where it sets it, else its preset's, else grpo's."""
+    value = getattr(train, name)
+    if value is not None:
+        return value
+    preset = PRESETS[train.algorithm]
+    if name == "overlong_buffer":
+        return int(max_new_tokens * preset.get("overlong_fraction", 0.0))
+    if name in ("clip_low", "clip_high"):
+        return preset.get(name, getattr(Algorithm().loss, name))
+    return preset.get(name, getattr(Algorithm(), name))

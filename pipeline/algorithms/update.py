@@ -22,8 +22,8 @@ from typing import Any, Protocol
 
 import torch
 
-from pipeline.algorithms.aggregation import Counts
-from pipeline.algorithms.losses import LossInputs, mismatch_metrics
+from pipeline.algorithms.aggregation import AGGREGATIONS, Counts
+from pipeline.algorithms.losses import LOSSES, LossInputs, mismatch_metrics
 from pipeline.algorithms.presets import Algorithm
 from pipeline.messages import TrainGroup, TrainSample
 
@@ -80,7 +80,7 @@ def run_update(
     backend: UpdateBackend, groups: Sequence[TrainGroup], *, algorithm: Algorithm, updates_per_step: int
 ) -> tuple[dict[str, float], int]:
     """One step's updates on `groups`; (the step's `train/*` metrics, updates skipped)."""
-    loss_fn, aggregation = algorithm.loss_fn(), algorithm.aggregation()
+    loss_fn, aggregation = LOSSES.get(algorithm.policy_loss), AGGREGATIONS.get(algorithm.loss_aggregation)
     groups = list(groups)
     order = torch.randperm(len(groups), generator=backend.generator).tolist()
     minibatches = [

@@ -8,7 +8,7 @@ from backends.megatron import layout
 from backends.megatron.model import build_gpt_model
 from backends.megatron.optimizer import TorchAdamW
 from backends.megatron.trainer import MegatronTrainer
-from pipeline.algorithms.losses import LossConfig
+from pipeline.algorithms.presets import LossConfig
 from pipeline.algorithms.presets import Algorithm
 from tests.backends.megatron_cases import CONFIGS
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from backends.torch.config import ModelConfig
-from pipeline.algorithms.losses import LossConfig
+from pipeline.algorithms.presets import LossConfig
 from pipeline.algorithms.presets import Algorithm
 from backends.torch.model import Decoder
 from backends.torch.precision import HostParking, StreamedParking

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from pipeline.algorithms import advantages as estimators
-from pipeline.algorithms.losses import LossConfig
+from pipeline.algorithms.presets import LossConfig
 from pipeline.algorithms.presets import Algorithm, resolve
 from pipeline.algorithms.update import Chunk, run_update
 from pipeline.errors import RecipeError
