@@ -21,7 +21,7 @@ from typing import Any, Literal
 
 import msgspec
 
-from pipeline.recipe import PositiveFloat, PositiveInt, Section
+from pipeline.contracts.sections import PositiveFloat, PositiveInt, Section
 
 
 class BenchLengths(Section, frozen=True):

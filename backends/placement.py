@@ -21,8 +21,8 @@ from typing import Any, Literal
 
 import msgspec
 
-from pipeline.errors import RecipeError
-from pipeline.recipe import NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, Section
+from pipeline.contracts.errors import RecipeError
+from pipeline.contracts.sections import NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, Section
 
 # Scores a group's (prompt, completion text or None) pairs: stages.reward.score_all's contract.
 Scorer = Callable[[list[tuple[Any, str | None]]], Awaitable[list[Any]]]

@@ -25,7 +25,7 @@ import importlib
 from collections.abc import Sequence
 from typing import Any, Literal, get_args
 
-from pipeline.protocols import Engine, Trainer
+from pipeline.contracts.protocols import Engine, Trainer
 
 BackendName = Literal["torch", "megatron"]  # what the recipe's `train.backend` accepts
 

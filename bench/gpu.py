@@ -58,11 +58,11 @@ from backends.bench_lengths import BenchLengths, LengthDraw
 from backends.torch.config import ModelConfig
 from backends.torch.fingerprint import Fingerprinter, parameter_probes
 from backends.torch.grouped import response_logprobs
-from pipeline.algorithms.losses import mismatch_metrics
 from backends.torch.logprobs import picked_logprobs
 from backends.torch.model import Decoder, token_logprobs
 from backends.torch.sampler import Admission, Sampler
-from pipeline.messages import Completion
+from pipeline.algorithms.losses import mismatch_metrics
+from pipeline.contracts.messages import Completion
 
 QWEN_1_5B = ModelConfig(
     vocab_size=151936,

@@ -39,8 +39,8 @@ import anyio
 import msgspec
 
 from pipeline.clock import DeadlineClock
-from pipeline.errors import HandoffMismatch
-from pipeline.protocols import Engine, Trainer
+from pipeline.contracts.errors import HandoffMismatch
+from pipeline.contracts.protocols import Engine, Trainer
 
 T = TypeVar("T")
 

@@ -16,10 +16,10 @@ from typing import Annotated
 import msgspec
 
 from pipeline.clock import TimeSource
-from pipeline.errors import RetryableEngineError
-from pipeline.messages import Completion
-from pipeline.protocols import Engine
-from pipeline.recipe import NonNegativeFloat, Section
+from pipeline.contracts.errors import RetryableEngineError
+from pipeline.contracts.messages import Completion
+from pipeline.contracts.protocols import Engine
+from pipeline.contracts.sections import NonNegativeFloat, Section
 
 Rate = Annotated[float, msgspec.Meta(ge=0, le=1)]
 

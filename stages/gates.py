@@ -31,9 +31,9 @@ from typing import Any, Literal
 
 import msgspec
 
+from pipeline.contracts.sections import NonNegativeInt, Section
 from pipeline.metrics import EVAL_FILE, STEPS_FILE, read
-from pipeline.recipe import NonNegativeInt, Section
-from stages.metric_names import MetricNames, per_evaluation
+from pipeline.shell.metric_names import MetricNames, per_evaluation
 
 log = logging.getLogger("stages.gates")
 

@@ -30,16 +30,18 @@ from backends.placement import Placed, place
 from pipeline.algorithms.presets import algorithm_of
 from pipeline.channel import Channel
 from pipeline.clock import DeadlineClock, TimeSource
-from pipeline.console import Console
-from pipeline.errors import BackendLost, PipelineError
+from pipeline.contracts.errors import BackendLost, PipelineError
+from pipeline.contracts.messages import Batch, Dropped, Group
+from pipeline.contracts.protocols import Engine, Trainer
 from pipeline.gate import EngineGate
 from pipeline.logs import reset_warnings
-from pipeline.messages import Batch, Dropped, Group
 from pipeline.metrics import MetricsLog
-from pipeline.plot import draw_apart
-from pipeline.protocols import Engine, Trainer
 from pipeline.recipe import dump
 from pipeline.runner import Stage, StopRequest, first_error, run_stages
+from pipeline.shell.console import Console
+from pipeline.shell.plot import draw_apart
+from pipeline.shell.preflight import Checked, preflight
+from pipeline.shell.recipe import Recipe
 from pipeline.sinks import open_sinks
 from pipeline.startup import start_up, thaws_after
 from pipeline.tickets import TicketBox
@@ -65,10 +67,8 @@ from stages.context import RunContext
 from stages.evaluation import Evaluation
 from stages.faults import FaultyEngine
 from stages.gates import Verdict, give_verdict
-from stages.preflight import Checked, preflight
 from stages.progress import Progress
 from stages.prompts import PromptSet
-from stages.recipe import Recipe
 from stages.reward import RewardFn, RewardStage
 from stages.rollout import RolloutStage
 from stages.run_dir import RunDirLock, keep_earlier_runs

@@ -31,10 +31,10 @@ import anyio
 import msgspec
 
 from pipeline.channel import Channel
-from pipeline.errors import DeadlineExceeded, DropBudgetExceeded, RecipeError
+from pipeline.contracts.errors import DeadlineExceeded, DropBudgetExceeded, RecipeError
+from pipeline.contracts.messages import Dropped, Group, Prompt, Sample
+from pipeline.contracts.sections import NonNegativeInt, PositiveFloat, PositiveInt, Section
 from pipeline.logs import warn_once
-from pipeline.messages import Dropped, Group, Prompt, Sample
-from pipeline.recipe import NonNegativeInt, PositiveFloat, PositiveInt, Section
 from stages.context import RunContext
 from stages.reward_threads import blocking_note, run_abandonable, run_async
 from stages.tokenizer import Tokenizer

@@ -26,11 +26,16 @@ from backends.bench_lengths import BenchLengths
 from backends.placement import RayPlacement
 from pipeline.channel import Channel
 from pipeline.clock import DeadlineClock
-from pipeline.errors import DeadlineExceeded, DropBudgetExceeded, RequestRejected, RetryableEngineError
+from pipeline.contracts.errors import (
+    DeadlineExceeded,
+    DropBudgetExceeded,
+    RequestRejected,
+    RetryableEngineError,
+)
+from pipeline.contracts.messages import Batch, Completion, Dropped, Group, Prompt, Sample
+from pipeline.contracts.sections import NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, Section
 from pipeline.gate import EngineGate
 from pipeline.logs import warn_once
-from pipeline.messages import Batch, Completion, Dropped, Group, Prompt, Sample
-from pipeline.recipe import NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, Section
 from stages.context import RunContext
 
 log = logging.getLogger("stages.rollout")

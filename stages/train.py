@@ -23,11 +23,11 @@ import msgspec
 
 from backends.registry import BackendName
 from pipeline.algorithms.presets import Algorithm
-from pipeline.errors import NothingTrained
+from pipeline.contracts.errors import NothingTrained
+from pipeline.contracts.messages import Dropped, Group, TrainGroup, TrainSample
+from pipeline.contracts.protocols import Trainer
+from pipeline.contracts.sections import NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, Section
 from pipeline.gate import EngineGate
-from pipeline.messages import Dropped, Group, TrainGroup, TrainSample
-from pipeline.protocols import Trainer
-from pipeline.recipe import NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, Section
 from pipeline.tickets import Ticket, TicketBox
 from stages.batch_assembly import BatchAssembler
 from stages.context import RunContext

@@ -28,7 +28,7 @@ from backends.torch.compute import ComputeThread
 from backends.torch.engine import TorchEngine
 from backends.torch.sampler import Sampler
 from pipeline.algorithms.presets import algorithm_of
-from pipeline.errors import RecipeError
+from pipeline.contracts.errors import RecipeError
 
 # train.<field>: (its default, what it would take)
 _NOT_YET = {

@@ -62,7 +62,7 @@ from backends.bench_lengths import length_draw
 from backends.megatron import flash_adapter
 from backends.megatron.inference import MegatronInference
 from backends.torch.config import ModelConfig
-from pipeline.errors import RecipeError
+from pipeline.contracts.errors import RecipeError
 
 BLOCK_TOKENS = 256  # megatron's default KV block
 

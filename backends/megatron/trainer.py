@@ -48,7 +48,7 @@ from backends.torch.schedule import lr_factor
 from backends.torch.state_file import load_state, save_state
 from pipeline.algorithms.presets import Algorithm
 from pipeline.algorithms.update import Chunk, run_update
-from pipeline.messages import TrainGroup, TrainSample
+from pipeline.contracts.messages import TrainGroup, TrainSample
 
 MODEL_DIR = "megatron"
 STATE_FILE = "megatron-trainer.pt"

@@ -38,8 +38,8 @@ from backends.ray.engines import RayEngine, Replica
 from backends.ray.rewards import RewardPool
 from backends.ray.trainer import RayTrainer
 from backends.ray.weights import Transport
-from pipeline.errors import PipelineError
-from stages.metric_names import PLACEMENT_COUNTERS
+from pipeline.contracts.errors import PipelineError
+from pipeline.shell.metric_names import PLACEMENT_COUNTERS
 
 log = logging.getLogger("backends.ray.place")
 

@@ -18,7 +18,7 @@ from backends.torch.sampler import Sampler
 from backends.torch.section import ModelSection
 from backends.torch.trainer import TorchTrainer
 from pipeline.algorithms.presets import algorithm_of
-from pipeline.errors import RecipeError
+from pipeline.contracts.errors import RecipeError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 

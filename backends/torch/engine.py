@@ -66,8 +66,8 @@ from backends.torch.model import Decoder
 from backends.torch.sampler import Admission, Sampler
 from backends.torch.sampling import check_arguments, check_prompts
 from backends.torch.state_file import ENGINE_FILE, load_state, save_state
-from pipeline.errors import RequestRejected
-from pipeline.messages import Completion
+from pipeline.contracts.errors import RequestRejected
+from pipeline.contracts.messages import Completion
 
 
 class EngineStatistics(msgspec.Struct, frozen=True, kw_only=True):

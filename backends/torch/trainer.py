@@ -27,8 +27,8 @@ from backends.torch.schedule import lr_factor
 from backends.torch.state_file import TRAINER_FILE, load_state, save_state
 from pipeline.algorithms.presets import Algorithm
 from pipeline.algorithms.update import Chunk, run_update
-from pipeline.errors import RecipeError
-from pipeline.messages import TrainGroup, TrainSample
+from pipeline.contracts.errors import RecipeError
+from pipeline.contracts.messages import TrainGroup, TrainSample
 
 
 @dataclass(frozen=True)

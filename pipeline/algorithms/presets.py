@@ -1,13 +1,13 @@
 """The algorithm a recipe names: presets, and `resolve` from the recipe's knobs to one typed
 `Algorithm` (what the stages and every trainer backend read; never the recipe itself).
 
-| preset  | advantage | policy_loss | loss_aggregation | clip (low, high) | dynamic sampling | overlong buffer |
-|---------|-----------|-------------|------------------|------------------|------------------|-----------------|
-| grpo    | grpo      | token       | token_mean       | 0.2, 0.28        | no               | 0               |
-| dr_grpo | dr_grpo   | token       | token_sum        | 0.2, 0.28        | no               | 0               |
-| dapo    | grpo      | token       | token_mean       | 0.2, 0.28        | yes              | max_new_tokens/4|
-| gspo    | grpo      | sequence    | sequence_mean    | 3e-4, 4e-4       | no               | 0               |
-| rloo    | rloo      | token       | token_mean       | 0.2, 0.28        | no               | 0               |
+| preset  | advantage | policy_loss | loss_aggregation | clip low, high | dynamic sampling | overlong buffer |
+|---------|-----------|-------------|------------------|----------------|------------------|-----------------|
+| grpo    | grpo      | token       | token_mean       | 0.2, 0.28      | no               | 0               |
+| dr_grpo | dr_grpo   | token       | token_sum        | 0.2, 0.28      | no               | 0               |
+| dapo    | grpo      | token       | token_mean       | 0.2, 0.28      | yes              | max_new / 4     |
+| gspo    | grpo      | sequence    | sequence_mean    | 3e-4, 4e-4     | no               | 0               |
+| rloo    | rloo      | token       | token_mean       | 0.2, 0.28      | no               | 0               |
 
 `grpo` is what this project trained before presets existed (a token mean over the minibatch);
 the GRPO paper's sequence mean of token means is `loss_aggregation: sequence_mean`.
@@ -20,16 +20,29 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from pipeline.algorithms.advantages import ADVANTAGES, AdvantageFn
-from pipeline.errors import RecipeError
+from pipeline.contracts.errors import RecipeError
 
 PRESETS: dict[str, dict[str, Any]] = {
     "grpo": {},
     "dr_grpo": {"advantage": "dr_grpo", "loss_aggregation": "token_sum"},
     "dapo": {"dynamic_sampling": True, "overlong_fraction": 0.25},
-    "gspo": {"policy_loss": "sequence", "loss_aggregation": "sequence_mean", "clip_low": 3e-4, "clip_high": 4e-4},
+    "gspo": {
+        "policy_loss": "sequence",
+        "loss_aggregation": "sequence_mean",
+        "clip_low": 3e-4,
+        "clip_high": 4e-4,
+    },
     "rloo": {"advantage": "rloo"},
 }
-KNOBS = ("advantage", "policy_loss", "loss_aggregation", "clip_low", "clip_high", "dynamic_sampling", "overlong_buffer")
+KNOBS = (
+    "advantage",
+    "policy_loss",
+    "loss_aggregation",
+    "clip_low",
+    "clip_high",
+    "dynamic_sampling",
+    "overlong_buffer",
+)
 
 
 @dataclass(frozen=True)
@@ -122,7 +135,9 @@ def resolve(train: Any, *, max_new_tokens: int, samples_per_prompt: int) -> Algo
 def algorithm_of(recipe: Any) -> Algorithm:
     """The `Algorithm` of a whole recipe (its `train` and `rollout` sections)."""
     rollout = recipe.rollout
-    return resolve(recipe.train, max_new_tokens=rollout.max_new_tokens, samples_per_prompt=rollout.samples_per_prompt)
+    return resolve(
+        recipe.train, max_new_tokens=rollout.max_new_tokens, samples_per_prompt=rollout.samples_per_prompt
+    )
 
 
 def knob(train: Any, name: str, *, max_new_tokens: int = 0) -> Any:

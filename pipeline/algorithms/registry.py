@@ -11,7 +11,7 @@ import importlib
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
-from pipeline.errors import RecipeError
+from pipeline.contracts.errors import RecipeError
 
 F = TypeVar("F", bound=Callable[..., object])
 

@@ -25,7 +25,7 @@ import torch
 from pipeline.algorithms.aggregation import AGGREGATIONS, Counts
 from pipeline.algorithms.losses import LOSSES, LossInputs, mismatch_metrics
 from pipeline.algorithms.presets import Algorithm
-from pipeline.messages import TrainGroup, TrainSample
+from pipeline.contracts.messages import TrainGroup, TrainSample
 
 
 @dataclass
@@ -46,7 +46,9 @@ class Chunk:
         lengths = torch.tensor([len(s.tokens) for s in samples], device=device)
         return cls(
             inputs=inputs,
-            gen=torch.tensor([list(s.logprobs) + [0.0] * (longest - len(s.logprobs)) for s in samples], device=device),
+            gen=torch.tensor(
+                [list(s.logprobs) + [0.0] * (longest - len(s.logprobs)) for s in samples], device=device
+            ),
             advantages=torch.tensor([s.advantage for s in samples], device=device),
             mask=(torch.arange(longest, device=device) < lengths[:, None]).to(torch.get_default_dtype()),
         )

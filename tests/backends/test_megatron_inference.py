@@ -10,8 +10,8 @@ import pytest
 
 from backends.bench_lengths import BenchLengths, LengthDraw
 from backends.megatron.inference import MegatronInference, State
-from pipeline.errors import RequestRejected
-from pipeline.messages import Completion
+from pipeline.contracts.errors import RequestRejected
+from pipeline.contracts.messages import Completion
 from pipeline.testing import FakeDynamicEngine, InjectedFault
 
 

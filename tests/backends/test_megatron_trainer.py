@@ -14,11 +14,13 @@ from backends.megatron import layout, parallel, reshard  # noqa: E402
 from backends.megatron.model import build_gpt_model  # noqa: E402
 from backends.megatron.optimizer import TorchAdamW  # noqa: E402
 from backends.megatron.trainer import MegatronTrainer  # noqa: E402
-from pipeline.algorithms.presets import LossConfig  # noqa: E402
-from pipeline.algorithms.presets import Algorithm  # noqa: E402
 from backends.torch.model import Decoder  # noqa: E402
 from backends.torch.trainer import TorchTrainer  # noqa: E402
-from pipeline.errors import DamagedState, NonFiniteState  # noqa: E402
+from pipeline.algorithms.presets import (  # noqa: E402
+    Algorithm,
+    LossConfig,
+)
+from pipeline.contracts.errors import DamagedState, NonFiniteState  # noqa: E402
 from tests.backends.megatron_cases import CONFIGS, groups  # noqa: E402
 
 CPU = torch.device("cpu")

@@ -9,12 +9,11 @@ import pytest
 import torch
 
 from backends.torch.config import ModelConfig
-from pipeline.algorithms.presets import LossConfig
-from pipeline.algorithms.presets import Algorithm
 from backends.torch.model import Decoder
 from backends.torch.precision import HostParking, StreamedParking
 from backends.torch.trainer import TorchTrainer
-from pipeline.messages import TrainGroup, TrainSample
+from pipeline.algorithms.presets import Algorithm, LossConfig
+from pipeline.contracts.messages import TrainGroup, TrainSample
 
 
 def _model(dtype: torch.dtype = torch.bfloat16) -> Decoder:
@@ -25,7 +24,9 @@ def _model(dtype: torch.dtype = torch.bfloat16) -> Decoder:
 def _trainer(model: Decoder, *, lr: float = 1e-6, **options: bool) -> TorchTrainer:
     return TorchTrainer(
         model,
-        algorithm=Algorithm(loss=LossConfig(clip_low=0.2, clip_high=0.28, kl_coef=0.0, is_correction="none", is_cap=2.0)),
+        algorithm=Algorithm(
+            loss=LossConfig(clip_low=0.2, clip_high=0.28, kl_coef=0.0, is_correction="none", is_cap=2.0)
+        ),
         lr=lr,
         betas=(0.9, 0.999),
         weight_decay=0.0,

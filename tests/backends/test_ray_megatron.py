@@ -19,7 +19,7 @@ pytest.importorskip("megatron.core")
 
 import pipeline
 from backends.placement import Placed, place
-from pipeline.errors import BackendLost
+from pipeline.contracts.errors import BackendLost
 from pipeline.metrics import read
 from stages import program
 from stages.checkpoint import committed

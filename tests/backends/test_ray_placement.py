@@ -21,7 +21,7 @@ import pytest
 
 import pipeline
 from backends.placement import Placed, place
-from pipeline.errors import BackendLost
+from pipeline.contracts.errors import BackendLost
 from pipeline.metrics import read
 from stages import program
 from stages.checkpoint import committed

@@ -11,11 +11,10 @@ import pytest
 import torch
 
 from backends.torch.config import ModelConfig
-from pipeline.algorithms.presets import LossConfig
-from pipeline.algorithms.presets import Algorithm
 from backends.torch.model import Decoder
 from backends.torch.trainer import TorchTrainer
-from pipeline.messages import TrainGroup, TrainSample
+from pipeline.algorithms.presets import Algorithm, LossConfig
+from pipeline.contracts.messages import TrainGroup, TrainSample
 
 PINNED = json.loads((Path(__file__).parent / "trainer_steps.json").read_text())
 OPTIONS = {
@@ -32,7 +31,9 @@ def _trainer(*, vocab_size: int = 16, **options: int) -> TorchTrainer:
     )
     return TorchTrainer(
         model,
-        algorithm=Algorithm(loss=LossConfig(clip_low=0.2, clip_high=0.28, kl_coef=0.0, is_correction="tis", is_cap=2.0)),
+        algorithm=Algorithm(
+            loss=LossConfig(clip_low=0.2, clip_high=0.28, kl_coef=0.0, is_correction="tis", is_cap=2.0)
+        ),
         lr=1e-3,
         betas=(0.9, 0.999),
         weight_decay=0.0,
@@ -137,7 +138,7 @@ def test_under_a_token_budget_a_long_tailed_group_is_split_by_length() -> None:
 def test_a_checkpoint_with_another_parameter_list_is_refused_in_one_line(tmp_path: Path) -> None:
     """A trainer.pt written before q/k/v and gate/up were fused holds one optimizer entry per
     projection: loading it must be a clear error, not a zip or optimizer traceback."""
-    from pipeline.errors import RecipeError
+    from pipeline.contracts.errors import RecipeError
 
     trainer = _trainer(micro_batch_samples=256, updates_per_step=1)
     trainer._train_step(_groups())

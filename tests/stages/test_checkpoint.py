@@ -16,7 +16,7 @@ import pytest
 
 import pipeline
 from pipeline.channel import Channel
-from pipeline.messages import Group, TrainGroup
+from pipeline.contracts.messages import Group, TrainGroup
 from pipeline.metrics import read
 from pipeline.runner import StopRequest
 from pipeline.testing import FakeEngine, FakeTrainer

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline.errors import RecipeError
-from pipeline.messages import Prompt
+from pipeline.contracts.errors import RecipeError
+from pipeline.contracts.messages import Prompt
 from stages.reward import resolve
 
 
@@ -93,7 +93,7 @@ async def test_a_reward_that_calls_sys_exit_is_a_failure_of_that_sample() -> Non
 
 ABANDON_SCRIPT = """
 import time, anyio
-from pipeline.messages import Prompt
+from pipeline.contracts.messages import Prompt
 from stages.reward import score_all
 
 def forever(prompt, completion):

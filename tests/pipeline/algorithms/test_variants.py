@@ -12,11 +12,10 @@ import pytest
 import torch
 
 from pipeline.algorithms import advantages as estimators
-from pipeline.algorithms.presets import LossConfig
-from pipeline.algorithms.presets import Algorithm, resolve
+from pipeline.algorithms.presets import Algorithm, LossConfig, resolve
 from pipeline.algorithms.update import Chunk, run_update
-from pipeline.errors import RecipeError
-from pipeline.messages import TrainGroup, TrainSample
+from pipeline.contracts.errors import RecipeError
+from pipeline.contracts.messages import TrainGroup, TrainSample
 from stages.train import TrainSection
 
 REWARDS = [1.0, 0.0, 0.5]
@@ -51,7 +50,12 @@ class OneChunk:
         (group,) = groups
         chunk = Chunk.of(group.samples, None, self.device)
         # The pre-step logprobs: logprobs minus each token's log ratio.
-        chunk.old = torch.tensor([[lp - d for lp, d in zip(LP[i] + [0.0] * 3, LOG_RATIO[i] + [0.0] * 3, strict=False)][:3] for i in range(3)])
+        chunk.old = torch.tensor(
+            [
+                [lp - d for lp, d in zip(LP[i] + [0.0] * 3, LOG_RATIO[i] + [0.0] * 3, strict=False)][:3]
+                for i in range(3)
+            ]
+        )
         return [chunk]
 
     def logprobs(self, chunk: Chunk, *, reference: bool = False) -> torch.Tensor:
@@ -153,9 +157,15 @@ def test_the_presets_knobs() -> None:
     dapo = preset("dapo")
     assert (dapo.dynamic_sampling, dapo.overlong_buffer, dapo.loss.clip_high) == (True, 1, 0.28)
     gspo = preset("gspo")
-    assert (gspo.policy_loss, gspo.loss_aggregation, gspo.loss.clip_low) == ("sequence", "sequence_mean", 3e-4)
+    assert (gspo.policy_loss, gspo.loss_aggregation, gspo.loss.clip_low) == (
+        "sequence",
+        "sequence_mean",
+        3e-4,
+    )
     # A knob set on its own beats the preset's.
-    mixed = resolve(TrainSection(algorithm="gspo", clip_low=0.1), max_new_tokens=MAX_NEW, samples_per_prompt=3)
+    mixed = resolve(
+        TrainSection(algorithm="gspo", clip_low=0.1), max_new_tokens=MAX_NEW, samples_per_prompt=3
+    )
     assert (mixed.policy_loss, mixed.loss.clip_low) == ("sequence", 0.1)
 
 
@@ -175,7 +185,9 @@ def test_gspo_sequence_ratio_by_hand(is_correction: str) -> None:
     """One ratio a sequence, exp(mean log ratio), clipped per sequence; every token carries its
     sequence's loss (times its IS weight); sequence mean of token means."""
     gspo = preset("gspo")
-    algorithm = replace(gspo, loss=replace(gspo.loss, clip_low=0.2, clip_high=0.28, is_correction=is_correction))
+    algorithm = replace(
+        gspo, loss=replace(gspo.loss, clip_low=0.2, clip_high=0.28, is_correction=is_correction)
+    )
     adv = algorithm.advantages()(REWARDS)
     n = len(LENGTHS)
     loss, grads = 0.0, []

@@ -25,7 +25,7 @@ from pipeline.algorithms.presets import knob
 from pipeline.metrics import REQUIRED_KEYS
 
 if TYPE_CHECKING:
-    from stages.recipe import Recipe
+    from pipeline.shell.recipe import Recipe
 
 # What stages/train.py writes on each step besides the required keys.
 _TRAIN_STAGE = (

@@ -19,10 +19,10 @@ from pathlib import Path
 from backends import registry
 from backends.placement import RayPlacement, check_ray
 from pipeline.algorithms.presets import algorithm_of
-from pipeline.errors import RecipeError
+from pipeline.contracts.errors import RecipeError
+from pipeline.shell.recipe import Recipe
 from stages.checkpoint import open_resume
 from stages.prompts import PromptSet, build_prompts
-from stages.recipe import Recipe
 from stages.reward import RewardFn, resolve
 
 

@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Protocol
 
-from pipeline.messages import Completion, TrainGroup
+from pipeline.contracts.messages import Completion, TrainGroup
 
 
 class Checkpointable(Protocol):
@@ -21,7 +21,7 @@ class Checkpointable(Protocol):
     (names of its choosing, none of the pipeline's: see `stages.checkpoint`; an object without
     state writes none) into a step directory that is then committed by an atomic rename; `load`
     reads them back on resume; `close` lets go of threads and devices at the run's end (closing
-    twice is harmless). `save` raises `NonFiniteState` (pipeline.errors) rather than write NaN
+    twice is harmless). `save` raises `NonFiniteState` (pipeline.contracts.errors) rather than write NaN
     or infinity; `load` raises `DamagedState` for files that are missing, torn or not finite,
     before it changes any state.
     """
