@@ -26,7 +26,8 @@ from typing import Any
 import anyio
 import msgspec
 
-from backends.placement import Placed, place
+from backends.place import place
+from backends.placement import Placed
 from pipeline.algorithms.presets import algorithm_of
 from pipeline.channel import Channel
 from pipeline.clock import DeadlineClock, TimeSource

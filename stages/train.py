@@ -22,7 +22,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 
 from backends.registry import BackendName
-from pipeline.algorithms.presets import Algorithm
+from pipeline.algorithms.config import Algorithm
 from pipeline.contracts.errors import NothingTrained
 from pipeline.contracts.messages import Dropped, Group, TrainGroup, TrainSample
 from pipeline.contracts.protocols import Trainer

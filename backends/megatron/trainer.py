@@ -46,7 +46,7 @@ from backends.torch.fingerprint import Fingerprinter, parameter_probes
 from backends.torch.logprobs import picked_logprobs
 from backends.torch.schedule import lr_factor
 from backends.torch.state_file import load_state, save_state
-from pipeline.algorithms.presets import Algorithm
+from pipeline.algorithms.config import Algorithm
 from pipeline.algorithms.update import Chunk, run_update
 from pipeline.contracts.messages import TrainGroup, TrainSample
 

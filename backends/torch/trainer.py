@@ -25,7 +25,7 @@ from backends.torch.model import Decoder
 from backends.torch.precision import MasterWeights, StreamedParking
 from backends.torch.schedule import lr_factor
 from backends.torch.state_file import TRAINER_FILE, load_state, save_state
-from pipeline.algorithms.presets import Algorithm
+from pipeline.algorithms.config import Algorithm
 from pipeline.algorithms.update import Chunk, run_update
 from pipeline.contracts.errors import RecipeError
 from pipeline.contracts.messages import TrainGroup, TrainSample

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pipeline.algorithms.presets import LossConfig
+from pipeline.algorithms.config import LossConfig
 from pipeline.algorithms.registry import Registry
 
 

@@ -23,8 +23,8 @@ from typing import Any, Protocol
 import torch
 
 from pipeline.algorithms.aggregation import AGGREGATIONS, Counts
+from pipeline.algorithms.config import Algorithm
 from pipeline.algorithms.losses import LOSSES, LossInputs, mismatch_metrics
-from pipeline.algorithms.presets import Algorithm
 from pipeline.contracts.messages import TrainGroup, TrainSample
 
 

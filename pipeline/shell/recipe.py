@@ -16,10 +16,10 @@ from pipeline.contracts.sections import (
     WandbSection,
     WatchdogSection,
 )
-from pipeline.shell.metric_names import MetricNames
+from pipeline.shell.metric_names import MetricNames, check_names
 from stages.evaluation import EvalSection
 from stages.faults import FaultsSection
-from stages.gates import GatesSection, check_names
+from stages.gates import GatesSection
 from stages.prompts import PromptsSection
 from stages.reward import RewardSection
 from stages.rollout import RolloutSection, check_engine

@@ -8,7 +8,7 @@ from backends.megatron import layout
 from backends.megatron.model import build_gpt_model
 from backends.megatron.optimizer import TorchAdamW
 from backends.megatron.trainer import MegatronTrainer
-from pipeline.algorithms.presets import Algorithm, LossConfig
+from pipeline.algorithms.config import Algorithm, LossConfig
 from tests.backends.megatron_cases import CONFIGS
 
 CONFIG = CONFIGS["qwen2-bias"]  # GQA, biases: every sharded layout

@@ -16,10 +16,7 @@ from backends.megatron.optimizer import TorchAdamW  # noqa: E402
 from backends.megatron.trainer import MegatronTrainer  # noqa: E402
 from backends.torch.model import Decoder  # noqa: E402
 from backends.torch.trainer import TorchTrainer  # noqa: E402
-from pipeline.algorithms.presets import (  # noqa: E402
-    Algorithm,
-    LossConfig,
-)
+from pipeline.algorithms.config import Algorithm, LossConfig  # noqa: E402
 from pipeline.contracts.errors import DamagedState, NonFiniteState  # noqa: E402
 from tests.backends.megatron_cases import CONFIGS, groups  # noqa: E402
 

@@ -12,7 +12,7 @@ from backends.torch.config import ModelConfig
 from backends.torch.model import Decoder
 from backends.torch.precision import HostParking, StreamedParking
 from backends.torch.trainer import TorchTrainer
-from pipeline.algorithms.presets import Algorithm, LossConfig
+from pipeline.algorithms.config import Algorithm, LossConfig
 from pipeline.contracts.messages import TrainGroup, TrainSample
 
 

@@ -18,7 +18,8 @@ import pytest
 pytest.importorskip("megatron.core")
 
 import pipeline
-from backends.placement import Placed, place
+from backends.place import place
+from backends.placement import Placed
 from pipeline.contracts.errors import BackendLost
 from pipeline.metrics import read
 from stages import program

@@ -20,7 +20,8 @@ import anyio
 import pytest
 
 import pipeline
-from backends.placement import Placed, place
+from backends.place import place
+from backends.placement import Placed
 from pipeline.contracts.errors import BackendLost
 from pipeline.metrics import read
 from stages import program

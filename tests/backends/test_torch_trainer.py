@@ -13,7 +13,7 @@ import torch
 from backends.torch.config import ModelConfig
 from backends.torch.model import Decoder
 from backends.torch.trainer import TorchTrainer
-from pipeline.algorithms.presets import Algorithm, LossConfig
+from pipeline.algorithms.config import Algorithm, LossConfig
 from pipeline.contracts.messages import TrainGroup, TrainSample
 
 PINNED = json.loads((Path(__file__).parent / "trainer_steps.json").read_text())

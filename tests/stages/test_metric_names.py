@@ -7,9 +7,9 @@ from pathlib import Path
 import anyio
 
 import pipeline
-from pipeline.metrics import read
+from pipeline.metrics import per_evaluation, read
 from pipeline.recipe import convert
-from pipeline.shell.metric_names import MetricNames, per_evaluation
+from pipeline.shell.metric_names import MetricNames
 from pipeline.shell.recipe import Recipe
 from pipeline.testing import FakeEngine, FakeTime, FakeTrainer
 from stages.program import run_program

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from pipeline.algorithms.config import LossConfig
 from pipeline.algorithms.losses import LossInputs, LossOutputs
-from pipeline.algorithms.presets import LossConfig
 
 
 def squared_advantage(inputs: LossInputs, config: LossConfig) -> LossOutputs:

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from pipeline.algorithms import advantages as estimators
-from pipeline.algorithms.presets import Algorithm, LossConfig, resolve
+from pipeline.algorithms.config import Algorithm, LossConfig
+from pipeline.algorithms.presets import resolve
 from pipeline.algorithms.update import Chunk, run_update
 from pipeline.contracts.errors import RecipeError
 from pipeline.contracts.messages import TrainGroup, TrainSample
