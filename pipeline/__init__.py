@@ -45,5 +45,5 @@ async def run(recipe: Recipe, **options: Any) -> RunSummary:
 
     # The stages' modules are imported off the event loop: the host keeps its turns.
     with start_up():
-        program = await anyio.to_thread.run_sync(importlib.import_module, "stages.program")
+        program = await anyio.to_thread.run_sync(importlib.import_module, "pipeline.shell.run")
     return await program.run_program(recipe, **options)

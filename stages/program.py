@@ -9,9 +9,9 @@
 
 Channels hold `prompts_per_step * (L+1)` groups (`batches`: L+1 batches), so nothing queues past
 what the tickets admit. Every stage takes the one `RunContext` (clock, trace, watchdog, timings,
-metrics). `run_program` reads the checkpoint to resume from and builds the backend off the event
-loop (`backends.placement`: in this process through `backends.registry`, or on Ray), loads the
-checkpoint into it, takes the run directory's lock, and
+metrics). `run_program` reads the checkpoint to resume from and has the backend built off the event
+loop (by the `start` the shell gives it: `pipeline.shell.run`), loads the checkpoint into it,
+takes the run directory's lock, and
 runs the stages (`_Pipeline`) to the last step or a clean stop, saving on the way out.
 """
 
@@ -21,13 +21,11 @@ import logging
 import random
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import msgspec
 
-from backends.place import place
-from backends.placement import Placed
 from pipeline.algorithms.presets import algorithm_of
 from pipeline.channel import Channel
 from pipeline.clock import DeadlineClock, TimeSource
@@ -39,10 +37,6 @@ from pipeline.logs import reset_warnings
 from pipeline.metrics import MetricsLog
 from pipeline.recipe import dump
 from pipeline.runner import Stage, StopRequest, first_error, run_stages
-from pipeline.shell.console import Console
-from pipeline.shell.plot import draw_apart
-from pipeline.shell.preflight import Checked, preflight
-from pipeline.shell.recipe import Recipe
 from pipeline.sinks import open_sinks
 from pipeline.startup import start_up, thaws_after
 from pipeline.tickets import TicketBox
@@ -77,7 +71,17 @@ from stages.step_record import StepRecorder
 from stages.timings import BatchTimings
 from stages.train import TrainStage
 
+if TYPE_CHECKING:
+    from backends.placement import Placed
+    from pipeline.shell.console import Console
+    from pipeline.shell.preflight import Checked
+    from pipeline.shell.recipe import Recipe
+
 log = logging.getLogger("stages.program")
+
+# The recipe's checks, then (when asked: True) its backend, built where `placement` says; on a
+# worker thread. The shell gives it (`pipeline.shell.run`): the stages never import a backend.
+Start = Callable[["Recipe", bool], "tuple[Checked, Placed | None]"]
 
 
 class RunSummary(msgspec.Struct, frozen=True, kw_only=True):
@@ -95,6 +99,7 @@ class RunSummary(msgspec.Struct, frozen=True, kw_only=True):
 async def run_program(
     recipe: Recipe,
     *,
+    start: Start,
     engine: Engine | None = None,
     trainer: Trainer | None = None,
     time_source: TimeSource | None = None,
@@ -104,7 +109,8 @@ async def run_program(
     console: Console | None = None,
     checkpoint_hook: Callable[[str], None] | None = None,
 ) -> RunSummary:
-    """Run `recipe` to its last step (or a clean stop). `engine`/`trainer` replace the backend.
+    """Run `recipe` to its last step (or a clean stop). `start` checks the recipe and builds its
+    backend; `engine`/`trainer` replace the backend (then `start` only checks).
 
     `echo` is called with each train step's metrics record, `on_eval` with each evaluation's
     (step 0: before training); `console` shows the run.
@@ -122,7 +128,7 @@ async def run_program(
     # without the garbage collector's full passes, which hold the GIL 100-300 ms each.
     with start_up():
         resume = await anyio.to_thread.run_sync(open_resume, run_dir, recipe)
-        checked, placed = await anyio.to_thread.run_sync(_start, recipe, built)
+        checked, placed = await anyio.to_thread.run_sync(start, recipe, built)
     prompts, reward_fn = checked.prompts, checked.reward_fn
     if placed is not None:
         engine, trainer = placed.engine, placed.trainer
@@ -265,10 +271,6 @@ async def _run_locked(
         # On a worker thread: closing the sinks (wandb) and writing the trace take a while.
         with anyio.CancelScope(shield=True):
             await anyio.to_thread.run_sync(lambda: _close_all(steps, failing=failing))
-    if recipe.run.plot:
-        problem = await draw_apart(run_dir)
-        if problem:  # the run is done and saved: a missing plot is not a failure
-            log.warning("run.plot: no report.png: %s", problem)
     verdict = await anyio.to_thread.run_sync(give_verdict, run_dir, recipe.gates, recipe.run.steps)
     return RunSummary(
         run_dir=str(run_dir),
@@ -516,16 +518,6 @@ def _both(*hooks: Callable[[dict[str, Any]], None] | None) -> Callable[[dict[str
                 hook(record)
 
     return call
-
-
-def _start(recipe: Recipe, build: bool) -> tuple[Checked, Placed | None]:
-    """The recipe's checks, then (with `build`) the recipe's backend where `placement` says; on
-    a worker thread."""
-    checked = preflight(recipe, model=build, resume=False)  # open_resume read it whole
-    if not build:
-        return checked, None
-    tokenizer = checked.prompts.tokenizer
-    return checked, place(recipe, vocab_size=tokenizer.vocab_size, stop_ids=tokenizer.stop_ids)
 
 
 def _fingerprints(engine: Any, trainer: Any) -> bool:

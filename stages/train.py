@@ -21,12 +21,18 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
-from backends.registry import BackendName
 from pipeline.algorithms.config import Algorithm
 from pipeline.contracts.errors import NothingTrained
 from pipeline.contracts.messages import Dropped, Group, TrainGroup, TrainSample
 from pipeline.contracts.protocols import Trainer
-from pipeline.contracts.sections import NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, Section
+from pipeline.contracts.sections import (
+    BackendName,
+    NonNegativeFloat,
+    NonNegativeInt,
+    PositiveFloat,
+    PositiveInt,
+    Section,
+)
 from pipeline.gate import EngineGate
 from pipeline.tickets import Ticket, TicketBox
 from stages.batch_assembly import BatchAssembler

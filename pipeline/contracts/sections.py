@@ -7,7 +7,7 @@ in its errors, which `pipeline.recipe` turns into one line naming the recipe fil
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 
@@ -63,3 +63,19 @@ class WandbSection(Section, frozen=True):
 
 class TensorBoardSection(Section, frozen=True):
     enabled: bool = False  # event files in run.dir/tensorboard (needs the tensorboard package)
+
+
+class BenchLengths(Section, frozen=True):
+    """`rollout.bench_lengths`: ln(length) ~ Normal(ln(median_tokens), sigma)."""
+
+    distribution: Literal["lognormal"] = "lognormal"
+    median_tokens: PositiveInt = 256
+    sigma: PositiveFloat = 0.9
+
+    def describe(self, max_new_tokens: int) -> dict[str, Any]:
+        """The distribution and its parameters, as benchmark results record them."""
+        return {**msgspec.to_builtins(self), "max_new_tokens": max_new_tokens}
+
+
+# What the recipe's `train.backend` accepts; backends/registry.py maps each to its module.
+BackendName = Literal["torch", "megatron"]

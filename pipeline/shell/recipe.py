@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import msgspec
 
+from backends.megatron.rules import check_engine
 from backends.placement import LocalPlacement, Placement, check_placement
 from backends.torch.config import ModelConfig
 from backends.torch.section import ModelSection
@@ -22,7 +23,7 @@ from stages.faults import FaultsSection
 from stages.gates import GatesSection
 from stages.prompts import PromptsSection
 from stages.reward import RewardSection
-from stages.rollout import RolloutSection, check_engine
+from stages.rollout import RolloutSection
 from stages.train import TrainSection
 
 

@@ -1,6 +1,6 @@
 """The whole pipeline on fakes: versions and lag, admission, backpressure, drops, timeouts, errors.
 
-Every test runs `stages.program.run_program` with a FakeEngine, a FakeTrainer and fake time that
+Every test runs `stages.run.run_program` with a FakeEngine, a FakeTrainer and fake time that
 jumps whenever every task is blocked, so minutes of simulated latency take milliseconds.
 """
 
@@ -23,9 +23,10 @@ from pipeline.contracts.messages import Batch, Dropped, Group, Sample, TrainGrou
 from pipeline.metrics import REQUIRED_KEYS
 from pipeline.recipe import convert
 from pipeline.shell.recipe import Recipe
+from pipeline.shell.run import run_program
 from pipeline.testing import EngineCrash, FakeEngine, FakeTime, FakeTrainer, FaultInjector, InjectedFault
 from pipeline.tickets import TicketBox
-from stages.program import RunSummary, run_program
+from stages.program import RunSummary
 
 PROMPTS_PER_STEP = 2
 

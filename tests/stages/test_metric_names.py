@@ -11,8 +11,8 @@ from pipeline.metrics import per_evaluation, read
 from pipeline.recipe import convert
 from pipeline.shell.metric_names import MetricNames
 from pipeline.shell.recipe import Recipe
+from pipeline.shell.run import run_program
 from pipeline.testing import FakeEngine, FakeTime, FakeTrainer
-from stages.program import run_program
 
 # Names only some configurations write, which neither run below reaches.
 NOT_REACHED = {
