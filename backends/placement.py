@@ -25,7 +25,7 @@ import msgspec
 from pipeline.contracts.errors import RecipeError
 from pipeline.contracts.sections import NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, Section
 
-# Scores a group's (prompt, completion text or None) pairs: stages.reward.score_all's contract.
+# Scores a group's (prompt, completion text or None) pairs: pipeline.rewards.scoring.score_all's contract.
 Scorer = Callable[[list[tuple[Any, str | None]]], Awaitable[list[Any]]]
 
 

@@ -22,7 +22,7 @@ from pipeline.contracts.errors import DeadlineExceeded
 from pipeline.contracts.messages import Prompt
 from pipeline.contracts.sections import NonNegativeInt, PositiveInt, Section
 from pipeline.gate import EngineGate
-from stages.reward import RewardFn, score_all
+from pipeline.rewards.scoring import RewardFn, score_all
 from stages.rollout import GiveUp, RolloutSection, with_retries
 
 

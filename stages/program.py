@@ -31,11 +31,12 @@ from pipeline.channel import Channel
 from pipeline.clock import DeadlineClock, TimeSource
 from pipeline.contracts.errors import BackendLost, PipelineError
 from pipeline.contracts.messages import Batch, Dropped, Group
-from pipeline.contracts.protocols import Engine, Trainer
+from pipeline.contracts.protocols import Engine, Fingerprinted, SlotStatistics, Trainer
 from pipeline.gate import EngineGate
 from pipeline.logs import reset_warnings
 from pipeline.metrics import MetricsLog
 from pipeline.recipe import dump
+from pipeline.rewards.scoring import RewardFn
 from pipeline.runner import Stage, StopRequest, first_error, run_stages
 from pipeline.sinks import open_sinks
 from pipeline.startup import start_up, thaws_after
@@ -64,7 +65,7 @@ from stages.faults import FaultyEngine
 from stages.gates import Verdict, give_verdict
 from stages.progress import Progress
 from stages.prompts import PromptSet
-from stages.reward import RewardFn, RewardStage
+from stages.reward import RewardStage
 from stages.rollout import RolloutStage
 from stages.run_dir import RunDirLock, keep_earlier_runs
 from stages.step_record import StepRecorder
@@ -419,10 +420,9 @@ class _Pipeline:
     def idle_slots(self) -> dict[str, float]:
         """The fraction of the engine's slots (row x decode step) with no row generating since
         the last step (finished rows waiting for a refill), from an engine with `statistics()`."""
-        statistics = getattr(self.backend_engine, "statistics", None)
-        if statistics is None:
+        if not isinstance(self.backend_engine, SlotStatistics):
             return {}
-        stats = statistics()
+        stats = self.backend_engine.statistics()
         slots = stats.slot_steps - self._slots_before[0]
         busy = stats.busy_slot_steps - self._slots_before[1]
         self._slots_before = (stats.slot_steps, stats.busy_slot_steps)
@@ -523,4 +523,4 @@ def _both(*hooks: Callable[[dict[str, Any]], None] | None) -> Callable[[dict[str
 def _fingerprints(engine: Any, trainer: Any) -> bool:
     """Whether both sides take weight fingerprints (an engine or trainer passed in by an
     embedding application may predate `fingerprint` in the protocols: its run goes unchecked)."""
-    return all(callable(getattr(part, "fingerprint", None)) for part in (engine, trainer))
+    return all(isinstance(part, Fingerprinted) for part in (engine, trainer))

@@ -218,7 +218,7 @@ class RewardWorker:
     """Scores groups with the recipe's reward function, up to the actor's concurrency at once."""
 
     def __init__(self, function: str) -> None:
-        from stages.reward import resolve
+        from pipeline.rewards.scoring import resolve
 
         self.fn = resolve(function)
 
@@ -226,6 +226,6 @@ class RewardWorker:
         return os.getpid()
 
     async def score(self, pairs: list[tuple[Any, str | None]]) -> list[Any]:
-        from stages.reward import score_all
+        from pipeline.rewards.scoring import score_all
 
         return await score_all(self.fn, pairs)

@@ -78,7 +78,7 @@ _TRAINER = (
 )
 _DYNAMIC_SAMPLING = ("rollout/filtered_groups", "rollout/surplus_groups")  # stages/train.py's dynamic_sample
 _EVAL = ("step", "policy_version", "eval/reward", "timing/eval_s")  # stages/train.py's evaluations
-# The info keys of the built-in rewards (stages/reward.py, stages/math_reward.py).
+# The info keys of the built-in rewards (stages/reward.py, pipeline/rewards/math.py).
 _BUILTIN_INFO: dict[str, tuple[str, ...]] = {"positional": ("exact_match",), "math": ("has_answer",)}
 
 

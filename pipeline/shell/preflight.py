@@ -20,10 +20,10 @@ from backends import registry
 from backends.placement import RayPlacement, check_ray
 from pipeline.algorithms.presets import algorithm_of
 from pipeline.contracts.errors import RecipeError
+from pipeline.rewards.scoring import RewardFn, resolve
 from pipeline.shell.recipe import Recipe
 from stages.checkpoint import open_resume
 from stages.prompts import PromptSet, build_prompts
-from stages.reward import RewardFn, resolve
 
 
 @dataclass(frozen=True)
