@@ -15,12 +15,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pipeline.errors import PipelineError, RecipeError
+from pipeline.contracts.errors import PipelineError, RecipeError
 from pipeline.runner import StopRequest
 
 if TYPE_CHECKING:
+    from pipeline.shell.recipe import Recipe
     from stages.program import RunSummary
-    from stages.recipe import Recipe
 
 __all__ = ["PipelineError", "RecipeError", "StopRequest", "load_recipe", "run"]
 
@@ -28,7 +28,7 @@ __all__ = ["PipelineError", "RecipeError", "StopRequest", "load_recipe", "run"]
 def load_recipe(path: str | Path, overrides: Sequence[str] = ()) -> Recipe:
     """Read and validate a recipe; raises `RecipeError` naming the file and field."""
     from pipeline import recipe as loader
-    from stages.recipe import Recipe
+    from pipeline.shell.recipe import Recipe
 
     return loader.load(path, Recipe, overrides)
 
@@ -49,7 +49,7 @@ async def run(recipe: Recipe, **options: Any) -> RunSummary:
         # anyio imports its asyncio backend at its first use, a tenth of a second of imports:
         # here, with the stages' modules, off the event loop, so the host keeps its turns.
         importlib.import_module("anyio._backends._asyncio")
-        return importlib.import_module("stages.program")
+        return importlib.import_module("pipeline.shell.run")
 
     with start_up():
         program = await asyncio.to_thread(load)

@@ -5,7 +5,7 @@ unscored samples, rewards, lag against the engine's `version`, response lengths 
 percentiles, partial rollouts, groups whose rewards are all equal); `finish`
 adds, once the step's weights are published, the gate's and the stages' timings, the step's
 seconds (from the previous step's end, evaluations not charged), throughput, queue depths and
-the run's counters. Metric names are listed in `stages.metric_names`.
+the run's counters. Metric names are listed in `pipeline.shell.metric_names`.
 
 A group whose samples all got the same reward has advantage 0 everywhere and teaches nothing; a
 run where that holds for every group, step after step, trains at loss 0 and looks healthy. After
@@ -21,9 +21,9 @@ from collections.abc import Callable, Mapping, Sequence
 from statistics import fmean
 from typing import Any
 
+from pipeline.algorithms.advantages import population_std
+from pipeline.contracts.messages import Dropped, Group, Sample
 from pipeline.logs import warn_once
-from pipeline.messages import Dropped, Group, Sample
-from stages.advantages import population_std
 from stages.context import RunContext
 
 log = logging.getLogger(__name__)

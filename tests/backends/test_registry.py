@@ -15,8 +15,8 @@ from backends.torch.config import ModelConfig
 from backends.torch.engine import TorchEngine
 from backends.torch.section import ModelSection
 from backends.torch.trainer import TorchTrainer
-from pipeline.errors import RecipeError
-from stages.recipe import Recipe
+from pipeline.contracts.errors import RecipeError
+from pipeline.shell.recipe import Recipe
 
 ROOT = Path(__file__).parents[2]
 
@@ -64,7 +64,7 @@ def test_a_host_that_imported_torch_with_default_spinning_is_told_how_to_fix_it(
     be fixed from here, so the build says what to do (once), for a CPU model of several threads."""
     program = (
         "import torch, msgspec; from backends.registry import build_backend; "
-        "from stages.recipe import Recipe; recipe = Recipe(); "
+        "from pipeline.shell.recipe import Recipe; recipe = Recipe(); "
         "model = msgspec.structs.replace(recipe.model, threads=2); "
         "recipe = msgspec.structs.replace(recipe, model=model); "
         "build_backend(recipe, vocab_size=16, stop_ids=(1,))[1].close()"
