@@ -131,7 +131,6 @@ def _run(args: argparse.Namespace) -> int:
             logs.setup(args.log_level, ConsoleHandler(console))
         else:  # what start-up is doing goes with the console's lines, not to stderr
             told = ConsoleHandler(console)
-            told.setFormatter(logging.Formatter("%(asctime)s %(message)s", logs.DATE_FORMAT))
             narration.addHandler(told)
     try:
         summary = anyio.run(_run_task, recipe, console, backend_options={"use_uvloop": True})

@@ -28,6 +28,8 @@ from typing import Any, TextIO
 
 import anyio
 
+from pipeline.logs import DATE_FORMAT, NARRATION
+
 # (record key, label, format)
 _FIELDS = (
     ("reward/mean", "reward", "{:.3f}"),
@@ -201,14 +203,17 @@ class Console:
 
 
 class ConsoleHandler(logging.Handler):
-    """Prints log records above a live status line instead of through it."""
+    """Prints log records above a live status line instead of through it; start-up's narration
+    (`pipeline.startup`) as its time and message alone, like the console's own lines."""
 
     def __init__(self, console: Console) -> None:
         super().__init__()
         self.console = console
+        self._narration = logging.Formatter("%(asctime)s %(message)s", DATE_FORMAT)
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
-            self.console.line(self.format(record))
+            narrated = record.name == NARRATION
+            self.console.line(self._narration.format(record) if narrated else self.format(record))
         except Exception:
             self.handleError(record)

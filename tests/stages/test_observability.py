@@ -361,6 +361,20 @@ def test_permanent_lines_wrap_between_fields_within_the_width() -> None:
     ]
 
 
+def test_start_up_narration_prints_as_its_time_and_message() -> None:
+    out = io.StringIO()
+    handler = ConsoleHandler(Console(10, stream=out, live=False, width=lambda: 80))
+    handler.setFormatter(logging.Formatter("%(levelname)s %(message)s"))
+    for name, level, message in (
+        ("pipeline.startup", logging.INFO, "loading torch"),
+        ("x", logging.WARNING, "careful"),
+    ):
+        handler.emit(logging.LogRecord(name, level, __file__, 1, message, None, None))
+    narrated, other = out.getvalue().splitlines()
+    assert re.fullmatch(r"\d\d:\d\d:\d\d loading torch", narrated)
+    assert other == "WARNING careful"
+
+
 def test_the_eta_follows_the_recent_steps_not_the_slow_first_ones() -> None:
     out = io.StringIO()
     times = iter([0.0, 30.0, 60.0, *(60.0 + i for i in range(1, 9))])  # two 30 s steps, then 1 s
