@@ -245,6 +245,13 @@ async def _run_locked(
         failing = True
         with anyio.CancelScope(shield=True):
             await _never_masking(wired.final_save, "the save on cancellation")
+        # The embedding task's cancellation is a clean stop: said as the CLI says its stops.
+        log.warning(
+            "cancelled: stopped after %d steps (policy version %d); %s",
+            wired.progress.steps_done,
+            wired.gate.engine_version,
+            wired.saved_note(),
+        )
         raise
     except Exception as error:
         failing = True
@@ -456,14 +463,30 @@ class _Pipeline:
 
     async def final_save(self) -> None:
         """The save of a clean stop; in-step saves go through the gate (which traces them)."""
-        # A step cancelled after its worker thread finished has changed the weights without
-        # being published: saving then would label step k+1's weights as step k.
-        consistent = self.trainer.completed_steps == self.progress.steps_done
-        if self.progress.steps_done > self.checkpoints.last_step and consistent:
-            clock = self.context.clock
-            start = clock.source.now()
-            await self.save(self.progress.steps_done, self.assembler.next_batch, None)
-            self.context.trace.span("save", start, clock.source.now(), track="train")
+        # The gate finishes a step it has started even when cancelled, so the trainer and the
+        # recorded steps agree; were they to differ, saving would label step k+1's weights as k.
+        steps = self.progress.steps_done
+        if steps <= self.checkpoints.last_step:
+            return
+        if self.trainer.completed_steps != steps:
+            log.error(
+                "no checkpoint of step %d: the trainer has completed %d steps, the run recorded %d",
+                steps,
+                self.trainer.completed_steps,
+                steps,
+            )
+            return
+        clock = self.context.clock
+        start = clock.source.now()
+        await self.save(steps, self.assembler.next_batch, None)
+        self.context.trace.span("save", start, clock.source.now(), track="train")
+
+    def saved_note(self) -> str:
+        """Where the run's training is kept, for the line that ends a stopped run."""
+        last = self.checkpoints.last_step
+        if not last:
+            return "no checkpoint saved"
+        return f"checkpoint step {last} in {self.checkpoints.root}"
 
 
 async def _never_masking(action: Callable[[], Any], what: str) -> None:

@@ -11,13 +11,15 @@ else is given as `module:function`, importable from the working directory or the
 Up to `concurrency` groups are scored at once, each under `reward_s` of wall time (the gate
 does not block reward work); the cheap built-ins (`positional`, `exact_match`: microseconds a
 sample) are scored on the event loop as each group arrives, with no thread or deadline. A
-function that raises or returns a non-finite value, or a group that times out, is a counted data
-failure: those samples get no reward and are not trained on. More than `max_failures` failures
-stop the run.
+function that raises (an `Exception`, `SystemExit` or its own `CancelledError`) or returns a
+non-finite value, or a group that times out, is a counted data failure: those samples get no
+reward and are not trained on. More than `max_failures` failures stop the run. A function that
+raises any other `BaseException` (`KeyboardInterrupt`) stops the run at once (`RewardAborted`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import importlib
 import inspect
@@ -31,10 +33,11 @@ import anyio
 import msgspec
 
 from pipeline.channel import Channel
-from pipeline.errors import DeadlineExceeded, DropBudgetExceeded, RecipeError
+from pipeline.errors import DeadlineExceeded, DropBudgetExceeded, PipelineError, RecipeError
 from pipeline.logs import warn_once
 from pipeline.messages import Dropped, Group, Prompt, Sample
 from pipeline.recipe import NonNegativeInt, PositiveFloat, PositiveInt, Section
+from pipeline.runner import strict
 from stages.context import RunContext
 from stages.reward_threads import blocking_note, run_abandonable, run_async
 from stages.tokenizer import Tokenizer
@@ -141,9 +144,26 @@ def _normalise(result: Any) -> dict[str, float]:
 Scored = dict[str, float] | Exception | None
 
 
-# `SystemExit` too: a reward function that calls sys.exit has failed on that sample; it must
-# not end the thread silently (nor the run).
-_REWARD_ERRORS = (Exception, SystemExit)
+# What a reward function raises is a counted failure of its sample, unless it asks to end the
+# process: `SystemExit` (sys.exit) and `CancelledError` (nobody cancelled it: the function's own)
+# are failures too, since either would otherwise end a worker thread or the reward stage silently
+# and the run would look finished. `KeyboardInterrupt` and other non-`Exception`s stop the run
+# (`RewardAborted`).
+_REWARD_ERRORS = (Exception, SystemExit, asyncio.CancelledError)
+
+
+class RewardAborted(PipelineError):
+    """The reward function raised a `BaseException` that is no data failure (`KeyboardInterrupt`,
+    `GeneratorExit`, ...): the run stops with this one line and saves what it trained."""
+
+
+def _aborted(fn: RewardFn, error: BaseException) -> RewardAborted:
+    name = getattr(fn, "__qualname__", repr(fn))
+    return RewardAborted(
+        f"reward.function: {name} raised {type(error).__name__}"
+        f"{f'({error})' if str(error) else ''}; a reward function returns a float or raises an "
+        "Exception (a counted failure): the run stops"
+    )
 
 
 def _score_all_sync(fn: RewardFn, items: list[tuple[Prompt, str | None]]) -> list[Scored]:
@@ -156,6 +176,8 @@ def _score_all_sync(fn: RewardFn, items: list[tuple[Prompt, str | None]]) -> lis
             results.append(_normalise(fn(prompt, text)))
         except _REWARD_ERRORS as error:  # a reward bug is a counted data failure, not a crash
             results.append(_as_exception(error))
+        except BaseException as error:
+            raise _aborted(fn, error) from None
     return results
 
 
@@ -167,8 +189,15 @@ async def _score_all_async(fn: RewardFn, items: list[tuple[Prompt, str | None]])
             continue
         try:
             results.append(_normalise(await fn(prompt, text)))  # type: ignore[misc]
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():  # ours: a deadline or a stop
+                raise
+            results.append(RewardCancelled("the reward function raised CancelledError"))
         except _REWARD_ERRORS as error:
             results.append(_as_exception(error))
+        except BaseException as error:
+            raise _aborted(fn, error) from None
     return results
 
 
@@ -176,9 +205,16 @@ class RewardExited(Exception):
     """The reward function raised `SystemExit` (called sys.exit)."""
 
 
-def _as_exception(error: Exception | SystemExit) -> Exception:
+class RewardCancelled(Exception):
+    """The reward function raised `CancelledError` itself (nothing cancelled it)."""
+
+
+def _as_exception(error: BaseException) -> Exception:
     if isinstance(error, SystemExit):
         return RewardExited(f"the reward function called sys.exit({error.code!r})")
+    if isinstance(error, asyncio.CancelledError):
+        return RewardCancelled("the reward function raised CancelledError")
+    assert isinstance(error, Exception), error  # _REWARD_ERRORS
     return error
 
 
@@ -237,7 +273,7 @@ class RewardStage:
                             await self._score_and_send(item, None)
                         else:
                             await slots.acquire()
-                            scoring.start_soon(self._score_and_send, item, slots)
+                            scoring.start_soon(strict(self._score_and_send), item, slots)
         finally:
             self.out.close()
             self.watchdog.done(self.name)
