@@ -274,7 +274,10 @@ async def _run_locked(
         problem = await draw_apart(run_dir)
         if problem:  # the run is done and saved: a missing plot is not a failure
             log.warning("run.plot: no report.png: %s", problem)
-    verdict = await anyio.to_thread.run_sync(give_verdict, run_dir, recipe.gates, recipe.run.steps)
+    stopped_at = wired.progress.steps_done if outcome.stopped else None
+    verdict = await anyio.to_thread.run_sync(
+        give_verdict, run_dir, recipe.gates, recipe.run.steps, stopped_at
+    )
     return RunSummary(
         run_dir=str(run_dir),
         steps_done=wired.progress.steps_done,
