@@ -5,7 +5,8 @@ and of `eval.jsonl` (one per held-out evaluation). Fixed names are those some co
 this pipeline writes (a gate on one this recipe never writes, such as `timing/refit_s` when
 colocated, fails at the end with "no values"). Two families depend on the recipe:
 
-- `rollout/lag_hist/<k>` for k = 0 .. async_rl.max_lookahead_versions;
+- `rollout/lag_hist/<k>` for k = 0 .. async_rl.max_lookahead_versions (or run.steps, if fewer:
+  no sample lags more versions than the run has steps);
 - a reward's info keys, logged as `reward/<key>` on steps and `eval/<key>` on evaluations: for a
   built-in reward its own keys; for a `module:function` reward, whose keys are known only once it
   has run, any `reward/<key>` and `eval/<key>` (one path segment) is accepted.
@@ -91,7 +92,6 @@ class MetricNames(msgspec.Struct, frozen=True, kw_only=True):
 
     @classmethod
     def for_recipe(cls, recipe: Recipe) -> MetricNames:
-        lookahead = recipe.async_rl.max_lookahead_versions
         info = _BUILTIN_INFO.get(recipe.reward.function, ())
         steps = {
             *REQUIRED_KEYS,
@@ -101,7 +101,7 @@ class MetricNames(msgspec.Struct, frozen=True, kw_only=True):
             *_COUNTERS,
             *(PLACEMENT_COUNTERS if isinstance(recipe.placement, RayPlacement) else ()),
             *_TRAINER,
-            *(f"rollout/lag_hist/{k}" for k in range(lookahead + 1)),
+            *(f"rollout/lag_hist/{k}" for k in range(lag_buckets(recipe))),
             *(f"reward/{key}" for key in info),
         }
         evals = {*_EVAL, *(f"eval/{key}" for key in info)}
@@ -115,6 +115,12 @@ class MetricNames(msgspec.Struct, frozen=True, kw_only=True):
 
     def all(self) -> list[str]:
         return sorted(self.steps | self.evals)
+
+
+def lag_buckets(recipe: Recipe) -> int:
+    """The buckets of `rollout/lag_hist/<k>`: lags 0 .. min(L, run.steps). A larger L admits no
+    more than run.steps batches, so a recipe's L never sizes anything past its run."""
+    return min(recipe.async_rl.max_lookahead_versions, recipe.run.steps) + 1
 
 
 def per_evaluation(name: str) -> bool:

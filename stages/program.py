@@ -64,6 +64,7 @@ from stages.context import RunContext
 from stages.evaluation import Evaluation
 from stages.faults import FaultyEngine
 from stages.gates import Verdict, give_verdict
+from stages.metric_names import lag_buckets
 from stages.preflight import Checked, preflight
 from stages.progress import Progress
 from stages.prompts import PromptSet
@@ -376,7 +377,9 @@ class _Pipeline:
             tickets=self.tickets,
             progress=self.progress,
             batches=self.assembler,
-            records=StepRecorder(context, max_lag=lookahead, counters=self.counters, queues=self.depths),
+            records=StepRecorder(
+                context, max_lag=lag_buckets(recipe) - 1, counters=self.counters, queues=self.depths
+            ),
             context=context,
             save=self.save,
             save_due=lambda step: bool(every) and step % every == 0,

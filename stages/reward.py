@@ -118,6 +118,11 @@ def resolve(name: str, *, source_reward: RewardFn | None = None) -> RewardFn:
         module = importlib.import_module(module_name)
     except ImportError as error:
         raise RecipeError(f"reward.function: cannot import module {module_name!r}: {error}") from None
+    except SyntaxError as error:  # its source does not parse (or is not UTF-8): where, in one line
+        where = f"{error.filename}, line {error.lineno}" if error.lineno else error.filename
+        raise RecipeError(
+            f"reward.function: cannot import module {module_name!r}: {error.msg} ({where})"
+        ) from None
     fn = getattr(module, attr, None)
     if not callable(fn):
         raise RecipeError(f"reward.function: module {module_name!r} has no function {attr!r}")

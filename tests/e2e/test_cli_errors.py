@@ -73,13 +73,17 @@ def read_until(process: subprocess.Popen[str], needle: str) -> list[str]:
             "run:\n  steps: [\n",
             "invalid YAML: line 3, column 1: expected the node content, but found '<stream end>'",
         ),
+        # "\udcff" is written as the byte 0xff (surrogateescape): a file in Latin-1, say.
+        ("run:\n  dir: caf\udcff\n", "not UTF-8 text: byte 0xff at line 2, column 11; save it as UTF-8"),
+        ("train:\n  lr: .inf\n", "train.lr: Expected a finite number, got inf"),
     ],
-    ids=["unknown-key", "yaml-syntax"],
+    ids=["unknown-key", "yaml-syntax", "not-utf8", "lr-inf"],
 )
-def test_validate_bad_recipe_exits_2_with_one_line(tmp_path: Path, text: str, message: str) -> None:
+@pytest.mark.parametrize("command", ["validate", "run"])
+def test_bad_recipe_exits_2_with_one_line(tmp_path: Path, command: str, text: str, message: str) -> None:
     path = tmp_path / "bad.yaml"
-    path.write_text(text)
-    result = cli("validate", str(path))
+    path.write_bytes(text.encode("utf-8", "surrogateescape"))
+    result = cli(command, str(path))
     assert result.returncode == 2
     assert result.stderr == f"error: {path}: {message}\n"
     assert "Traceback" not in result.stdout + result.stderr
