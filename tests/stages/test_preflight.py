@@ -191,3 +191,21 @@ def test_ray_placement_needs_ray_and_leaves_the_device_to_the_actors(monkeypatch
         "placement.backend: ray needs the ray package: pip install 'ray>=2.60' "
         "(or this project's extra: pip install -e '.[ray]')"
     )
+
+
+@pytest.mark.parametrize(
+    ("package", "override", "message"),
+    [
+        ("wandb", "wandb.enabled=true", "wandb.enabled: wandb is not installed (pip install wandb)"),
+        (
+            "tensorboard",
+            "tensorboard.enabled=true",
+            "tensorboard.enabled: the tensorboard package is not installed (pip install tensorboard)",
+        ),
+    ],
+)
+def test_a_sink_whose_package_is_missing_is_refused_before_the_run(
+    monkeypatch: pytest.MonkeyPatch, package: str, override: str, message: str
+) -> None:
+    monkeypatch.setitem(sys.modules, package, None)  # find_spec now finds nothing
+    assert check(QUICKSTART, override) == message
