@@ -13,6 +13,8 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import signal
+import threading
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Protocol
 
@@ -140,3 +142,21 @@ def strict(fn: Callable[..., Awaitable[None]]) -> Callable[..., Awaitable[None]]
             raise StrayCancellation(f"{name} raised CancelledError though nothing cancelled it") from error
 
     return task
+
+
+WATCHED_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def reclaim_signals() -> None:
+    """Put Python's handlers back in charge of SIGINT and SIGTERM, where Python installed one.
+
+    A library that starts native code may install its own handler underneath: Ray's driver
+    installs a failure handler for SIGTERM that reports the signal as a crash and ends the
+    process by SIGABRT after the run's clean stop has begun. Called after the backend starts,
+    on the main thread (elsewhere handlers cannot be set, and nothing is done)."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for signum in WATCHED_SIGNALS:
+        handler = signal.getsignal(signum)
+        if callable(handler):  # Python's own (a host's, or the CLI's signal receiver)
+            signal.signal(signum, handler)

@@ -38,7 +38,7 @@ from pipeline.metrics import MetricsLog
 from pipeline.plot import draw_apart
 from pipeline.protocols import Engine, Trainer
 from pipeline.recipe import dump
-from pipeline.runner import Stage, StopRequest, first_error, run_stages
+from pipeline.runner import Stage, StopRequest, first_error, reclaim_signals, run_stages
 from pipeline.sinks import open_sinks
 from pipeline.startup import start_up, thaws_after
 from pipeline.tickets import TicketBox
@@ -122,6 +122,7 @@ async def run_program(
     with start_up():
         resume = await anyio.to_thread.run_sync(open_resume, run_dir, recipe)
         checked, placed = await anyio.to_thread.run_sync(_start, recipe, built)
+    reclaim_signals()  # from what the backend's native code installed (Ray's SIGTERM handler)
     prompts, reward_fn = checked.prompts, checked.reward_fn
     if placed is not None:
         engine, trainer = placed.engine, placed.trainer

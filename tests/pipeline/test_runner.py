@@ -99,3 +99,28 @@ async def test_strict_lets_a_real_cancellation_through() -> None:
         await reached.wait()
         tg.cancel_scope.cancel()
     assert tg.cancel_scope.cancelled_caught
+
+
+def test_reclaim_signals_takes_sigterm_back_from_native_code() -> None:
+    """Native code (Ray's driver) may install its own SIGTERM handler under Python's: after
+    `reclaim_signals` the signal reaches Python's handler again."""
+    import ctypes
+    import os
+    import signal
+
+    from pipeline.runner import reclaim_signals
+
+    got: list[int] = []
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: got.append(signum))
+    try:
+        libc = ctypes.CDLL(None)
+        libc.signal.restype = ctypes.c_void_p
+        libc.signal(int(signal.SIGTERM), ctypes.c_void_p(1))  # SIG_IGN, behind Python's back
+        reclaim_signals()
+        os.kill(os.getpid(), signal.SIGTERM)
+        for _ in range(1000):  # the handler runs at the interpreter's next check
+            if got:
+                break
+        assert got == [signal.SIGTERM]
+    finally:
+        signal.signal(signal.SIGTERM, previous)
