@@ -100,8 +100,8 @@ def _place(
     if shares_gpu(recipe):
         cpus = section.engine_cpus + section.trainer_cpus
         group = placement_group([{"GPU": 1, **({"CPU": cpus} if cpus else {})}])
-        ray.get(group.ready())
         cleanups.append(lambda: remove_placement_group(group))
+        _started([group.ready()], section)  # a GPU taken by others: bounded, as the actors' start
         strategy = PlacementGroupSchedulingStrategy(placement_group=group, placement_group_bundle_index=0)
         trainer_options["scheduling_strategy"] = engine_options["scheduling_strategy"] = strategy
 
