@@ -28,8 +28,8 @@ from typing import Any
 import anyio
 import anyio.lowlevel
 
-from pipeline.errors import DamagedState, NonFiniteState, RequestRejected, RetryableEngineError
-from pipeline.messages import Completion, TrainGroup
+from pipeline.contracts.errors import DamagedState, NonFiniteState, RequestRejected, RetryableEngineError
+from pipeline.contracts.messages import Completion, TrainGroup
 
 
 class FakeTime:

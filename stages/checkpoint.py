@@ -45,11 +45,11 @@ from typing import Any
 import msgspec
 import yaml
 
-from pipeline.errors import DamagedState, NonFiniteState, PipelineError, RecipeError
+from pipeline.contracts.errors import DamagedState, NonFiniteState, PipelineError, RecipeError
+from pipeline.contracts.protocols import Checkpointable
+from pipeline.contracts.text import NotText, read_text
 from pipeline.metrics import EVAL_FILE, STEPS_FILE, finite, read
-from pipeline.protocols import Checkpointable
 from pipeline.recipe import dump, lookup
-from pipeline.text import NotText, read_text
 from stages.run_dir import LOCK_FILE
 
 log = logging.getLogger("stages.checkpoint")

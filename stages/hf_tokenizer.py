@@ -20,8 +20,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from pipeline.errors import RecipeError
-from pipeline.text import NotText, read_text
+from pipeline.contracts.errors import RecipeError
+from pipeline.contracts.text import NotText, read_text
 
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"

@@ -25,10 +25,10 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
-from pipeline.errors import RecipeError
-from pipeline.messages import Prompt
-from pipeline.recipe import PositiveInt, Section
-from pipeline.text import NotText, decode
+from pipeline.contracts.errors import RecipeError
+from pipeline.contracts.messages import Prompt
+from pipeline.contracts.sections import PositiveInt, Section
+from pipeline.contracts.text import NotText, decode
 from stages.tokenizer import CharTokenizer, Tokenizer
 
 NonNegativeInt = Annotated[int, msgspec.Meta(ge=0)]

@@ -5,7 +5,7 @@ unscored samples, rewards, lag against the engine's `version`, response lengths 
 percentiles, partial rollouts); `finish`
 adds, once the step's weights are published, the gate's and the stages' timings, the step's
 seconds (from the previous step's end, evaluations not charged), throughput, queue depths and
-the run's counters. Metric names are listed in `stages.metric_names`.
+the run's counters. Metric names are listed in `pipeline.shell.metric_names`.
 """
 
 from __future__ import annotations
@@ -15,9 +15,15 @@ from collections.abc import Callable, Mapping, Sequence
 from statistics import fmean
 from typing import Any
 
-from pipeline.messages import Dropped, Group, Sample
-from stages.advantages import population_std
+from pipeline.algorithms.advantages import population_std
+from pipeline.contracts.messages import Dropped, Group, Sample
 from stages.context import RunContext
+
+
+def lag_buckets(lookahead: int, steps: int) -> int:
+    """The buckets of `rollout/lag_hist/<k>`: lags 0 .. min(L, run.steps). A larger L admits no
+    more than run.steps batches, so a recipe's L never sizes anything past its run."""
+    return min(lookahead, steps) + 1
 
 
 class StepRecorder:

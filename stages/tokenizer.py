@@ -11,8 +11,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Protocol
 
-from pipeline.errors import RecipeError
-from pipeline.text import NotText, read_text
+from pipeline.contracts.errors import RecipeError
+from pipeline.contracts.text import NotText, read_text
 
 
 class Tokenizer(Protocol):

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from pipeline.errors import RecipeError
+from pipeline.contracts.errors import RecipeError
 
 # Ray's resource names as the recipe's placement fields ask for them.
 _KEYS = {"CPU": "cpus", "GPU": "gpus"}

@@ -10,7 +10,7 @@ from safetensors.torch import save_file
 from backends.torch.config import ModelConfig
 from backends.torch.errors import ModelLoadError
 from backends.torch.model import Decoder
-from pipeline.text import NotText, read_text
+from pipeline.contracts.text import NotText, read_text
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"

@@ -9,7 +9,7 @@ import pytest
 
 import pipeline
 from backends.ray.fits import check_fits, demands
-from pipeline.errors import RecipeError
+from pipeline.contracts.errors import RecipeError
 
 QUICKSTART = "recipes/quickstart.yaml"
 

@@ -9,7 +9,7 @@ import anyio
 import pytest
 
 from pipeline.clock import DeadlineClock
-from pipeline.errors import StageFailed
+from pipeline.contracts.errors import StageFailed
 from pipeline.runner import StopRequest, run_stages, strict
 from pipeline.testing import FakeTime
 from pipeline.watchdog import Watchdog

@@ -3,8 +3,8 @@
 `preflight` raises `RecipeError` for what would otherwise fail later in the run (or, for the
 model and device, with a traceback): a resume path that is not a checkpoint or a recipe that
 does not match it, a missing model directory or config.json, a device this machine lacks, data
-files that do not parse, a reward function that does not import, the packages of the enabled
-metric sinks (wandb, tensorboard), Ray missing where the recipe
+files that do not parse, a reward function that does not import, an RL algorithm whose parts do not resolve or
+combine, the packages of the enabled metric sinks (wandb, tensorboard), Ray missing where the recipe
 places the backend on it, what the chosen backend refuses (`backends.registry.check`), and
 prompts plus `rollout.max_new_tokens` past the model's positions (a learned table, or a rotary
 model's `max_position_embeddings`). What it built on the way (the resume
@@ -19,12 +19,13 @@ from pathlib import Path
 from backends import registry
 from backends.placement import RayPlacement, check_ray
 from backends.torch.config import ModelConfig
-from pipeline.errors import RecipeError
+from pipeline.algorithms.presets import algorithm_of
+from pipeline.contracts.errors import RecipeError
+from pipeline.rewards.scoring import RewardFn, resolve
+from pipeline.shell.recipe import Recipe
 from pipeline.sinks import check_installed
 from stages.checkpoint import open_resume
 from stages.prompts import PromptSet, SyntheticSource, build_prompts
-from stages.recipe import Recipe
-from stages.reward import RewardFn, resolve
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,7 @@ def preflight(recipe: Recipe, *, model: bool = True, resume: bool = True) -> Che
     check_installed(wandb=recipe.wandb.enabled, tensorboard=recipe.tensorboard.enabled)
     if model:
         registry.check(recipe)  # the backend's own refusals (megatron's unsupported train fields)
+    algorithm_of(recipe)  # the algorithm's parts resolve (a custom one imports) and combine
     limit = _check_model(recipe) if model else None
     source = recipe.prompts.source
     if limit is not None and isinstance(source, SyntheticSource) and source.max_digits > limit.positions:

@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 
 import pipeline
-from pipeline.errors import RecipeError
-from stages.recipe import Recipe
+from pipeline.contracts.errors import RecipeError
+from pipeline.shell.recipe import Recipe
 
-RECIPES = sorted((Path(__file__).parents[2] / "recipes").glob("*.yaml"))
+RECIPES = sorted((Path(__file__).parents[3] / "recipes").glob("*.yaml"))
 
 
 def test_there_are_recipes() -> None:
@@ -493,7 +493,7 @@ def test_megatron_inference_loads_where_it_can_run(tmp_path: Path) -> None:
 def test_a_lookahead_past_the_run_sizes_nothing_past_the_run(tmp_path: Path) -> None:
     """L above run.steps admits no more batches than the run has: the lag histogram's names stop
     at run.steps (L = 10**12 made `validate` enumerate names without bound)."""
-    from stages.metric_names import MetricNames
+    from pipeline.shell.metric_names import MetricNames
 
     path = tmp_path / "recipe.yaml"
     path.write_text("run:\n  steps: 3\nasync_rl:\n  max_lookahead_versions: 1000000\n")
