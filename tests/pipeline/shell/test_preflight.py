@@ -105,7 +105,7 @@ def test_a_checkpoint_whose_recipe_is_not_utf8(tmp_path: Path) -> None:
     import anyio
 
     from pipeline.testing import FakeEngine, FakeTrainer
-    from stages.program import run_program
+    from pipeline.shell.run import run_program
 
     run_dir = tmp_path / "run"
     overrides = [
