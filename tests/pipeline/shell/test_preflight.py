@@ -104,8 +104,8 @@ def test_a_data_file_that_is_not_utf8(tmp_path: Path) -> None:
 def test_a_checkpoint_whose_recipe_is_not_utf8(tmp_path: Path) -> None:
     import anyio
 
-    from pipeline.testing import FakeEngine, FakeTrainer
     from pipeline.shell.run import run_program
+    from pipeline.testing import FakeEngine, FakeTrainer
 
     run_dir = tmp_path / "run"
     overrides = [
