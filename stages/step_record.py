@@ -33,6 +33,12 @@ log = logging.getLogger(__name__)
 FLAT_STEPS_WARNING = 10
 
 
+def lag_buckets(lookahead: int, steps: int) -> int:
+    """The buckets of `rollout/lag_hist/<k>`: lags 0 .. min(L, run.steps). A larger L admits no
+    more than run.steps batches, so a recipe's L never sizes anything past its run."""
+    return min(lookahead, steps) + 1
+
+
 class StepRecorder:
     def __init__(
         self,
