@@ -47,18 +47,19 @@ import yaml
 
 from pipeline.errors import DamagedState, NonFiniteState, PipelineError, RecipeError
 from pipeline.metrics import EVAL_FILE, STEPS_FILE, finite, read
-from pipeline.protocols import Checkpointable
+from pipeline.protocols import Checkpointable, Snapshot, Snapshotting
 from pipeline.recipe import dump, lookup
+from stages.checkpoint_marker import MARKER, Listed, describe_files, marker_text, read_marker, verify
 from stages.run_dir import LOCK_FILE
 
 log = logging.getLogger("stages.checkpoint")
 
-MARKER = "COMMITTED"
 STATE_FILE = "state.msgpack"
 RECIPE_FILE = "recipe.yaml"
 PREFIX = "step-"
 TMP_PREFIX = ".tmp-"
 DAMAGED_PREFIX = "damaged-"
+ABANDONED_PREFIX = "abandoned-"
 
 
 class PipelineState(msgspec.Struct, kw_only=True):
@@ -85,7 +86,7 @@ def committed(root: Path) -> list[Path]:
     if not root.is_dir():
         return []
     found = [p for p in root.iterdir() if p.name.startswith(PREFIX) and (p / MARKER).is_file()]
-    return sorted(found, key=lambda p: int(p.name[len(PREFIX) :]))
+    return sorted(found, key=_step)
 
 
 def newest(root: Path) -> Path | None:
@@ -106,15 +107,23 @@ def clean_orphans(root: Path) -> None:
 
 
 class Checkpointer:
-    """Writes committed checkpoints; `hook(point)` lets tests kill the process mid-save
-    (`before_files`, `after:<file>` for each file, `before_marker`, `before_rename`,
-    `after_rename`)."""
+    """Writes committed checkpoints, in two phases: `snapshot` (inside the train step) copies
+    the state to be saved, `write` (later, on another thread, while training goes on) writes,
+    verifies and commits it; `save` does both at once.
+
+    `hook(point)` lets tests kill the process or fail the disk at each moment of a save:
+    `before_snapshot`; then in `write`: `before_files`, `after:<file>` for each file,
+    `before_marker`, `before_rename`, `after_rename`, `purge:<checkpoint>` before each removal
+    by retention.
+    """
 
     def __init__(self, root: Path, *, keep_last: int, hook: Callable[[str], None] | None = None) -> None:
         self.root = root
         self.keep_last = keep_last
         self.hook = hook or (lambda point: None)
-        self.last_step = 0  # the step of the newest checkpoint this run wrote or resumed from
+        # The step of the newest checkpoint this run snapshotted (its write committed, in
+        # flight, or failed and stopping the run) or resumed from.
+        self.last_step = 0
 
     def check_writable(self) -> None:
         """Fail at the start, not at the first save, when checkpoints cannot be written."""
@@ -132,36 +141,61 @@ class Checkpointer:
     def save(
         self, step: int, parts: Sequence[Checkpointable], state: PipelineState, recipe: msgspec.Struct
     ) -> Path:
-        """Write and commit step `step`'s checkpoint (on a worker thread); a failure (a full disk,
-        a state that is not finite) raises `CheckpointError`, leaving the committed ones as
-        they were."""
+        """Snapshot and write step `step`'s checkpoint at once (on a worker thread)."""
+        return self.write(self.snapshot(step, parts, state, recipe))
+
+    def snapshot(
+        self, step: int, parts: Sequence[Checkpointable], state: PipelineState, recipe: msgspec.Struct
+    ) -> Pending:
+        """Take step `step`'s state (on a worker thread, inside the step): each part's
+        `snapshot` (a copy to host memory), or, for a part without one, its files written now.
+        A failure raises `CheckpointError`, leaving the committed checkpoints as they were."""
+        self.hook("before_snapshot")
         final = self.root / f"{PREFIX}{step:06d}"
         tmp = self.root / f"{TMP_PREFIX}{PREFIX}{step:06d}-{os.getpid()}"
+        snapshots: list[Snapshot] = []
         try:
-            self._write(tmp, parts, state, recipe)
-        except (OSError, NonFiniteState) as error:
+            self.root.mkdir(parents=True, exist_ok=True)
             shutil.rmtree(tmp, ignore_errors=True)
-            kept = committed(self.root)
-            raise CheckpointError(
-                f"checkpoint: saving step {step} to {final} failed: {error}; the last good checkpoint "
-                f"is {kept[-1] if kept else 'none'}"
-            ) from None
+            tmp.mkdir()
+            for part in parts:
+                if isinstance(part, Snapshotting):
+                    snapshots.append(part.snapshot(tmp))
+                else:
+                    part.save(tmp)
+        except (OSError, NonFiniteState) as error:
+            raise self._failed(step, final, tmp, error) from None
+        self.last_step = step
+        return Pending(step=step, tmp=tmp, final=final, snapshots=snapshots, state=state, recipe=recipe)
+
+    def write(self, pending: Pending) -> Path:
+        """Write `pending`'s files, fsync them, list them with their checksums in the marker,
+        rename the directory into place, then apply retention. A failure (a full disk, a state
+        that is not finite) raises `CheckpointError`, with nothing of it committed and the
+        committed checkpoints as they were."""
+        try:
+            self._write(pending)
+        except (OSError, NonFiniteState) as error:
+            raise self._failed(pending.step, pending.final, pending.tmp, error) from None
         self.hook("before_rename")
-        if final.exists():  # a re-save of the same step (a stop right after a scheduled save)
-            shutil.rmtree(final)
-        os.rename(tmp, final)
+        if pending.final.exists():  # a re-save of the same step
+            shutil.rmtree(pending.final)
+        os.rename(pending.tmp, pending.final)
         _fsync_dir(self.root)
         self.hook("after_rename")
         self._purge()
-        self.last_step = step
-        return final
+        return pending.final
 
-    def _write(
-        self, tmp: Path, parts: Sequence[Checkpointable], state: PipelineState, recipe: msgspec.Struct
-    ) -> None:
-        self.root.mkdir(parents=True, exist_ok=True)
+    def _failed(self, step: int, final: Path, tmp: Path, error: BaseException) -> CheckpointError:
         shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
+        kept = committed(self.root)
+        return CheckpointError(
+            f"checkpoint: saving step {step} to {final} failed: {error}; the last good checkpoint "
+            f"is {kept[-1] if kept else 'none'}"
+        )
+
+    def _write(self, pending: Pending) -> None:
+        tmp = pending.tmp
         self.hook("before_files")
         written: list[str] = []
 
@@ -171,26 +205,41 @@ class Checkpointer:
                 written.append(name)
                 self.hook(f"after:{name}")
 
-        for part in parts:
-            part.save(tmp)
+        wrote_since()  # what parts without a snapshot wrote in the step
+        for snapshot in pending.snapshots:
+            snapshot.write()
             wrote_since()
-        (tmp / STATE_FILE).write_bytes(msgspec.msgpack.encode(state))
+        (tmp / STATE_FILE).write_bytes(msgspec.msgpack.encode(pending.state))
         wrote_since()
-        (tmp / RECIPE_FILE).write_text(dump(recipe))
+        (tmp / RECIPE_FILE).write_text(dump(pending.recipe))
         wrote_since()
+        # The marker lists every file with its checksum: a resume tells a complete checkpoint
+        # from a damaged one, and bytes changed since the commit from those committed.
+        listed = describe_files(tmp, written)
         self.hook("before_marker")
-        # The marker lists the files, so a resume can tell a complete checkpoint from a damaged one.
-        (tmp / MARKER).write_text("".join(f"{line}\n" for line in (state.step, *written)))
+        (tmp / MARKER).write_text(marker_text(pending.step, listed))
         _fsync_file(tmp / MARKER)
         for directory in sorted({(tmp / name).parent for name in written}, reverse=True):
             _fsync_dir(directory)
 
     def _purge(self) -> None:
         for old in committed(self.root)[: -self.keep_last]:
+            self.hook(f"purge:{old.name}")
             try:
                 shutil.rmtree(old)
             except OSError as error:
                 log.warning("could not remove old checkpoint %s: %s", old, error)
+
+
+class Pending(msgspec.Struct, kw_only=True):
+    """A snapshotted checkpoint, not yet written: its parts' snapshots and the pipeline's state."""
+
+    step: int
+    tmp: Path
+    final: Path
+    snapshots: list[Snapshot]
+    state: PipelineState
+    recipe: msgspec.Struct
 
 
 def _files(directory: Path) -> list[str]:
@@ -223,15 +272,14 @@ class Saved(msgspec.Struct, frozen=True, kw_only=True):
 
 
 def read_saved(path: Path) -> Saved:
-    """`path`'s marker-listed files present, its state and recipe decoded; `DamagedState` if not."""
+    """`path`'s marker-listed files present and as committed (size and checksum), its state and
+    recipe decoded; `DamagedState` naming the file if not."""
     try:
-        listed = (path / MARKER).read_text().split()[1:]
-        for name in listed or (STATE_FILE, RECIPE_FILE):
-            if not (path / name).is_file():
-                raise DamagedState(f"{name} is missing")
+        _, listed = read_marker(path)
+        verify(path, listed or [Listed(STATE_FILE), Listed(RECIPE_FILE)])
         state = msgspec.msgpack.decode((path / STATE_FILE).read_bytes(), type=PipelineState)
         recipe = yaml.safe_load((path / RECIPE_FILE).read_text())
-    except (OSError, msgspec.DecodeError, yaml.YAMLError) as error:
+    except (OSError, UnicodeDecodeError, msgspec.DecodeError, yaml.YAMLError) as error:
         raise DamagedState(f"{type(error).__name__}: {error}") from None
     if not isinstance(recipe, dict):
         raise DamagedState(f"{RECIPE_FILE} is not a recipe")
@@ -334,18 +382,56 @@ def open_resume(run_dir: Path, recipe: Any) -> Resume | None:
 
 
 def set_aside(damaged: Sequence[Path]) -> None:
+    """Rename damaged checkpoints `damaged-step-NNNNNN` (a free name: the same step may have been
+    damaged before), so neither a later resume nor retention counts them."""
     for path in damaged:
-        os.replace(path, path.with_name(DAMAGED_PREFIX + path.name))
+        os.replace(path, _free_name(path, DAMAGED_PREFIX))
 
 
-def restore_metrics(run_dir: Path, state: PipelineState) -> None:
-    """Make the metrics files end at the checkpoint's step.
+def abandon_newer(root: Path, resumed: Resumed) -> None:
+    """Set aside the checkpoints under `root` of a branch the resume abandoned: committed ones at
+    or past the resumed step, other than the resumed one (a resume from an older checkpoint by
+    path). Renamed `abandoned-step-NNNNNN`, so `auto` never continues from them, and said in
+    one line."""
+    step, source = resumed.state.step, resumed.saved.path.resolve()
+    newer = [p for p in committed(root) if _step(p) >= step and p.resolve() != source]
+    if not newer:
+        return
+    moved = [_free_name(path, ABANDONED_PREFIX) for path in newer]
+    for path, target in zip(newer, moved, strict=True):
+        os.replace(path, target)
+    log.warning(
+        "resumed from %s (step %d): set aside the checkpoints of the abandoned branch, which "
+        "checkpoint.resume: auto would have continued from: %s",
+        resumed.saved.path,
+        step,
+        ", ".join(f"{path.name} -> {target.name}" for path, target in zip(newer, moved, strict=True)),
+    )
+
+
+def _step(path: Path) -> int:
+    return int(path.name[len(PREFIX) :])
+
+
+def _free_name(path: Path, prefix: str) -> Path:
+    """`prefix + path.name` beside `path`, or with `.2`, `.3`, ... when taken."""
+    target = path.with_name(prefix + path.name)
+    number = 1
+    while target.exists():
+        number += 1
+        target = path.with_name(f"{prefix}{path.name}.{number}")
+    return target
+
+
+def restore_metrics(run_dir: Path, state: PipelineState) -> set[int]:
+    """Make the metrics files end at the checkpoint's step; the steps evaluated (`eval.jsonl`).
 
     Drops records of later steps (logged by the interrupted run) and a line cut short by a
     kill; if the run was killed between the checkpoint and its step's line, writes that line
     back from the checkpoint, marked `metrics/recovered` (without the save's and the wake's
     timings).
     """
+    evaluated: set[int] = set()
     for name, recover in ((STEPS_FILE, True), (EVAL_FILE, False)):
         path = run_dir / name
         records = read(path) if path.exists() else []  # read skips a line a kill cut short
@@ -355,6 +441,9 @@ def restore_metrics(run_dir: Path, state: PipelineState) -> None:
         tmp = path.with_suffix(".tmp")
         tmp.write_text("".join(json.dumps(r) + "\n" for r in keep))
         tmp.replace(path)
+        if not recover:
+            evaluated = {r["step"] for r in keep if "step" in r}
+    return evaluated
 
 
 # Recipe fields a checkpoint cannot survive changing, or that a resume would silently ignore:

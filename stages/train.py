@@ -88,7 +88,10 @@ class TrainStage:
 
     Batches come from the `BatchAssembler`, their lines from the `StepRecorder`; `save(step,
     next_batch, record)` runs inside the step where `save_due(step)` says (and at the last step);
-    `echo` and `on_eval` see each line written.
+    `check_saves()` before each step raises the failure of a checkpoint written in the
+    background, which stops the run; `echo` and `on_eval` see each line written. A run resumed
+    from a checkpoint whose step's evaluation was due and not recorded (a kill during it)
+    evaluates first (`owed_eval`).
     """
 
     name = "train"
@@ -105,6 +108,7 @@ class TrainStage:
         context: RunContext,
         save: Saver,
         save_due: Callable[[int], bool],
+        check_saves: Callable[[], None] = lambda: None,
         limits: TrainSection,
         evaluation: Evaluation | None = None,
         echo: Callable[[dict[str, Any]], None] = lambda record: None,
@@ -120,6 +124,8 @@ class TrainStage:
         self.clock = context.clock
         self.save = save
         self.save_due = save_due
+        self.check_saves = check_saves
+        self.owed_eval = False
         self.max_empty_in_row = limits.max_consecutive_empty_batches
         self.max_skipped_in_row = limits.max_consecutive_skipped_steps
         self.evaluation = evaluation
@@ -133,8 +139,8 @@ class TrainStage:
     async def run(self) -> None:
         watchdog, trace = self.context.watchdog, self.context.trace
         try:
-            if self.evaluation is not None and self.progress.steps_done == 0:
-                await self._evaluate(0)
+            if self.evaluation is not None and (self.progress.steps_done == 0 or self.owed_eval):
+                await self._evaluate(self.progress.steps_done)
             while True:
                 waiting_since = self.clock.source.now()
                 batch = self.batches.next_batch
@@ -158,6 +164,7 @@ class TrainStage:
             watchdog.done(self.name)
 
     async def _step(self, batch: int, items: list[Group | Dropped], *, wait_s: float) -> None:
+        self.check_saves()
         groups = [item for item in items if isinstance(item, Group)]
         dropped = [item for item in items if isinstance(item, Dropped)]
         train_groups = [g for g in map(train_group, groups) if g.samples]

@@ -68,7 +68,16 @@ class RayTrainer:
     def save(self, directory: Path) -> None:
         """Every rank's files, written by its actor into `directory` (on storage every rank's
         node sees)."""
-        refs = [actor.save.remote("trainer", str(directory)) for actor, _ in self.ranks]
+        self._every_rank([actor.save.remote("trainer", str(directory)) for actor, _ in self.ranks])
+
+    def snapshot(self, directory: Path) -> _RanksSnapshot:
+        """Every rank takes its snapshot now (its actor keeps it); the returned snapshot's
+        `write()` has every rank write its own into `directory` and returns once all have:
+        only then may the controller commit (`pipeline.protocols.Snapshotting`)."""
+        self._every_rank([actor.snapshot.remote("trainer", str(directory)) for actor, _ in self.ranks])
+        return _RanksSnapshot(self)
+
+    def _every_rank(self, refs: list[Any]) -> None:
         pending = list(refs)
         while pending:  # the first rank to fail, not rank 0 waiting on it in a collective
             [ref], pending = ray.wait(pending, num_returns=1)
@@ -84,3 +93,12 @@ class RayTrainer:
 
     def close(self) -> None:
         """Nothing here: the placement kills the actors (`Placed.close`)."""
+
+
+class _RanksSnapshot:
+    def __init__(self, trainer: RayTrainer) -> None:
+        self.trainer = trainer
+
+    def write(self) -> None:
+        ranks = self.trainer.ranks
+        self.trainer._every_rank([actor.write_snapshot.remote("trainer") for actor, _ in ranks])

@@ -1,0 +1,132 @@
+"""Host copies of a nested training state, into one buffer reused from snapshot to snapshot.
+
+`HostCopier.copy(state)` returns `state` with every container (dict, list, tuple) rebuilt and
+every tensor replaced by a copy in host memory, so the copy stays as it was while training
+changes the live state: what an asynchronous checkpoint writes (`Snapshotting`). Tensors that
+are the same view of the same storage (tied weights) are copied once and stay shared.
+
+The copies live in one byte buffer (`arena`), allocated once and reused by every later copy of
+the same or a smaller state; it grows (a new buffer) only when a state needs more. With any
+tensor on a GPU it is pinned memory, allocated once because pinning is slow, and the copies
+into it are asynchronous, each device synchronized once at the end. Each returned tensor is a
+view of the arena through storage of its own (exactly its bytes), so `torch.save` writes it as
+it writes a tensor of its own, never the whole arena.
+
+Lifecycle: a copy's tensors alias the arena until the next `copy`, which overwrites them: the
+caller writes (or drops) one copy before taking the next (`Snapshotting` guarantees it). A
+copy holds a reference to its arena, so an arena replaced by a larger one lives as long as
+copies of it do.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+_ALIGN = 64  # every copy starts on a cache line: views of any dtype are aligned
+
+
+class HostCopier:
+    def __init__(self) -> None:
+        self.arena: torch.Tensor | None = None
+        self.allocations = 0  # arenas allocated (each one pinned on GPU: slow)
+
+    def copy(self, state: Any, leaf: Callable[[Any, Callable[[Any], Any]], Any] | None = None) -> Any:
+        """`state` copied to host memory (see the module docstring). `leaf(value, copy)` may
+        copy a type of its own (returning NotImplemented for the rest), with `copy` for values
+        inside it."""
+        tensors: dict[tuple[Any, ...], torch.Tensor] = {}
+        plan: list[tuple[torch.Tensor, int]] = []  # each distinct tensor and its offset
+        offset = 0
+
+        def key(tensor: torch.Tensor) -> tuple[Any, ...]:
+            return (
+                tensor.device,
+                tensor.untyped_storage().data_ptr(),
+                tensor.storage_offset(),
+                tuple(tensor.shape),
+                tensor.stride(),
+                tensor.dtype,
+            )
+
+        def collect(value: Any) -> Any:
+            nonlocal offset
+            if isinstance(value, torch.Tensor):
+                k = key(value)
+                if k not in tensors:
+                    tensors[k] = value
+                    plan.append((value, offset))
+                    offset += -(-value.numel() * value.element_size() // _ALIGN) * _ALIGN
+                return _Slot(k)
+            return _rebuild(value, collect, leaf)
+
+        skeleton = collect(state)
+        cuda = [t.device for t in tensors.values() if t.device.type == "cuda"]
+        arena = self._arena(offset, pinned=bool(cuda))
+        copies: dict[tuple[Any, ...], torch.Tensor] = {}
+        with torch.no_grad():
+            for k, (tensor, start) in zip(tensors, plan, strict=True):
+                nbytes = tensor.numel() * tensor.element_size()
+                view = arena[start : start + nbytes].view(tensor.dtype).view(tensor.shape)
+                view.copy_(tensor.detach(), non_blocking=view.is_pinned())
+                copies[k] = _own_storage(view, arena)
+        for device in set(cuda):
+            torch.cuda.synchronize(device)
+
+        def fill(value: Any) -> Any:
+            if isinstance(value, _Slot):
+                return copies[value.key]
+            return _rebuild(value, fill, leaf)
+
+        return fill(skeleton)
+
+    def _arena(self, nbytes: int, *, pinned: bool) -> torch.Tensor:
+        arena = self.arena
+        if arena is None or arena.numel() < nbytes or arena.is_pinned() != pinned:
+            arena = torch.empty(max(nbytes, 1), dtype=torch.uint8, pin_memory=pinned)
+            self.arena = arena
+            self.allocations += 1
+        return arena
+
+
+class _Slot:
+    """Where a tensor sits in the skeleton of a state while its copy is being made."""
+
+    __slots__ = ("key",)
+
+    def __init__(self, key: tuple[Any, ...]) -> None:
+        self.key = key
+
+
+def _rebuild(value: Any, each: Callable[[Any], Any], leaf: Callable[..., Any] | None) -> Any:
+    if leaf is not None:
+        done = leaf(value, each)
+        if done is not NotImplemented:
+            return done
+    if isinstance(value, dict):
+        rebuilt = OrderedDict if isinstance(value, OrderedDict) else dict
+        out = rebuilt((k, each(v)) for k, v in value.items())
+        metadata = getattr(value, "_metadata", None)  # a module state dict's versions
+        if metadata is not None:
+            out._metadata = metadata  # type: ignore[attr-defined]
+        return out
+    if isinstance(value, list):
+        return [each(v) for v in value]
+    if isinstance(value, tuple) and not hasattr(value, "_fields"):
+        return tuple(each(v) for v in value)
+    return value
+
+
+def _own_storage(view: torch.Tensor, arena: torch.Tensor) -> torch.Tensor:
+    """`view` (contiguous, in `arena`) as a tensor whose storage is exactly its bytes, keeping
+    `arena` alive while it lives."""
+    nbytes = view.numel() * view.element_size()
+    if nbytes == 0:
+        return torch.empty(view.shape, dtype=view.dtype)
+    window = (ctypes.c_char * nbytes).from_address(view.data_ptr())
+    window._arena = arena  # type: ignore[attr-defined]
+    return torch.frombuffer(window, dtype=view.dtype).view(view.shape)
