@@ -177,6 +177,9 @@ class Checkpointer:
             self._write(pending)
         except (OSError, NonFiniteState) as error:
             raise self._failed(pending.step, pending.final, pending.tmp, error) from None
+        except BaseException:  # a lost backend, a bug: raised as it is, nothing of it left
+            shutil.rmtree(pending.tmp, ignore_errors=True)
+            raise
         self.hook("before_rename")
         if pending.final.exists():  # a re-save of the same step
             shutil.rmtree(pending.final)

@@ -7,8 +7,8 @@ are the same view of the same storage (tied weights) are copied once and stay sh
 
 The copies live in one byte buffer (`arena`), allocated once and reused by every later copy of
 the same or a smaller state; it grows (a new buffer) only when a state needs more. With any
-tensor on a GPU it is pinned memory, allocated once because pinning is slow, and the copies
-into it are asynchronous, each device synchronized once at the end. Each returned tensor is a
+tensor on a GPU it is pinned (page-locked) memory, allocated once because pinning is slow, and
+the copies into it are asynchronous, each device synchronized once at the end. Each returned tensor is a
 view of the arena through storage of its own (exactly its bytes), so `torch.save` writes it as
 it writes a tensor of its own, never the whole arena.
 
@@ -21,6 +21,7 @@ copies of it do.
 from __future__ import annotations
 
 import ctypes
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
@@ -33,6 +34,7 @@ _ALIGN = 64  # every copy starts on a cache line: views of any dtype are aligned
 class HostCopier:
     def __init__(self) -> None:
         self.arena: torch.Tensor | None = None
+        self._pinned = False
         self.allocations = 0  # arenas allocated (each one pinned on GPU: slow)
 
     def copy(self, state: Any, leaf: Callable[[Any, Callable[[Any], Any]], Any] | None = None) -> Any:
@@ -61,10 +63,10 @@ class HostCopier:
                     tensors[k] = value
                     plan.append((value, offset))
                     offset += -(-value.numel() * value.element_size() // _ALIGN) * _ALIGN
-                return _Slot(k)
+                return value
             return _rebuild(value, collect, leaf)
 
-        skeleton = collect(state)
+        collect(state)  # a first pass finds the tensors and their places
         cuda = [t.device for t in tensors.values() if t.device.type == "cuda"]
         arena = self._arena(offset, pinned=bool(cuda))
         copies: dict[tuple[Any, ...], torch.Tensor] = {}
@@ -72,34 +74,27 @@ class HostCopier:
             for k, (tensor, start) in zip(tensors, plan, strict=True):
                 nbytes = tensor.numel() * tensor.element_size()
                 view = arena[start : start + nbytes].view(tensor.dtype).view(tensor.shape)
-                view.copy_(tensor.detach(), non_blocking=view.is_pinned())
+                view.copy_(tensor.detach(), non_blocking=bool(cuda))
                 copies[k] = _own_storage(view, arena)
         for device in set(cuda):
             torch.cuda.synchronize(device)
 
         def fill(value: Any) -> Any:
-            if isinstance(value, _Slot):
-                return copies[value.key]
+            if isinstance(value, torch.Tensor):
+                return copies[key(value)]
             return _rebuild(value, fill, leaf)
 
-        return fill(skeleton)
+        return fill(state)
 
     def _arena(self, nbytes: int, *, pinned: bool) -> torch.Tensor:
         arena = self.arena
-        if arena is None or arena.numel() < nbytes or arena.is_pinned() != pinned:
-            arena = torch.empty(max(nbytes, 1), dtype=torch.uint8, pin_memory=pinned)
-            self.arena = arena
+        if arena is None or arena.numel() < nbytes or self._pinned != pinned:
+            arena = torch.empty(max(nbytes, 1), dtype=torch.uint8)
+            if pinned:
+                _pin(arena)
+            self.arena, self._pinned = arena, pinned
             self.allocations += 1
         return arena
-
-
-class _Slot:
-    """Where a tensor sits in the skeleton of a state while its copy is being made."""
-
-    __slots__ = ("key",)
-
-    def __init__(self, key: tuple[Any, ...]) -> None:
-        self.key = key
 
 
 def _rebuild(value: Any, each: Callable[[Any], Any], leaf: Callable[..., Any] | None) -> Any:
@@ -119,6 +114,19 @@ def _rebuild(value: Any, each: Callable[[Any], Any], leaf: Callable[..., Any] | 
     if isinstance(value, tuple) and not hasattr(value, "_fields"):
         return tuple(each(v) for v in value)
     return value
+
+
+def _pin(buffer: torch.Tensor) -> None:
+    """Page-lock `buffer` for asynchronous copies from any GPU, until it is freed. Registered
+    rather than allocated pinned (`pin_memory=True`): the caching host allocator rounds a
+    pinned allocation up to a power of two, nearly twice a large state's size (torch's own
+    asynchronous checkpoint staging registers its buffers the same way)."""
+    cudart = torch.cuda.cudart()
+    pointer = buffer.data_ptr()
+    status = int(cudart.cudaHostRegister(pointer, buffer.numel(), 1))  # 1: cudaHostRegisterPortable
+    if status != 0:
+        raise RuntimeError(f"pinning {buffer.numel()} bytes of host memory failed: cudaError {status}")
+    weakref.finalize(buffer, cudart.cudaHostUnregister, pointer)
 
 
 def _own_storage(view: torch.Tensor, arena: torch.Tensor) -> torch.Tensor:
