@@ -355,5 +355,7 @@ class _Snapshot:
 class _Written:
     """A snapshot whose files were written when it was taken."""
 
+    written = True
+
     def write(self) -> None:
         pass

@@ -211,14 +211,19 @@ class BackendPart:
         """The part's own checkpoint files, written into `directory` (storage this node sees)."""
         await anyio.to_thread.run_sync(getattr(self, part).save, Path(directory))
 
-    async def snapshot(self, part: Literal["engine", "trainer"], directory: str) -> None:
+    async def snapshot(self, part: Literal["engine", "trainer"], directory: str) -> bool:
         """The part's state taken now for a checkpoint in `directory`, kept here until
-        `write_snapshot` (a part that cannot snapshot writes its files now)."""
+        `write_snapshot` (a part that cannot snapshot writes its files now); whether a write
+        is left to do."""
         target = getattr(self, part)
-        if isinstance(target, Snapshotting):
-            self._snapshots[part] = await anyio.to_thread.run_sync(target.snapshot, Path(directory))
-        else:
+        if not isinstance(target, Snapshotting):
             await anyio.to_thread.run_sync(target.save, Path(directory))
+            return False
+        snapshot = await anyio.to_thread.run_sync(target.snapshot, Path(directory))
+        if getattr(snapshot, "written", False):  # written as it was taken (tensor parallelism)
+            return False
+        self._snapshots[part] = snapshot
+        return True
 
     async def write_snapshot(self, part: Literal["engine", "trainer"]) -> None:
         """Write the part's last snapshot (while the next steps train: this is an async actor)."""
