@@ -23,11 +23,10 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Sequence
-from typing import Any, Literal, get_args
+from typing import Any, get_args
 
-from pipeline.protocols import Engine, Trainer
-
-BackendName = Literal["torch", "megatron"]  # what the recipe's `train.backend` accepts
+from pipeline.contracts.protocols import Engine, Trainer
+from pipeline.contracts.sections import BackendName
 
 BACKENDS: dict[str, str] = {"torch": "backends.torch.build", "megatron": "backends.megatron.build"}
 assert set(BACKENDS) == set(get_args(BackendName)), "a backend named in one place only"

@@ -45,9 +45,9 @@ from typing import Any
 import msgspec
 import yaml
 
-from pipeline.errors import DamagedState, NonFiniteState, PipelineError, RecipeError
+from pipeline.contracts.errors import DamagedState, NonFiniteState, PipelineError, RecipeError
+from pipeline.contracts.protocols import Checkpointable, Snapshot, Snapshotting
 from pipeline.metrics import EVAL_FILE, STEPS_FILE, finite, read
-from pipeline.protocols import Checkpointable, Snapshot, Snapshotting
 from pipeline.recipe import dump, lookup
 from stages.checkpoint_marker import MARKER, Listed, describe_files, marker_text, read_marker, verify
 from stages.run_dir import LOCK_FILE

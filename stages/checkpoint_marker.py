@@ -22,7 +22,7 @@ from pathlib import Path
 
 import msgspec
 
-from pipeline.errors import DamagedState
+from pipeline.contracts.errors import DamagedState
 
 MARKER = "COMMITTED"
 _CHUNK = 16 * 2**20  # zlib releases the interpreter lock over each chunk of this size

@@ -28,7 +28,7 @@ from collections.abc import Callable, Sequence
 import anyio
 import msgspec
 
-from pipeline.protocols import Checkpointable
+from pipeline.contracts.protocols import Checkpointable
 from pipeline.trace import Trace
 from stages.checkpoint import Checkpointer, Pending, PipelineState
 

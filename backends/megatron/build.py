@@ -26,9 +26,9 @@ from backends.placement import RayPlacement
 from backends.torch.build import DTYPES, build_model
 from backends.torch.compute import ComputeThread
 from backends.torch.engine import TorchEngine
-from backends.torch.grpo_loss import LossConfig
 from backends.torch.sampler import Sampler
-from pipeline.errors import RecipeError
+from pipeline.algorithms.presets import algorithm_of
+from pipeline.contracts.errors import RecipeError
 
 # train.<field>: (its default, what it would take)
 _NOT_YET = {
@@ -190,7 +190,7 @@ def _build(recipe: Any, *, vocab_size: int) -> tuple[Any, Any]:
         model,
         step,
         config=config,
-        loss=LossConfig.of(train),
+        algorithm=algorithm_of(recipe),
         lr=train.lr,
         warmup_steps=train.warmup_steps,
         schedule=train.schedule,

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import anyio
 
-from pipeline.protocols import Snapshotting
+from pipeline.contracts.protocols import Snapshotting
 
 if TYPE_CHECKING:  # importing torch here would load it before `runtime.load` could set it up
     from backends.ray.weights import Package, Transport
@@ -241,7 +241,7 @@ class RewardWorker:
     """Scores groups with the recipe's reward function, up to the actor's concurrency at once."""
 
     def __init__(self, function: str) -> None:
-        from stages.reward import resolve
+        from pipeline.rewards.scoring import resolve
 
         self.fn = resolve(function)
 
@@ -249,6 +249,6 @@ class RewardWorker:
         return os.getpid()
 
     async def score(self, pairs: list[tuple[Any, str | None]]) -> list[Any]:
-        from stages.reward import score_all
+        from pipeline.rewards.scoring import score_all
 
         return await score_all(self.fn, pairs)

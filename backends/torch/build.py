@@ -13,12 +13,12 @@ from backends.bench_lengths import length_draw
 from backends.torch.compute import ComputeThread
 from backends.torch.engine import TorchEngine
 from backends.torch.errors import ModelLoadError
-from backends.torch.grpo_loss import LossConfig
 from backends.torch.model import Decoder
 from backends.torch.sampler import Sampler
 from backends.torch.section import ModelSection
 from backends.torch.trainer import TorchTrainer
-from pipeline.errors import RecipeError
+from pipeline.algorithms.presets import algorithm_of
+from pipeline.contracts.errors import RecipeError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -120,7 +120,7 @@ def build_trainer(recipe: Any, model: Decoder, *, compute: ComputeThread) -> Tor
         reference.requires_grad_(False)
     return TorchTrainer(
         model,
-        loss=LossConfig.of(train),
+        algorithm=algorithm_of(recipe),
         lr=train.lr,
         betas=(train.beta1, train.beta2),
         weight_decay=train.weight_decay,

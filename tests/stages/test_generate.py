@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import pipeline
-from pipeline.cli import main
+from pipeline.shell.cli import main
 from stages.checkpoint import committed
 
 QUICKSTART = Path(__file__).parents[2] / "recipes" / "quickstart.yaml"

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import pipeline
-from pipeline.errors import RecipeError
-from stages.preflight import preflight
+from pipeline.contracts.errors import RecipeError
+from pipeline.shell.preflight import preflight
 
 ROOT = Path(__file__).parents[2]
 QUICKSTART = ROOT / "recipes" / "quickstart.yaml"

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 import pipeline
-from pipeline.errors import RecipeError
-from stages.recipe import Recipe
+from pipeline.contracts.errors import RecipeError
+from pipeline.shell.recipe import Recipe
 
 RECIPES = sorted((Path(__file__).parents[2] / "recipes").glob("*.yaml"))
 
