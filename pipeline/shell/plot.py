@@ -164,7 +164,7 @@ def write_report(run_dirs: Sequence[Path], out: Path) -> Path:
             timing,
             steps,
             "timing/save_write_s",
-            "x:",
+            "-.",
             smooth=False,
             label=f"{prefix}checkpoint write (background)",
             **style,
