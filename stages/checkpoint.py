@@ -7,25 +7,31 @@ backend part names its own, e.g. the torch backend's `trainer.pt` and `engine.pt
         <backend files>     what each `Checkpointable` part (trainer, engine) saved
         state.msgpack       policy version, step, batch and prompt cursors, counters, Python RNG
         recipe.yaml         the resolved recipe it was written with
-        COMMITTED           written last, listing the step and every file: a directory without
-                            it is not a checkpoint
+        COMMITTED           written last, listing the step and every file with its size and
+                            checksum (`stages.checkpoint_marker`): a directory without it is
+                            not a checkpoint
     .tmp-step-000012-*      a save in progress (or an orphan of a killed one, removed at start)
     damaged-step-000009/    a committed checkpoint that did not load, set aside by a resume
+                            (`.2`, `.3`, ... when the same step was set aside before)
+    abandoned-step-000011/  newer than the checkpoint a resume by path continued from
 
-Save: each part writes its files into a temporary directory, then the pipeline's; each is
-fsynced, the marker written and fsynced, the directory renamed into place, `checkpoints/`
-fsynced. A kill at any point leaves either the previous committed checkpoints untouched or the
+Save, in two phases (`stages.checkpoint_writer` runs the second in the background): the
+snapshot, inside the step, takes each part's state (`Snapshotting` parts copy it to memory,
+others write their files now); the write has the snapshots write their files into a temporary
+directory, then the pipeline's; each is fsynced, the marker written and fsynced, the directory
+renamed into place, `checkpoints/` fsynced. A kill at any point leaves either the previous committed checkpoints untouched or the
 new one complete. A part whose state holds NaN or infinity refuses to write it
 (`NonFiniteState`), so retention never drops a good checkpoint for a bad one; a failed save
 raises `CheckpointError` naming its cause. After a save only the newest `keep_last` committed
 checkpoints are kept; a failed purge is logged, never fatal.
 
 Resume reads committed checkpoints only. A checkpoint is usable when every file its marker lists
-(for markers that list none: `state.msgpack` and `recipe.yaml`) is present and reads, and every
-part loads its own (`DamagedState` otherwise). With `checkpoint.resume: auto` a damaged newest
+(for markers that list none: `state.msgpack` and `recipe.yaml`) is present with the size and
+checksum listed and reads, and every part loads its own (`DamagedState` otherwise). With `checkpoint.resume: auto` a damaged newest
 checkpoint is reported in one line and the previous one is tried; the damaged ones are renamed
 `damaged-step-NNNNNN` once the run holds the run directory, so neither a later resume nor
-retention counts them. A checkpoint named by path must itself be usable. Work admitted after the
+retention counts them. A checkpoint named by path must itself be usable; the committed ones of
+the run directory at or past its step (another branch of the run) are renamed `abandoned-*`. Work admitted after the
 checkpoint's step is not saved: the prompt cursor points just past the last trained batch, so
 those prompts are drawn and generated again and every prompt is trained exactly once.
 """
