@@ -19,22 +19,22 @@ Save, in two phases (`stages.checkpoint_writer` runs the second in the backgroun
 snapshot, inside the step, takes each part's state (`Snapshotting` parts copy it to memory,
 others write their files now); the write has the snapshots write their files into a temporary
 directory, then the pipeline's; each is fsynced, the marker written and fsynced, the directory
-renamed into place, `checkpoints/` fsynced. A kill at any point leaves either the previous committed checkpoints untouched or the
-new one complete. A part whose state holds NaN or infinity refuses to write it
-(`NonFiniteState`), so retention never drops a good checkpoint for a bad one; a failed save
-raises `CheckpointError` naming its cause. After a save only the newest `keep_last` committed
-checkpoints are kept; a failed purge is logged, never fatal.
+renamed into place, `checkpoints/` fsynced. A kill at any point leaves either the previous
+committed checkpoints untouched or the new one complete. A part whose state holds NaN or
+infinity refuses to write it (`NonFiniteState`), so retention never drops a good checkpoint for
+a bad one; a failed save raises `CheckpointError` naming its cause. After a save only the newest
+`keep_last` committed checkpoints are kept; a failed purge is logged, never fatal.
 
 Resume reads committed checkpoints only. A checkpoint is usable when every file its marker lists
 (for markers that list none: `state.msgpack` and `recipe.yaml`) is present with the size and
-checksum listed and reads, and every part loads its own (`DamagedState` otherwise). With `checkpoint.resume: auto` a damaged newest
-checkpoint is reported in one line and the previous one is tried; the damaged ones are renamed
-`damaged-step-NNNNNN` once the run holds the run directory, so neither a later resume nor
-retention counts them. A checkpoint named by path must itself be usable; the committed ones of
-the run directory at or past its step (another branch of the run) are renamed `abandoned-*`. Work admitted after the
-checkpoint's step is not saved: the prompt cursor points just past the last trained batch, so
-those prompts are drawn and generated again and every prompt is trained exactly once.
-"""
+checksum listed and reads, and every part loads its own (`DamagedState` otherwise). With
+`checkpoint.resume: auto` a damaged newest checkpoint is reported in one line and the previous
+one is tried; the damaged ones are renamed `damaged-step-NNNNNN` once the run holds the run
+directory, so neither a later resume nor retention counts them. A checkpoint named by path must
+itself be usable; the committed ones of the run directory at or past its step (another branch of
+the run) are renamed `abandoned-*`. Work admitted after the checkpoint's step is not saved: the
+prompt cursor points just past the last trained batch, so those prompts are drawn and generated
+again and every prompt is trained exactly once."""
 
 from __future__ import annotations
 
