@@ -34,7 +34,8 @@ directory, so neither a later resume nor retention counts them. A checkpoint nam
 itself be usable; the committed ones of the run directory at or past its step (another branch of
 the run) are renamed `abandoned-*`. Work admitted after the checkpoint's step is not saved: the
 prompt cursor points just past the last trained batch, so those prompts are drawn and generated
-again and every prompt is trained exactly once."""
+again and every prompt is trained exactly once.
+"""
 
 from __future__ import annotations
 

@@ -15,7 +15,8 @@ ends); `settle()` only waits, raising nothing (a run already failing). `figures(
 each, what the step waited for the previous write (`timing/save_wait_s`, on every step that
 saves: 0 when none was in flight) and how long the writes finished since the last call took
 (`timing/save_write_s`); each write is also a span on the trace's `checkpoint` track. The thread
-is not a daemon: an interpreter exiting without a drain still finishes the commit first."""
+is not a daemon: an interpreter exiting without a drain still finishes the commit first.
+"""
 
 from __future__ import annotations
 
