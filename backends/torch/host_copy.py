@@ -7,8 +7,10 @@ are the same view of the same storage (tied weights) are copied once and stay sh
 
 The copies live in one byte buffer (`arena`), allocated once and reused by every later copy of
 the same or a smaller state; it grows (a new buffer) only when a state needs more. With any
-tensor on a GPU it is pinned (page-locked) memory, allocated once because pinning is slow, and
-the copies into it are asynchronous, each device synchronized once at the end. Each returned tensor is a
+tensor on a GPU it is pinned (page-locked) memory, pinned once because pinning is slow (a new
+arena takes its first copy pageable and is pinned on a thread of its own meanwhile; the next
+copy waits for that), and the copies into it are asynchronous, each device synchronized once at
+the end. Each returned tensor is a
 view of the arena through storage of its own (exactly its bytes), so `torch.save` writes it as
 it writes a tensor of its own, never the whole arena.
 
@@ -21,6 +23,8 @@ copies of it do.
 from __future__ import annotations
 
 import ctypes
+import logging
+import threading
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable
@@ -28,13 +32,17 @@ from typing import Any
 
 import torch
 
+log = logging.getLogger("backends.torch.host_copy")
+
 _ALIGN = 64  # every copy starts on a cache line: views of any dtype are aligned
 
 
 class HostCopier:
     def __init__(self) -> None:
         self.arena: torch.Tensor | None = None
-        self._pinned = False
+        self._for_gpu = False  # the arena takes copies from a GPU (and is pinned once)
+        self._pinning: threading.Thread | None = None
+        self._tried: torch.Tensor | None = None  # the arena pinned (or tried)
         self.allocations = 0  # arenas allocated (each one pinned on GPU: slow)
 
     def copy(self, state: Any, leaf: Callable[[Any, Callable[[Any], Any]], Any] | None = None) -> Any:
@@ -78,6 +86,12 @@ class HostCopier:
                 copies[k] = _own_storage(view, arena)
         for device in set(cuda):
             torch.cuda.synchronize(device)
+        if cuda and self._tried is not arena:
+            # Pinning takes seconds a GB: a new arena takes its first copy pageable, and is
+            # pinned beside the steps that follow, for the next copies.
+            self._tried = arena
+            self._pinning = threading.Thread(target=_pin, args=(arena,), name="pin-snapshot", daemon=True)
+            self._pinning.start()
 
         def fill(value: Any) -> Any:
             if isinstance(value, torch.Tensor):
@@ -87,12 +101,13 @@ class HostCopier:
         return fill(state)
 
     def _arena(self, nbytes: int, *, pinned: bool) -> torch.Tensor:
+        if self._pinning is not None:  # the arena is not written while it is being pinned
+            self._pinning.join()
+            self._pinning = None
         arena = self.arena
-        if arena is None or arena.numel() < nbytes or self._pinned != pinned:
+        if arena is None or arena.numel() < nbytes or self._for_gpu != pinned:
             arena = torch.empty(max(nbytes, 1), dtype=torch.uint8)
-            if pinned:
-                _pin(arena)
-            self.arena, self._pinned = arena, pinned
+            self.arena, self._for_gpu = arena, pinned
             self.allocations += 1
         return arena
 
@@ -120,12 +135,18 @@ def _pin(buffer: torch.Tensor) -> None:
     """Page-lock `buffer` for asynchronous copies from any GPU, until it is freed. Registered
     rather than allocated pinned (`pin_memory=True`): the caching host allocator rounds a
     pinned allocation up to a power of two, nearly twice a large state's size (torch's own
-    asynchronous checkpoint staging registers its buffers the same way)."""
+    asynchronous checkpoint staging registers its buffers the same way). A failure leaves it
+    pageable: copies into it are then slower, not wrong."""
     cudart = torch.cuda.cudart()
     pointer = buffer.data_ptr()
     status = int(cudart.cudaHostRegister(pointer, buffer.numel(), 1))  # 1: cudaHostRegisterPortable
     if status != 0:
-        raise RuntimeError(f"pinning {buffer.numel()} bytes of host memory failed: cudaError {status}")
+        log.warning(
+            "pinning %d bytes for checkpoint snapshots failed (cudaError %d): copies stay pageable",
+            buffer.numel(),
+            status,
+        )
+        return
     weakref.finalize(buffer, cudart.cudaHostUnregister, pointer)
 
 
