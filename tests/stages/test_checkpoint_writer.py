@@ -3,6 +3,7 @@ a failing write stops the run with the last good checkpoint intact."""
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 from pathlib import Path
@@ -74,6 +75,13 @@ async def test_a_save_due_while_the_last_write_runs_waits_for_it_and_says_so(
     lines = {m["step"]: m for m in metrics(recipe)}
     assert all("timing/save_wait_s" in lines[step] for step in (1, 2, 3))
     assert "timing/save_write_s" in lines[2]  # step 1's write, finished before step 2's snapshot
+    trace = json.loads((tmp_path / "run/trace.json").read_text())["traceEvents"]
+    track = next(e["tid"] for e in trace if e["name"] == "thread_name" and e["args"]["name"] == "checkpoint")
+    assert [e["name"] for e in trace if e.get("tid") == track and e["ph"] == "X"] == [
+        "write step 1",
+        "write step 2",
+        "write step 3",
+    ]
     assert writer_threads() == []
 
 
