@@ -10,7 +10,12 @@ also `Checkpointable`), and
     build_trainer_alone(recipe, *, vocab_size: int) -> Trainer
 
 that builds the trainer alone, for a process whose engines run elsewhere (a Ray trainer actor:
-one a rank), whose `served_parameters()` are the weights an engine's torch `Decoder` takes
+one a rank), and
+
+    build_engine_alone(recipe, *, vocab_size: int, stop_ids: Sequence[int], replica: int) -> Engine
+
+that builds one engine replica alone, on weights of its own that a refit refreshes (a Ray engine
+actor), whose trainer's `served_parameters()` are the weights an engine's torch `Decoder` takes
 (its names and layout); a bad recipe raises `RecipeError` naming the field. A backend that
 refuses some recipes also gives `check(recipe)`, which raises that error without building (the
 pre-flight checks of `validate` and `run` call it). Its recipe sections
@@ -53,3 +58,13 @@ def build_backend(recipe: Any, *, vocab_size: int, stop_ids: Sequence[int]) -> t
     module = importlib.import_module(BACKENDS[recipe.train.backend])
     engine, trainer = module.build_backend(recipe, vocab_size=vocab_size, stop_ids=stop_ids)
     return engine, trainer
+
+
+def build_engine_alone(recipe: Any, *, vocab_size: int, stop_ids: Sequence[int], replica: int = 0) -> Engine:
+    """Engine replica `replica` alone, of the backend `recipe.train.backend` names, on weights of
+    its own that a refit refreshes (a Ray engine actor, apart from the trainer)."""
+    module = importlib.import_module(BACKENDS[recipe.train.backend])
+    engine: Engine = module.build_engine_alone(
+        recipe, vocab_size=vocab_size, stop_ids=stop_ids, replica=replica
+    )
+    return engine

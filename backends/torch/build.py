@@ -80,6 +80,23 @@ def build_trainer_alone(recipe: Any, *, vocab_size: int) -> TorchTrainer:
     return build_trainer(recipe, model, compute=ComputeThread("trainer"))
 
 
+def build_engine_alone(
+    recipe: Any, *, vocab_size: int, stop_ids: Sequence[int], replica: int = 0
+) -> TorchEngine:
+    """Engine replica `replica` on a model of its own (a Ray engine actor, apart from the
+    trainer), which `load_weights` refreshes."""
+    model = build_model(recipe.model, vocab_size=vocab_size, seed=recipe.run.seed)
+    return build_engine(
+        recipe,
+        model,
+        shared=False,
+        source=model,
+        stop_ids=stop_ids,
+        compute=ComputeThread("engine"),
+        replica=replica,
+    )
+
+
 def build_engine(
     recipe: Any,
     model: Decoder,

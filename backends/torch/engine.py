@@ -417,6 +417,11 @@ class TorchEngine:
                 target.copy_(value)
         self._take_fingerprint()
 
+    def served_parameters(self) -> list[tuple[str, torch.Tensor]]:
+        """The weights its sampler reads, by the `Decoder`'s names: what `load_weights` takes
+        (and how a weights package unpacks into them)."""
+        return list(self.sampler.model.named_parameters())
+
     async def load_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
         """Copy `weights` (every parameter, by name) into the served model between two loops:
         the refit of an engine whose trainer is in another process."""

@@ -10,7 +10,7 @@ colocated, fails at the end with "no values"). Two families depend on the recipe
   built-in reward its own keys; for a `module:function` reward, whose keys are known only once it
   has run, any `reward/<key>` and `eval/<key>` (one path segment) is accepted.
 
-`tests/stages/test_metric_names.py` runs the pipeline and fails if it logs a name not known here
+`tests/pipeline/shell/test_metric_names.py` runs the pipeline and fails if it logs a name not known here
 (or if a name known here is never logged).
 """
 
