@@ -23,6 +23,7 @@ from pathlib import Path
 import msgspec
 
 from pipeline.contracts.errors import DamagedState
+from pipeline.contracts.text import NotText, read_text
 
 MARKER = "COMMITTED"
 _CHUNK = 16 * 2**20  # zlib releases the interpreter lock over each chunk of this size
@@ -58,9 +59,9 @@ def marker_text(step: int, files: Sequence[Listed]) -> str:
 def read_marker(directory: Path) -> tuple[int, list[Listed]]:
     """The step and the files `directory`'s marker lists; `DamagedState` if it does not parse."""
     try:
-        text = (directory / MARKER).read_text()
-    except UnicodeDecodeError:
-        raise DamagedState(f"{MARKER} is not text") from None
+        text = read_text(directory / MARKER)
+    except NotText as error:
+        raise DamagedState(str(error)) from None
     lines = text.splitlines()
     try:
         step = int(lines[0])
