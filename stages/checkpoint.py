@@ -7,27 +7,34 @@ backend part names its own, e.g. the torch backend's `trainer.pt` and `engine.pt
         <backend files>     what each `Checkpointable` part (trainer, engine) saved
         state.msgpack       policy version, step, batch and prompt cursors, counters, Python RNG
         recipe.yaml         the resolved recipe it was written with
-        COMMITTED           written last, listing the step and every file: a directory without
-                            it is not a checkpoint
+        COMMITTED           written last, listing the step and every file with its size and
+                            checksum (`stages.checkpoint_marker`): a directory without it is
+                            not a checkpoint
     .tmp-step-000012-*      a save in progress (or an orphan of a killed one, removed at start)
     damaged-step-000009/    a committed checkpoint that did not load, set aside by a resume
+                            (`.2`, `.3`, ... when the same step was set aside before)
+    abandoned-step-000011/  newer than the checkpoint a resume by path continued from
 
-Save: each part writes its files into a temporary directory, then the pipeline's; each is
-fsynced, the marker written and fsynced, the directory renamed into place, `checkpoints/`
-fsynced. A kill at any point leaves either the previous committed checkpoints untouched or the
-new one complete. A part whose state holds NaN or infinity refuses to write it
-(`NonFiniteState`), so retention never drops a good checkpoint for a bad one; a failed save
-raises `CheckpointError` naming its cause. After a save only the newest `keep_last` committed
-checkpoints are kept; a failed purge is logged, never fatal.
+Save, in two phases (`stages.checkpoint_writer` runs the second in the background): the
+snapshot, inside the step, takes each part's state (`Snapshotting` parts copy it to memory,
+others write their files now); the write has the snapshots write their files into a temporary
+directory, then the pipeline's; each is fsynced, the marker written and fsynced, the directory
+renamed into place, `checkpoints/` fsynced. A kill at any point leaves either the previous
+committed checkpoints untouched or the new one complete. A part whose state holds NaN or
+infinity refuses to write it (`NonFiniteState`), so retention never drops a good checkpoint for
+a bad one; a failed save raises `CheckpointError` naming its cause. After a save only the newest
+`keep_last` committed checkpoints are kept; a failed purge is logged, never fatal.
 
 Resume reads committed checkpoints only. A checkpoint is usable when every file its marker lists
-(for markers that list none: `state.msgpack` and `recipe.yaml`) is present and reads, and every
-part loads its own (`DamagedState` otherwise). With `checkpoint.resume: auto` a damaged newest
-checkpoint is reported in one line and the previous one is tried; the damaged ones are renamed
-`damaged-step-NNNNNN` once the run holds the run directory, so neither a later resume nor
-retention counts them. A checkpoint named by path must itself be usable. Work admitted after the
-checkpoint's step is not saved: the prompt cursor points just past the last trained batch, so
-those prompts are drawn and generated again and every prompt is trained exactly once.
+(for markers that list none: `state.msgpack` and `recipe.yaml`) is present with the size and
+checksum listed and reads, and every part loads its own (`DamagedState` otherwise). With
+`checkpoint.resume: auto` a damaged newest checkpoint is reported in one line and the previous
+one is tried; the damaged ones are renamed `damaged-step-NNNNNN` once the run holds the run
+directory, so neither a later resume nor retention counts them. A checkpoint named by path must
+itself be usable; the committed ones of the run directory at or past its step (another branch of
+the run) are renamed `abandoned-*`. Work admitted after the checkpoint's step is not saved: the
+prompt cursor points just past the last trained batch, so those prompts are drawn and generated
+again and every prompt is trained exactly once.
 """
 
 from __future__ import annotations
@@ -46,20 +53,21 @@ import msgspec
 import yaml
 
 from pipeline.contracts.errors import DamagedState, NonFiniteState, PipelineError, RecipeError
-from pipeline.contracts.protocols import Checkpointable
+from pipeline.contracts.protocols import Checkpointable, Snapshot, Snapshotting
 from pipeline.contracts.text import NotText, read_text
 from pipeline.metrics import EVAL_FILE, STEPS_FILE, finite, read
 from pipeline.recipe import dump, lookup
+from stages.checkpoint_marker import MARKER, Listed, describe_files, marker_text, read_marker, verify
 from stages.run_dir import LOCK_FILE
 
 log = logging.getLogger("stages.checkpoint")
 
-MARKER = "COMMITTED"
 STATE_FILE = "state.msgpack"
 RECIPE_FILE = "recipe.yaml"
 PREFIX = "step-"
 TMP_PREFIX = ".tmp-"
 DAMAGED_PREFIX = "damaged-"
+ABANDONED_PREFIX = "abandoned-"
 
 
 class PipelineState(msgspec.Struct, kw_only=True):
@@ -86,7 +94,7 @@ def committed(root: Path) -> list[Path]:
     if not root.is_dir():
         return []
     found = [p for p in root.iterdir() if p.name.startswith(PREFIX) and (p / MARKER).is_file()]
-    return sorted(found, key=lambda p: int(p.name[len(PREFIX) :]))
+    return sorted(found, key=_step)
 
 
 def newest(root: Path) -> Path | None:
@@ -107,15 +115,23 @@ def clean_orphans(root: Path) -> None:
 
 
 class Checkpointer:
-    """Writes committed checkpoints; `hook(point)` lets tests kill the process mid-save
-    (`before_files`, `after:<file>` for each file, `before_marker`, `before_rename`,
-    `after_rename`)."""
+    """Writes committed checkpoints, in two phases: `snapshot` (inside the train step) copies
+    the state to be saved, `write` (later, on another thread, while training goes on) writes,
+    verifies and commits it; `save` does both at once.
+
+    `hook(point)` lets tests kill the process or fail the disk at each moment of a save:
+    `before_snapshot`; then in `write`: `before_files`, `after:<file>` for each file,
+    `before_marker`, `before_rename`, `after_rename`, `purge:<checkpoint>` before each removal
+    by retention.
+    """
 
     def __init__(self, root: Path, *, keep_last: int, hook: Callable[[str], None] | None = None) -> None:
         self.root = root
         self.keep_last = keep_last
         self.hook = hook or (lambda point: None)
-        self.last_step = 0  # the step of the newest checkpoint this run wrote or resumed from
+        # The step of the newest checkpoint this run snapshotted (its write committed, in
+        # flight, or failed and stopping the run) or resumed from.
+        self.last_step = 0
 
     def check_writable(self) -> None:
         """Fail at the start, not at the first save, when checkpoints cannot be written."""
@@ -133,36 +149,64 @@ class Checkpointer:
     def save(
         self, step: int, parts: Sequence[Checkpointable], state: PipelineState, recipe: msgspec.Struct
     ) -> Path:
-        """Write and commit step `step`'s checkpoint (on a worker thread); a failure (a full disk,
-        a state that is not finite) raises `CheckpointError`, leaving the committed ones as
-        they were."""
+        """Snapshot and write step `step`'s checkpoint at once (on a worker thread)."""
+        return self.write(self.snapshot(step, parts, state, recipe))
+
+    def snapshot(
+        self, step: int, parts: Sequence[Checkpointable], state: PipelineState, recipe: msgspec.Struct
+    ) -> Pending:
+        """Take step `step`'s state (on a worker thread, inside the step): each part's
+        `snapshot` (a copy to host memory), or, for a part without one, its files written now.
+        A failure raises `CheckpointError`, leaving the committed checkpoints as they were."""
+        self.hook("before_snapshot")
         final = self.root / f"{PREFIX}{step:06d}"
         tmp = self.root / f"{TMP_PREFIX}{PREFIX}{step:06d}-{os.getpid()}"
+        snapshots: list[Snapshot] = []
         try:
-            self._write(tmp, parts, state, recipe)
-        except (OSError, NonFiniteState) as error:
+            self.root.mkdir(parents=True, exist_ok=True)
             shutil.rmtree(tmp, ignore_errors=True)
-            kept = committed(self.root)
-            raise CheckpointError(
-                f"checkpoint: saving step {step} to {final} failed: {error}; the last good checkpoint "
-                f"is {kept[-1] if kept else 'none'}"
-            ) from None
+            tmp.mkdir()
+            for part in parts:
+                if isinstance(part, Snapshotting):
+                    snapshots.append(part.snapshot(tmp))
+                else:
+                    part.save(tmp)
+        except (OSError, NonFiniteState) as error:
+            raise self._failed(step, final, tmp, error) from None
+        self.last_step = step
+        return Pending(step=step, tmp=tmp, final=final, snapshots=snapshots, state=state, recipe=recipe)
+
+    def write(self, pending: Pending) -> Path:
+        """Write `pending`'s files, fsync them, list them with their checksums in the marker,
+        rename the directory into place, then apply retention. A failure (a full disk, a state
+        that is not finite) raises `CheckpointError`, with nothing of it committed and the
+        committed checkpoints as they were."""
+        try:
+            self._write(pending)
+        except (OSError, NonFiniteState) as error:
+            raise self._failed(pending.step, pending.final, pending.tmp, error) from None
+        except BaseException:  # a lost backend, a bug: raised as it is, nothing of it left
+            shutil.rmtree(pending.tmp, ignore_errors=True)
+            raise
         self.hook("before_rename")
-        if final.exists():  # a re-save of the same step (a stop right after a scheduled save)
-            shutil.rmtree(final)
-        os.rename(tmp, final)
+        if pending.final.exists():  # a re-save of the same step
+            shutil.rmtree(pending.final)
+        os.rename(pending.tmp, pending.final)
         _fsync_dir(self.root)
         self.hook("after_rename")
         self._purge()
-        self.last_step = step
-        return final
+        return pending.final
 
-    def _write(
-        self, tmp: Path, parts: Sequence[Checkpointable], state: PipelineState, recipe: msgspec.Struct
-    ) -> None:
-        self.root.mkdir(parents=True, exist_ok=True)
+    def _failed(self, step: int, final: Path, tmp: Path, error: BaseException) -> CheckpointError:
         shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
+        kept = committed(self.root)
+        return CheckpointError(
+            f"checkpoint: saving step {step} to {final} failed: {error}; the last good checkpoint "
+            f"is {kept[-1] if kept else 'none'}"
+        )
+
+    def _write(self, pending: Pending) -> None:
+        tmp = pending.tmp
         self.hook("before_files")
         written: list[str] = []
 
@@ -172,26 +216,41 @@ class Checkpointer:
                 written.append(name)
                 self.hook(f"after:{name}")
 
-        for part in parts:
-            part.save(tmp)
+        wrote_since()  # what parts without a snapshot wrote in the step
+        for snapshot in pending.snapshots:
+            snapshot.write()
             wrote_since()
-        (tmp / STATE_FILE).write_bytes(msgspec.msgpack.encode(state))
+        (tmp / STATE_FILE).write_bytes(msgspec.msgpack.encode(pending.state))
         wrote_since()
-        (tmp / RECIPE_FILE).write_text(dump(recipe))
+        (tmp / RECIPE_FILE).write_text(dump(pending.recipe))
         wrote_since()
+        # The marker lists every file with its checksum: a resume tells a complete checkpoint
+        # from a damaged one, and bytes changed since the commit from those committed.
+        listed = describe_files(tmp, written)
         self.hook("before_marker")
-        # The marker lists the files, so a resume can tell a complete checkpoint from a damaged one.
-        (tmp / MARKER).write_text("".join(f"{line}\n" for line in (state.step, *written)))
+        (tmp / MARKER).write_text(marker_text(pending.step, listed))
         _fsync_file(tmp / MARKER)
         for directory in sorted({(tmp / name).parent for name in written}, reverse=True):
             _fsync_dir(directory)
 
     def _purge(self) -> None:
         for old in committed(self.root)[: -self.keep_last]:
+            self.hook(f"purge:{old.name}")
             try:
                 shutil.rmtree(old)
             except OSError as error:
                 log.warning("could not remove old checkpoint %s: %s", old, error)
+
+
+class Pending(msgspec.Struct, kw_only=True):
+    """A snapshotted checkpoint, not yet written: its parts' snapshots and the pipeline's state."""
+
+    step: int
+    tmp: Path
+    final: Path
+    snapshots: list[Snapshot]
+    state: PipelineState
+    recipe: msgspec.Struct
 
 
 def _files(directory: Path) -> list[str]:
@@ -224,12 +283,11 @@ class Saved(msgspec.Struct, frozen=True, kw_only=True):
 
 
 def read_saved(path: Path) -> Saved:
-    """`path`'s marker-listed files present, its state and recipe decoded; `DamagedState` if not."""
+    """`path`'s marker-listed files present and as committed (size and checksum), its state and
+    recipe decoded; `DamagedState` naming the file if not."""
     try:
-        listed = read_text(path / MARKER).split()[1:]
-        for name in listed or (STATE_FILE, RECIPE_FILE):
-            if not (path / name).is_file():
-                raise DamagedState(f"{name} is missing")
+        _, listed = read_marker(path)
+        verify(path, listed or [Listed(STATE_FILE), Listed(RECIPE_FILE)])
         state = msgspec.msgpack.decode((path / STATE_FILE).read_bytes(), type=PipelineState)
         recipe = yaml.safe_load(read_text(path / RECIPE_FILE))
     except NotText as error:
@@ -337,18 +395,56 @@ def open_resume(run_dir: Path, recipe: Any) -> Resume | None:
 
 
 def set_aside(damaged: Sequence[Path]) -> None:
+    """Rename damaged checkpoints `damaged-step-NNNNNN` (a free name: the same step may have been
+    damaged before), so neither a later resume nor retention counts them."""
     for path in damaged:
-        os.replace(path, path.with_name(DAMAGED_PREFIX + path.name))
+        os.replace(path, _free_name(path, DAMAGED_PREFIX))
 
 
-def restore_metrics(run_dir: Path, state: PipelineState) -> None:
-    """Make the metrics files end at the checkpoint's step.
+def abandon_newer(root: Path, resumed: Resumed) -> None:
+    """Set aside the checkpoints under `root` of a branch the resume abandoned: committed ones at
+    or past the resumed step, other than the resumed one (a resume from an older checkpoint by
+    path). Renamed `abandoned-step-NNNNNN`, so `auto` never continues from them, and said in
+    one line."""
+    step, source = resumed.state.step, resumed.saved.path.resolve()
+    newer = [p for p in committed(root) if _step(p) >= step and p.resolve() != source]
+    if not newer:
+        return
+    moved = [_free_name(path, ABANDONED_PREFIX) for path in newer]
+    for path, target in zip(newer, moved, strict=True):
+        os.replace(path, target)
+    log.warning(
+        "resumed from %s (step %d): set aside the checkpoints of the abandoned branch, which "
+        "checkpoint.resume: auto would have continued from: %s",
+        resumed.saved.path,
+        step,
+        ", ".join(f"{path.name} -> {target.name}" for path, target in zip(newer, moved, strict=True)),
+    )
+
+
+def _step(path: Path) -> int:
+    return int(path.name[len(PREFIX) :])
+
+
+def _free_name(path: Path, prefix: str) -> Path:
+    """`prefix + path.name` beside `path`, or with `.2`, `.3`, ... when taken."""
+    target = path.with_name(prefix + path.name)
+    number = 1
+    while target.exists():
+        number += 1
+        target = path.with_name(f"{prefix}{path.name}.{number}")
+    return target
+
+
+def restore_metrics(run_dir: Path, state: PipelineState) -> set[int]:
+    """Make the metrics files end at the checkpoint's step; the steps evaluated (`eval.jsonl`).
 
     Drops records of later steps (logged by the interrupted run) and a line cut short by a
     kill; if the run was killed between the checkpoint and its step's line, writes that line
     back from the checkpoint, marked `metrics/recovered` (without the save's and the wake's
     timings).
     """
+    evaluated: set[int] = set()
     for name, recover in ((STEPS_FILE, True), (EVAL_FILE, False)):
         path = run_dir / name
         records = read(path) if path.exists() else []  # read skips a line a kill cut short
@@ -358,6 +454,9 @@ def restore_metrics(run_dir: Path, state: PipelineState) -> None:
         tmp = path.with_suffix(".tmp")
         tmp.write_text("".join(json.dumps(r) + "\n" for r in keep))
         tmp.replace(path)
+        if not recover:
+            evaluated = {r["step"] for r in keep if "step" in r}
+    return evaluated
 
 
 # Recipe fields a checkpoint cannot survive changing, or that a resume would silently ignore:

@@ -51,6 +51,7 @@ from stages.checkpoint import (
     CheckpointError,
     PipelineState,
     Resumed,
+    abandon_newer,
     clean_orphans,
     newest,
     open_resume,
@@ -59,6 +60,7 @@ from stages.checkpoint import (
     set_aside,
     set_python_rng_state,
 )
+from stages.checkpoint_writer import CheckpointWriter
 from stages.context import RunContext
 from stages.evaluation import Evaluation
 from stages.faults import FaultyEngine
@@ -204,13 +206,14 @@ async def _run_locked(
     )
     clean_orphans(checkpoints.root)
     checkpoints.check_writable()
-    state = None
+    state, evaluated = None, set[int]()
     if resumed is not None:
         state = resumed.state
         set_aside(resumed.damaged)
+        abandon_newer(checkpoints.root, resumed)
         prompts.train.skip(state.next_batch * algorithm_of(recipe).admitted(recipe.prompts.prompts_per_step))
         set_python_rng_state(state.python_rng)
-        restore_metrics(run_dir, state)
+        evaluated = restore_metrics(run_dir, state)
         checkpoints.last_step = state.step
         log.info("resumed from %s (step %d) in %.3f s", resumed.saved.path, state.step, resumed.load_s)
     clock = DeadlineClock(time_source)
@@ -243,6 +246,9 @@ async def _run_locked(
         echo=_both(echo, console.record if console else None),
         on_eval=_both(on_eval, console.evaluation if console else None),
     )
+    if state is not None and wired.evaluation is not None:  # owed when a kill during it lost it
+        due = wired.evaluation.due(state.step, recipe.run.steps)
+        wired.train.owed_eval = due and state.step not in evaluated
     failing = False
     try:
         if console is not None and console.live:
@@ -251,6 +257,7 @@ async def _run_locked(
             outcome = await wired.run(stop)
         if outcome.stopped:
             await wired.final_save()
+        await wired.saves.drain()  # the last step's write
     except anyio.get_cancelled_exc_class():
         failing = True
         with anyio.CancelScope(shield=True):
@@ -271,6 +278,8 @@ async def _run_locked(
                 await _never_masking(wired.final_save, "the last save")
         raise
     finally:
+        with anyio.CancelScope(shield=True):
+            await wired.saves.settle()  # no write cut off by closing the backend under it
         steps = [
             ("closing the metrics", context.metrics.close),
             ("closing the backend", lambda: _close(placed)),
@@ -320,6 +329,7 @@ class _Pipeline:
         self.context = context
         self.trainer = trainer
         self.checkpoints = checkpoints
+        self.saves = CheckpointWriter(checkpoints, now=context.clock.source.now, trace=context.trace)
         self.backend_engine = engine  # checkpoints hold its state; the fault wrapper has none
         self._slots_before = (0, 0)  # the engine's slot steps and busy slot steps at the last step
         if recipe.faults.enabled:
@@ -391,6 +401,7 @@ class _Pipeline:
             ),
             context=context,
             save=self.save,
+            check_saves=self.saves.check,
             save_due=lambda step: bool(every) and step % every == 0,
             limits=recipe.train,
             algorithm=algorithm,
@@ -456,6 +467,7 @@ class _Pipeline:
             "reward/failures": reward["failures"],
             **({"eval/skipped": self.evaluation.counts["skipped"]} if self.evaluation is not None else {}),
             **(self.placed.counters() if self.placed is not None else {}),
+            **self.saves.figures(),
         }
 
     async def save(self, step: int, next_batch: int, record: dict[str, Any] | None) -> None:
@@ -470,11 +482,11 @@ class _Pipeline:
             last_record=record,
         )
         parts = (self.trainer, self.backend_engine)
-        await anyio.to_thread.run_sync(self.checkpoints.save, step, parts, state, self.recipe)
-        # The trace so far, so a run killed later still leaves one.
-        trace = self.context.trace
-        await anyio.to_thread.run_sync(
-            trace.write, Path(self.recipe.run.dir) / "trace.json", trace.snapshot()
+        # Once committed, the trace so far, so a run killed later still leaves one.
+        trace, snapshot = self.context.trace, self.context.trace.snapshot()
+        path = Path(self.recipe.run.dir) / "trace.json"
+        await self.saves.save(
+            step, parts, state, self.recipe, after_commit=lambda: trace.write(path, snapshot)
         )
 
     async def final_save(self) -> None:
@@ -482,20 +494,19 @@ class _Pipeline:
         # The gate finishes a step it has started even when cancelled, so the trainer and the
         # recorded steps agree; were they to differ, saving would label step k+1's weights as k.
         steps = self.progress.steps_done
-        if steps <= self.checkpoints.last_step:
-            return
-        if self.trainer.completed_steps != steps:
+        if steps > self.checkpoints.last_step and self.trainer.completed_steps != steps:
             log.error(
                 "no checkpoint of step %d: the trainer has completed %d steps, the run recorded %d",
                 steps,
                 self.trainer.completed_steps,
                 steps,
             )
-            return
-        clock = self.context.clock
-        start = clock.source.now()
-        await self.save(steps, self.assembler.next_batch, None)
-        self.context.trace.span("save", start, clock.source.now(), track="train")
+        elif steps > self.checkpoints.last_step:
+            clock = self.context.clock
+            start = clock.source.now()
+            await self.save(steps, self.assembler.next_batch, None)
+            self.context.trace.span("save", start, clock.source.now(), track="train")
+        await self.saves.drain()  # a stop waits for the write in flight
 
     def saved_note(self) -> str:
         """Where the run's training is kept, for the line that ends a stopped run."""

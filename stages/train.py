@@ -114,7 +114,10 @@ class TrainStage:
 
     Batches come from the `BatchAssembler`, their lines from the `StepRecorder`; `save(step,
     next_batch, record)` runs inside the step where `save_due(step)` says (and at the last step);
-    `echo` and `on_eval` see each line written.
+    `check_saves()` before each step raises the failure of a checkpoint written in the
+    background, which stops the run; `echo` and `on_eval` see each line written. A run resumed
+    from a checkpoint whose step's evaluation was due and not recorded (a kill during it)
+    evaluates first (`owed_eval`).
     """
 
     name = "train"
@@ -131,6 +134,7 @@ class TrainStage:
         context: RunContext,
         save: Saver,
         save_due: Callable[[int], bool],
+        check_saves: Callable[[], None] = lambda: None,
         limits: TrainSection,
         algorithm: Algorithm,
         prompts_per_step: int,
@@ -148,6 +152,8 @@ class TrainStage:
         self.clock = context.clock
         self.save = save
         self.save_due = save_due
+        self.check_saves = check_saves
+        self.owed_eval = False
         self.algorithm = algorithm
         self.prompts_per_step = prompts_per_step
         self.max_empty_in_row = limits.max_consecutive_empty_batches
@@ -163,9 +169,10 @@ class TrainStage:
     async def run(self) -> None:
         watchdog, trace = self.context.watchdog, self.context.trace
         try:
-            if self.evaluation is not None and self.progress.steps_done == 0:
-                say("evaluating the starting weights on the held-out prompts")
-                await self._evaluate(0)
+            if self.evaluation is not None and (self.progress.steps_done == 0 or self.owed_eval):
+                if self.progress.steps_done == 0:
+                    say("evaluating the starting weights on the held-out prompts")
+                await self._evaluate(self.progress.steps_done)
             while True:
                 waiting_since = self.clock.source.now()
                 batch = self.batches.next_batch
@@ -189,6 +196,7 @@ class TrainStage:
             watchdog.done(self.name)
 
     async def _step(self, batch: int, items: list[Group | Dropped], *, wait_s: float) -> None:
+        self.check_saves()
         groups = [item for item in items if isinstance(item, Group)]
         dropped = [item for item in items if isinstance(item, Dropped)]
         pairs = [(g, t) for g, t in ((g, train_group(g, self.algorithm)) for g in groups) if t.samples]

@@ -2,7 +2,8 @@
 
 `save(state, directory)` writes a sharded state dict (the model's and the optimizer's, each rank
 its own shards) into `directory`, synchronously, and refuses a state holding NaN or infinity
-(`NonFiniteState`; each rank checks its own shards: a pipeline process is one rank).
+(`NonFiniteState`; each rank checks its own shards: a pipeline process is one rank). An
+asynchronous checkpoint passes it a copy in host memory, `HostCopier.copy(state, leaf=sharded_leaf)`.
 `load(state, directory)` reads one back, resharding to the current tensor-parallel layout, into
 fresh tensors (the live ones in `state` are left as they were) and returns it as plain state
 dicts, verified finite: files missing, torn or not finite raise `DamagedState`.
@@ -23,13 +24,14 @@ from __future__ import annotations
 import dataclasses
 import queue
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace, nested_values
-from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, ShardedTensorFactory
 from megatron.core.dist_checkpointing.strategies import filesystem_async
 from megatron.core.dist_checkpointing.strategies import torch as torch_strategy
 from torch.distributed.checkpoint.api import CheckpointException
@@ -52,6 +54,13 @@ def save(state: dict[str, Any], directory: Path) -> None:
     torch_strategy._logged_mcore_async_deprecation = True
     directory.mkdir(exist_ok=True)  # every rank writes its shards here
     dist_checkpointing.save(state, str(directory))
+
+
+def sharded_leaf(value: Any, copy: Callable[[Any], Any]) -> Any:
+    """For `HostCopier.copy` of a sharded state: a shard description with its data copied."""
+    if isinstance(value, (*_SHARDED, ShardedObject)):
+        return dataclasses.replace(value, data=copy(value.data))
+    return NotImplemented
 
 
 def load(state: dict[str, Any], directory: Path) -> dict[str, Any]:

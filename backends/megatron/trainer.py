@@ -24,10 +24,12 @@ gathers are collectives.
 `Checkpointable`: `save` writes the model and optimizer through megatron's `dist_checkpointing`
 (directory `megatron/` of the step directory, resharded on load to any tensor-parallel size)
 and the trainer's counters and RNG to `megatron-trainer.pt`; `load` reads both back.
+`snapshot` copies the same to host memory for a background write (one rank; see there).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -43,12 +45,14 @@ from backends.megatron.optimizer import Step
 from backends.torch.compute import ComputeThread
 from backends.torch.config import ModelConfig
 from backends.torch.fingerprint import Fingerprinter, parameter_probes
+from backends.torch.host_copy import HostCopier
 from backends.torch.logprobs import picked_logprobs
 from backends.torch.schedule import lr_factor
 from backends.torch.state_file import load_state, save_state
 from pipeline.algorithms.config import Algorithm
 from pipeline.algorithms.update import Chunk, run_update
 from pipeline.contracts.messages import TrainGroup, TrainSample
+from pipeline.contracts.protocols import Snapshot
 
 MODEL_DIR = "megatron"
 STATE_FILE = "megatron-trainer.pt"
@@ -244,15 +248,35 @@ class MegatronTrainer:
     def save(self, directory: Path) -> None:
         checkpoint.save(self._sharded_state(loading=False), directory / MODEL_DIR)
         if dist.get_rank() == 0:  # the same on every rank
-            save_state(
-                directory / STATE_FILE,
-                {
-                    "updates": self.updates,
-                    "generator": self.generator.get_state(),
-                    "skipped_steps": self.skipped_steps,
-                    "completed_steps": self.completed_steps,
-                },
-            )
+            save_state(directory / STATE_FILE, self._counters())
+
+    def snapshot(self, directory: Path) -> Snapshot:
+        """`save`'s state copied to host memory now (`pipeline.protocols.Snapshotting`), on the
+        compute thread, written into `directory` by the snapshot's `write()` later, on another
+        thread. Under tensor parallelism the files are written now instead: the write's
+        collectives (dist_checkpointing's, the finiteness vote) would otherwise run beside the
+        next step's on the same process group, in an order that may differ between ranks."""
+        if dist.get_world_size() > 1:
+            self.save(directory)
+            return _Written()
+
+        def take() -> _Snapshot:
+            sharded = self._host.copy(self._sharded_state(loading=False), leaf=checkpoint.sharded_leaf)
+            return _Snapshot(directory, sharded, self._counters())
+
+        return self.compute.call(take)
+
+    @functools.cached_property
+    def _host(self) -> HostCopier:
+        return HostCopier()
+
+    def _counters(self) -> dict[str, Any]:
+        return {
+            "updates": self.updates,
+            "generator": self.generator.get_state(),
+            "skipped_steps": self.skipped_steps,
+            "completed_steps": self.completed_steps,
+        }
 
     def load(self, directory: Path) -> None:
         """Read both files whole and verified before any state changes."""
@@ -269,3 +293,25 @@ class MegatronTrainer:
     def close(self) -> None:
         """Stop the compute thread (after its current call)."""
         self.compute.close()
+
+
+class _Snapshot:
+    """A one-rank trainer's sharded state and counters in host memory, written by `write()`."""
+
+    def __init__(self, directory: Path, sharded: dict[str, Any], counters: dict[str, Any]) -> None:
+        self.directory = directory
+        self.sharded = sharded
+        self.counters = counters
+
+    def write(self) -> None:
+        checkpoint.save(self.sharded, self.directory / MODEL_DIR)
+        save_state(self.directory / STATE_FILE, self.counters)
+
+
+class _Written:
+    """A snapshot whose files were written when it was taken."""
+
+    written = True
+
+    def write(self) -> None:
+        pass

@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import anyio
 
+from pipeline.contracts.protocols import Snapshotting
+
 if TYPE_CHECKING:  # importing torch here would load it before `runtime.load` could set it up
     from backends.ray.weights import Package, Transport
     from backends.ray.world import World
@@ -67,6 +69,7 @@ class BackendPart:
         self.trainer: Any = None
         self.group: Any = None  # its process group for `placement.weights: collective`
         self.kept: Any = None  # the trainer's last broadcast (backends/ray/broadcast.py)
+        self._snapshots: dict[str, Any] = {}  # a checkpoint's part taken, not yet written
         if role == "both":
             self.engine, self.trainer = build_backend(recipe, vocab_size=vocab_size, stop_ids=stop_ids)
         elif role == "trainer":
@@ -195,6 +198,26 @@ class BackendPart:
     async def save(self, part: Literal["engine", "trainer"], directory: str) -> None:
         """The part's own checkpoint files, written into `directory` (storage this node sees)."""
         await anyio.to_thread.run_sync(getattr(self, part).save, Path(directory))
+
+    async def snapshot(self, part: Literal["engine", "trainer"], directory: str) -> bool:
+        """The part's state taken now for a checkpoint in `directory`, kept here until
+        `write_snapshot` (a part that cannot snapshot writes its files now); whether a write
+        is left to do."""
+        target = getattr(self, part)
+        if not isinstance(target, Snapshotting):
+            await anyio.to_thread.run_sync(target.save, Path(directory))
+            return False
+        snapshot = await anyio.to_thread.run_sync(target.snapshot, Path(directory))
+        if getattr(snapshot, "written", False):  # written as it was taken (tensor parallelism)
+            return False
+        self._snapshots[part] = snapshot
+        return True
+
+    async def write_snapshot(self, part: Literal["engine", "trainer"]) -> None:
+        """Write the part's last snapshot (while the next steps train: this is an async actor)."""
+        pending = self._snapshots.pop(part, None)
+        if pending is not None:
+            await anyio.to_thread.run_sync(pending.write)
 
     async def load(self, part: Literal["engine", "trainer"], directory: str) -> int:
         """Load the part's files from `directory`; the trainer's completed steps after it."""

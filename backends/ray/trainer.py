@@ -68,14 +68,28 @@ class RayTrainer:
     def save(self, directory: Path) -> None:
         """Every rank's files, written by its actor into `directory` (on storage every rank's
         node sees)."""
-        refs = [actor.save.remote("trainer", str(directory)) for actor, _ in self.ranks]
+        self._every_rank([actor.save.remote("trainer", str(directory)) for actor, _ in self.ranks])
+
+    def snapshot(self, directory: Path) -> _RanksSnapshot:
+        """Every rank takes its snapshot now (its actor keeps it); the returned snapshot's
+        `write()` has every rank write its own into `directory` and returns once all have:
+        only then may the controller commit (`pipeline.protocols.Snapshotting`)."""
+        refs = [actor.snapshot.remote("trainer", str(directory)) for actor, _ in self.ranks]
+        left = self._every_rank(refs)
+        return _RanksSnapshot(self, [rank for rank, writes in enumerate(left) if writes])
+
+    def _every_rank(self, refs: list[Any], ranks: list[int] | None = None) -> list[Any]:
+        """The answer of each call in `refs`, made to `ranks` (default: each rank in order)."""
+        ranks = ranks if ranks is not None else list(range(len(refs)))
+        answers: list[Any] = [None] * len(refs)
         pending = list(refs)
         while pending:  # the first rank to fail, not rank 0 waiting on it in a collective
             [ref], pending = ray.wait(pending, num_returns=1)
             try:
-                unwrapped(ref)
+                answers[refs.index(ref)] = unwrapped(ref)
             except ACTOR_LOST as error:
-                raise self.lost(refs.index(ref), "while it saved a checkpoint", error) from None
+                raise self.lost(ranks[refs.index(ref)], "while it saved a checkpoint", error) from None
+        return answers
 
     def load(self, directory: Path) -> None:
         done = unwrapped([actor.load.remote("trainer", str(directory)) for actor, _ in self.ranks])
@@ -84,3 +98,16 @@ class RayTrainer:
 
     def close(self) -> None:
         """Nothing here: the placement kills the actors (`Placed.close`)."""
+
+
+class _RanksSnapshot:
+    """The snapshots the ranks `writing` keep (the others wrote theirs as they took them)."""
+
+    def __init__(self, trainer: RayTrainer, writing: list[int]) -> None:
+        self.trainer = trainer
+        self.writing = writing
+
+    def write(self) -> None:
+        ranks = self.trainer.ranks
+        refs = [ranks[rank][0].write_snapshot.remote("trainer") for rank in self.writing]
+        self.trainer._every_rank(refs, self.writing)

@@ -9,7 +9,8 @@ trainer share one (they never run at once); separate, each has its own, so gener
 running while the trainer works.
 
 `run` behaves like `anyio.to_thread.run_sync` without abandoning: a cancelled caller waits
-for the call to finish, then sees the cancellation; `submit` starts a call without waiting.
+for the call to finish, then sees the cancellation; `submit` starts a call without waiting;
+`call` runs one from another thread and waits.
 asyncio event loops only (uvloop too).
 """
 
@@ -43,6 +44,11 @@ class ComputeThread:
         work that outlives any one caller (the engine's decode loop): whoever submits it owns
         the future and its exception."""
         return asyncio.get_running_loop().run_in_executor(self._executor, functools.partial(fn, *args))
+
+    def call(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` on the compute thread, waited for; from a thread other than the event
+        loop's (a checkpoint's snapshot, taken on a worker thread)."""
+        return self._executor.submit(fn, *args).result()
 
     def close(self) -> None:
         self._executor.shutdown(wait=False)

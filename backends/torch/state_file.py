@@ -37,6 +37,18 @@ def save_state(path: Path, state: Any) -> None:
         raise OSError(f"writing {path.name} failed ({where}): {error}") from None
 
 
+class StateSnapshot:
+    """A state copied apart from the live one (host memory), written to `path` later by
+    `write()` as `save_state` writes it (`pipeline.protocols.Snapshot`)."""
+
+    def __init__(self, path: Path, state: Any) -> None:
+        self.path = path
+        self.state = state
+
+    def write(self) -> None:
+        save_state(self.path, self.state)
+
+
 def load_state(path: Path, *, mmap: bool = False) -> Any:
     """The state in `path`, verified finite (`mmap`: on the CPU, read as it is used, unverified)."""
     if not path.is_file():

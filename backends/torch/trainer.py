@@ -10,6 +10,7 @@ and by computed tokens with `micro_batch_tokens`) and the optimizer step.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -21,10 +22,11 @@ import torch
 from backends.torch.compute import ComputeThread
 from backends.torch.fingerprint import Fingerprinter, parameter_probes
 from backends.torch.grouped import response_logprobs
+from backends.torch.host_copy import HostCopier
 from backends.torch.model import Decoder
 from backends.torch.precision import MasterWeights, StreamedParking
 from backends.torch.schedule import lr_factor
-from backends.torch.state_file import TRAINER_FILE, load_state, save_state
+from backends.torch.state_file import TRAINER_FILE, StateSnapshot, load_state, save_state
 from pipeline.algorithms.config import Algorithm
 from pipeline.algorithms.update import Chunk, run_update
 from pipeline.contracts.errors import RecipeError
@@ -275,6 +277,18 @@ class TorchTrainer:
 
     def save(self, directory: Path) -> None:
         save_state(directory / TRAINER_FILE, self.state())
+
+    def snapshot(self, directory: Path) -> StateSnapshot:
+        """`save`'s state copied to host memory now, on the compute thread (between steps: the
+        gate calls it after the step), written into `directory` by the snapshot's `write()`
+        later (`pipeline.protocols.Snapshotting`). The host buffer is reused by every snapshot
+        (pinned memory on GPU)."""
+        copied = self.compute.call(lambda: self._host.copy(self.state()))
+        return StateSnapshot(directory / TRAINER_FILE, copied)
+
+    @functools.cached_property
+    def _host(self) -> HostCopier:
+        return HostCopier()
 
     def load(self, directory: Path) -> None:
         state = load_state(directory / TRAINER_FILE)

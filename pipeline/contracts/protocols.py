@@ -35,6 +35,26 @@ class Checkpointable(Protocol):
     def close(self) -> None: ...
 
 
+class Snapshot(Protocol):
+    """A part's state as of its `snapshot`, held apart from the live state (host memory)."""
+
+    def write(self) -> None:
+        """Write the files `save` would have written at the snapshot, into its directory; on
+        another thread than the snapshot's, while training goes on. Raises as `save` does."""
+        ...
+
+
+@runtime_checkable
+class Snapshotting(Protocol):
+    """A `Checkpointable` whose save splits in two (optional: a part without it is saved by
+    `save` inside the step): `snapshot(directory)` copies its state now, quickly and only to
+    memory, inside the train step (every rank of it, under tensor parallelism); the returned
+    `Snapshot`'s `write()` writes it into `directory` later. One snapshot at a time: the next
+    `snapshot` comes only after the last one's `write` returned, so its buffers may be reused."""
+
+    def snapshot(self, directory: Path) -> Snapshot: ...
+
+
 class Engine(Checkpointable, Protocol):
     """A generation engine.
 

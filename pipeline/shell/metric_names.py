@@ -49,6 +49,10 @@ _TRAIN_STAGE = (
     "rollout/reprefilled_tokens",
     "timing/wait_s",
     "train/empty_batches",
+    # stages/checkpoint_writer.py: a saving step's wait for the previous write, and the
+    # background writes finished since the last step
+    "timing/save_wait_s",
+    "timing/save_write_s",
 )
 # Seconds per batch from stages/timings.py (admission, rollout, reward) and from the engine
 # gate's transitions (pipeline/gate.py), each logged as timing/<name>_s.

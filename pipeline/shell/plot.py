@@ -159,6 +159,16 @@ def write_report(run_dirs: Sequence[Path], out: Path) -> Path:
             _stack_step_parts(timing, steps, colours)
         _line(timing, steps, "timing/step_s", label=f"{prefix}whole step", **style)
         _line(timing, steps, "timing/generate_s", "--", label=f"{prefix}generating its batch", **style)
+        # Not a part of the step: the checkpoint written in the background while steps ran.
+        _line(
+            timing,
+            steps,
+            "timing/save_write_s",
+            "-.",
+            smooth=False,
+            label=f"{prefix}checkpoint write (background)",
+            **style,
+        )
         _line(lag, steps, "rollout/mean_lag", smooth=False, label=f"{prefix}mean", **style)
         _line(lag, steps, "rollout/max_lag", ":", smooth=False, label=f"{prefix}max", **style)
         _line(throughput, steps, "throughput/tokens_per_s_per_gpu", label=name, **style)

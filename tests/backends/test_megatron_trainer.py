@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
+import anyio
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -94,16 +95,23 @@ async def test_same_loss_metrics_and_gradients_as_the_torch_trainer(name: str, v
         torch.testing.assert_close(grads[name_], param.grad, atol=1e-5, rtol=0, msg=name_)
 
 
-async def test_resume_continues_bit_for_bit(tmp_path: Path) -> None:
+@pytest.mark.parametrize("how", ["save", "snapshot"])
+async def test_resume_continues_bit_for_bit(tmp_path: Path, how: str) -> None:
     # Two updates a step: the shuffle (the generator), the schedule's position, the optimizer's
-    # moments and step counts all shape the step after the checkpoint.
+    # moments and step counts all shape the step after the checkpoint. A snapshot is written
+    # only after the next step has changed the live state (an asynchronous checkpoint).
     config = CONFIGS["llama"]
     torch.manual_seed(0)
     hf = Decoder(config).state_dict()
     first = megatron_trainer(config, hf, updates_per_step=2, micro_batch_samples=4)
     await first.train_step(groups(seed=1))
-    await first.compute.run(first.save, tmp_path)
+    if how == "save":
+        await first.compute.run(first.save, tmp_path)
+    else:
+        snapshot = await anyio.to_thread.run_sync(first.snapshot, tmp_path)
     expected = await first.train_step(groups(seed=2))
+    if how == "snapshot":
+        await anyio.to_thread.run_sync(snapshot.write)
     torch.manual_seed(5)
     resumed = megatron_trainer(
         config, Decoder(config).state_dict(), updates_per_step=2, micro_batch_samples=4

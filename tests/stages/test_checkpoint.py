@@ -90,12 +90,12 @@ def test_sigkill_after_a_save_then_resume_is_bit_exact(
 KILL_SCRIPT = """
 import os, sys, anyio, pipeline
 from pipeline.shell.run import run_program
-point = sys.argv[2]
+point, nth = sys.argv[2], int(sys.argv[3]) if len(sys.argv) > 3 else 2
 saves = []
-def hook(where):
-    if where == "before_files":
+def hook(where):  # each save's points run in order, after the last save's write (one in flight)
+    if where == "before_snapshot":
         saves.append(1)
-    if len(saves) == 2 and where == point:
+    if len(saves) == nth and where == point:
         os._exit(9)
 recipe = pipeline.load_recipe("recipes/quickstart.yaml", [f"run.dir={sys.argv[1]}", "run.progress=false",
     "eval.every_steps=0", "prompts.prompts_per_step=4", "run.steps=4", "checkpoint.every_steps=1"])
@@ -104,15 +104,27 @@ anyio.run(lambda: run_program(recipe, checkpoint_hook=hook))
 
 
 @pytest.mark.parametrize(
-    "point", ["before_files", "after:trainer.pt", "after:engine.pt", "before_marker", "before_rename"]
+    ("point", "nth", "left"),
+    [
+        ("before_snapshot", 2, [1]),
+        # in the background write, while the next steps train
+        ("before_files", 2, [1]),
+        ("after:trainer.pt", 2, [1]),
+        ("after:engine.pt", 2, [1]),
+        ("before_marker", 2, [1]),
+        ("before_rename", 2, [1]),
+        ("purge:step-000001", 3, [1, 2, 3]),  # retention (keep_last 2), after step 3's commit
+    ],
 )
-def test_a_kill_during_a_save_leaves_the_previous_checkpoint_intact(tmp_path: Path, point: str) -> None:
+def test_a_kill_during_a_save_leaves_the_previous_checkpoint_intact(
+    tmp_path: Path, point: str, nth: int, left: list[int]
+) -> None:
     run_dir = tmp_path / "run"
-    done = subprocess.run([sys.executable, "-c", KILL_SCRIPT, str(run_dir), point], check=False)
+    done = subprocess.run([sys.executable, "-c", KILL_SCRIPT, str(run_dir), point, str(nth)], check=False)
     assert done.returncode == 9
     found = committed(run_dir / "checkpoints")
-    assert [p.name for p in found] == ["step-000001"]
-    assert (found[0] / MARKER).read_text().splitlines()[0] == "1"
+    assert [p.name for p in found] == [f"step-{step:06d}" for step in left]
+    assert (found[-1] / MARKER).read_text().splitlines()[0] == str(left[-1])
     # Resume cleans the orphan and continues from step 1 to the end.
     summary = anyio.run(pipeline.run, pipeline.load_recipe(str(run_dir / "recipe.yaml")))
     assert summary.steps_done == 4
@@ -180,17 +192,18 @@ def test_resume_with_a_changed_model_names_the_field(tmp_path: Path) -> None:
 
 
 def test_a_kill_right_after_a_save_keeps_that_steps_metrics(tmp_path: Path) -> None:
-    # The save runs inside the step, before the step's metrics line: killing the process just
-    # after the rename must not lose the line, or the resumed run would skip it for good.
+    # The checkpoint is written in the background while the step goes on to write its metrics
+    # line: a kill just after the rename may come before that line, which must not be lost, or
+    # the resumed run would skip it for good (the checkpoint carries it).
     run_dir = tmp_path / "run"
     done = subprocess.run([sys.executable, "-c", KILL_SCRIPT, str(run_dir), "after_rename"], check=False)
     assert done.returncode == 9
     assert [p.name for p in committed(run_dir / "checkpoints")][-1] == "step-000002"
-    assert 2 not in {r.get("step") for r in read(run_dir / "metrics.jsonl")}
+    lost = 2 not in {r.get("step") for r in read(run_dir / "metrics.jsonl")}
     anyio.run(pipeline.run, pipeline.load_recipe(str(run_dir / "recipe.yaml")))
     records = [r for r in read(run_dir / "metrics.jsonl") if "train/loss" in r]
     assert [r["step"] for r in records] == [1, 2, 3, 4]
-    assert records[1]["metrics/recovered"] == 1
+    assert records[1].get("metrics/recovered") == (1 if lost else None)
     assert "metrics/recovered" not in records[2]
 
 
@@ -206,6 +219,9 @@ def test_a_checkpoint_from_before_a_new_recipe_field_still_resumes(tmp_path: Pat
     saved = yaml.safe_load((checkpoint / "recipe.yaml").read_text())
     del saved["model"]["config"]["qk_norm"], saved["async_rl"]["handoff_checks"]
     (checkpoint / "recipe.yaml").write_text(yaml.safe_dump(saved))
+    # As such a checkpoint was written: a marker naming its files, without their checksums.
+    lines = (checkpoint / MARKER).read_text().splitlines()
+    (checkpoint / MARKER).write_text("".join(line.split("\t")[0] + "\n" for line in lines))
     summary = anyio.run(pipeline.run, _recipe(run_dir, "run.steps=3"))
     assert summary.steps_done == 3
     with pytest.raises(pipeline.RecipeError, match=r"^model: differs from checkpoint"):

@@ -22,6 +22,7 @@ from pipeline.shell.run import run_program
 from pipeline.testing import FakeEngine, FakeTime, FakeTrainer, FaultInjector
 from pipeline.trace import Trace
 from stages.checkpoint import CheckpointError, committed
+from stages.checkpoint_marker import MARKER
 from stages.run_dir import RunDirLock
 
 
@@ -164,17 +165,29 @@ def _nan_scale(path: Path) -> None:
 @pytest.mark.parametrize(
     ("name", "damage", "reason"),
     [
-        ("trainer.json", _truncate, "trainer.json does not load: "),
-        ("trainer.json", _nan_scale, "trainer.json holds non-finite values at scale"),
-        ("trainer.json", Path.unlink, "trainer.json is missing"),
+        ("trainer.json", _truncate, "trainer.json has 10 bytes, 26 were committed"),
         (
-            "state.msgpack",
-            lambda p: p.write_bytes(b"\x93garbled"),
-            "ValidationError: Expected `object`, got `array`",
+            "trainer.json",
+            _nan_scale,  # as many bytes as before
+            "trainer.json does not match its committed checksum (its bytes changed)",
         ),
+        (
+            "trainer.json",
+            lambda p: p.write_text(p.read_text().replace("1.0", "2.0")),  # finite: it would load
+            "trainer.json does not match its committed checksum (its bytes changed)",
+        ),
+        ("trainer.json", Path.unlink, "trainer.json is missing"),
+        ("state.msgpack", lambda p: p.write_bytes(b"\x93garbled"), "state.msgpack has 8 bytes, "),
         ("recipe.yaml", Path.unlink, "recipe.yaml is missing"),
     ],
-    ids=["truncated-trainer", "nan-trainer", "missing-trainer", "garbled-state", "missing-recipe"],
+    ids=[
+        "truncated-trainer",
+        "nan-trainer",
+        "garbled-finite-trainer",
+        "missing-trainer",
+        "garbled-state",
+        "missing-recipe",
+    ],
 )
 async def test_a_damaged_newest_checkpoint_is_reported_and_the_previous_one_resumed(
     tmp_path: Path, fake: FakeTime, caplog: pytest.LogCaptureFixture, name: str, damage: Any, reason: str
@@ -193,6 +206,77 @@ async def test_a_damaged_newest_checkpoint_is_reported_and_the_previous_one_resu
     assert warning.endswith("; trying the one before it")
     assert (root / "damaged-step-000002").is_dir()
     assert [p.name for p in committed(root)] == ["step-000002", "step-000003"]
+
+
+async def test_a_part_that_finds_its_file_damaged_falls_back_without_checksums(
+    tmp_path: Path, fake: FakeTime, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A marker written before checksums lists bare names: the part's own load still refuses a
+    non-finite state, and the resume falls back."""
+    await run(make_recipe(tmp_path, steps=2, checkpoint={"every_steps": 1}), fake)
+    newest = tmp_path / "run/checkpoints/step-000002"
+    names = [line.split("\t")[0] for line in (newest / MARKER).read_text().splitlines()]
+    (newest / MARKER).write_text("".join(f"{name}\n" for name in names))
+    _nan_scale(newest / "trainer.json")
+    summary = await run(make_recipe(tmp_path, steps=3, checkpoint={"every_steps": 1}), fake)
+    assert summary.steps_done == 3
+    (warning,) = [r.getMessage() for r in caplog.records if r.name == "stages.checkpoint"]
+    assert "is damaged (trainer.json holds non-finite values at scale)" in warning
+
+
+async def test_the_same_step_damaged_twice_still_resumes(tmp_path: Path, fake: FakeTime) -> None:
+    root = tmp_path / "run/checkpoints"
+    await run(make_recipe(tmp_path, steps=2, checkpoint={"every_steps": 1, "keep_last": 3}), fake)
+    _truncate(root / "step-000002/trainer.json")
+    await run(make_recipe(tmp_path, steps=3, checkpoint={"every_steps": 1, "keep_last": 3}), fake)
+    for step in (2, 3):  # step 2 again, as trained the second time
+        _truncate(root / f"step-00000{step}/trainer.json")
+    summary = await run(make_recipe(tmp_path, steps=4, checkpoint={"every_steps": 1, "keep_last": 3}), fake)
+    assert summary.steps_done == 4
+    assert sorted(p.name for p in root.iterdir() if p.name.startswith("damaged-")) == [
+        "damaged-step-000002",
+        "damaged-step-000002.2",
+        "damaged-step-000003",
+    ]
+
+
+async def test_a_resume_from_an_older_checkpoint_sets_the_abandoned_branch_aside(
+    tmp_path: Path, fake: FakeTime, caplog: pytest.LogCaptureFixture
+) -> None:
+    root = tmp_path / "run/checkpoints"
+    keep = {"every_steps": 1, "keep_last": 4}
+    await run(make_recipe(tmp_path, steps=4, checkpoint=keep), fake)
+    caplog.set_level(logging.INFO)
+    caplog.clear()
+    older = {**keep, "resume": str(root / "step-000002")}
+    await run(make_recipe(tmp_path, steps=3, checkpoint=older), fake)
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warning == (
+        f"resumed from {root / 'step-000002'} (step 2): set aside the checkpoints of the abandoned "
+        "branch, which checkpoint.resume: auto would have continued from: "
+        "step-000003 -> abandoned-step-000003, step-000004 -> abandoned-step-000004"
+    )
+    assert [p.name for p in committed(root)] == ["step-000001", "step-000002", "step-000003"]
+    caplog.clear()
+    trainer = FakeTrainer(time=fake)
+    await run(make_recipe(tmp_path, steps=5, checkpoint=keep), fake, trainer)
+    assert len(trainer.steps) == 5  # three restored from this branch's step 3, two trained
+    resumed = [r.getMessage() for r in caplog.records if r.getMessage().startswith("resumed from")]
+    assert resumed[0].startswith(f"resumed from {root / 'step-000003'} (step 3)")
+    assert [m["step"] for m in metrics(make_recipe(tmp_path))] == [1, 2, 3, 4, 5]
+
+
+async def test_an_evaluation_lost_to_a_kill_runs_again_on_resume(tmp_path: Path, fake: FakeTime) -> None:
+    """A kill during the evaluation of a checkpointed step leaves eval.jsonl without that step
+    (a line cut short is dropped); the resumed run evaluates it before training on."""
+    sections = {"checkpoint": {"every_steps": 2}, "eval": {"every_steps": 2, "num_prompts": 2}}
+    await run(make_recipe(tmp_path, steps=2, **sections), fake)
+    path = tmp_path / "run/eval.jsonl"
+    lines = path.read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == [0, 2]
+    path.write_text(lines[0] + "\n" + lines[1][:20])
+    await run(make_recipe(tmp_path, steps=4, **sections), fake)
+    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [0, 2, 4]
 
 
 async def test_when_every_checkpoint_is_damaged_the_run_says_so(tmp_path: Path, fake: FakeTime) -> None:

@@ -1,0 +1,161 @@
+"""Host copies of a nested training state, into one buffer reused from snapshot to snapshot.
+
+`HostCopier.copy(state)` returns `state` with every container (dict, list, tuple) rebuilt and
+every tensor replaced by a copy in host memory, so the copy stays as it was while training
+changes the live state: what an asynchronous checkpoint writes (`Snapshotting`). Tensors that
+are the same view of the same storage (tied weights) are copied once and stay shared.
+
+The copies live in one byte buffer (`arena`), allocated once and reused by every later copy of
+the same or a smaller state; it grows (a new buffer) only when a state needs more. With any
+tensor on a GPU it is pinned (page-locked) memory, pinned once because pinning is slow (a new
+arena takes its first copy pageable and is pinned on a thread of its own meanwhile; the next
+copy waits for that), and the copies into it are asynchronous, each device synchronized once at
+the end. Each returned tensor is a
+view of the arena through storage of its own (exactly its bytes), so `torch.save` writes it as
+it writes a tensor of its own, never the whole arena.
+
+Lifecycle: a copy's tensors alias the arena until the next `copy`, which overwrites them: the
+caller writes (or drops) one copy before taking the next (`Snapshotting` guarantees it). A
+copy holds a reference to its arena, so an arena replaced by a larger one lives as long as
+copies of it do.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import threading
+import weakref
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+log = logging.getLogger("backends.torch.host_copy")
+
+_ALIGN = 64  # every copy starts on a cache line: views of any dtype are aligned
+
+
+class HostCopier:
+    def __init__(self) -> None:
+        self.arena: torch.Tensor | None = None
+        self._for_gpu = False  # the arena takes copies from a GPU (and is pinned once)
+        self._pinning: threading.Thread | None = None
+        self._tried: torch.Tensor | None = None  # the arena pinned (or tried)
+        self.allocations = 0  # arenas allocated (each one pinned on GPU: slow)
+
+    def copy(self, state: Any, leaf: Callable[[Any, Callable[[Any], Any]], Any] | None = None) -> Any:
+        """`state` copied to host memory (see the module docstring). `leaf(value, copy)` may
+        copy a type of its own (returning NotImplemented for the rest), with `copy` for values
+        inside it."""
+        tensors: dict[tuple[Any, ...], torch.Tensor] = {}
+        plan: list[tuple[torch.Tensor, int]] = []  # each distinct tensor and its offset
+        offset = 0
+
+        def key(tensor: torch.Tensor) -> tuple[Any, ...]:
+            return (
+                tensor.device,
+                tensor.untyped_storage().data_ptr(),
+                tensor.storage_offset(),
+                tuple(tensor.shape),
+                tensor.stride(),
+                tensor.dtype,
+            )
+
+        def collect(value: Any) -> Any:
+            nonlocal offset
+            if isinstance(value, torch.Tensor):
+                k = key(value)
+                if k not in tensors:
+                    tensors[k] = value
+                    plan.append((value, offset))
+                    offset += -(-value.numel() * value.element_size() // _ALIGN) * _ALIGN
+                return value
+            return _rebuild(value, collect, leaf)
+
+        collect(state)  # a first pass finds the tensors and their places
+        cuda = [t.device for t in tensors.values() if t.device.type == "cuda"]
+        arena = self._arena(offset, pinned=bool(cuda))
+        copies: dict[tuple[Any, ...], torch.Tensor] = {}
+        with torch.no_grad():
+            for k, (tensor, start) in zip(tensors, plan, strict=True):
+                nbytes = tensor.numel() * tensor.element_size()
+                view = arena[start : start + nbytes].view(tensor.dtype).view(tensor.shape)
+                view.copy_(tensor.detach(), non_blocking=bool(cuda))
+                copies[k] = _own_storage(view, arena)
+        for device in set(cuda):
+            torch.cuda.synchronize(device)
+        if cuda and self._tried is not arena:
+            # Pinning takes seconds a GB: a new arena takes its first copy pageable, and is
+            # pinned beside the steps that follow, for the next copies.
+            self._tried = arena
+            self._pinning = threading.Thread(target=_pin, args=(arena,), name="pin-snapshot", daemon=True)
+            self._pinning.start()
+
+        def fill(value: Any) -> Any:
+            if isinstance(value, torch.Tensor):
+                return copies[key(value)]
+            return _rebuild(value, fill, leaf)
+
+        return fill(state)
+
+    def _arena(self, nbytes: int, *, pinned: bool) -> torch.Tensor:
+        if self._pinning is not None:  # the arena is not written while it is being pinned
+            self._pinning.join()
+            self._pinning = None
+        arena = self.arena
+        if arena is None or arena.numel() < nbytes or self._for_gpu != pinned:
+            arena = torch.empty(max(nbytes, 1), dtype=torch.uint8)
+            self.arena, self._for_gpu = arena, pinned
+            self.allocations += 1
+        return arena
+
+
+def _rebuild(value: Any, each: Callable[[Any], Any], leaf: Callable[..., Any] | None) -> Any:
+    if leaf is not None:
+        done = leaf(value, each)
+        if done is not NotImplemented:
+            return done
+    if isinstance(value, dict):
+        rebuilt = OrderedDict if isinstance(value, OrderedDict) else dict
+        out = rebuilt((k, each(v)) for k, v in value.items())
+        metadata = getattr(value, "_metadata", None)  # a module state dict's versions
+        if metadata is not None:
+            out._metadata = metadata  # type: ignore[attr-defined]
+        return out
+    if isinstance(value, list):
+        return [each(v) for v in value]
+    if isinstance(value, tuple) and not hasattr(value, "_fields"):
+        return tuple(each(v) for v in value)
+    return value
+
+
+def _pin(buffer: torch.Tensor) -> None:
+    """Page-lock `buffer` for asynchronous copies from any GPU, until it is freed. Registered
+    rather than allocated pinned (`pin_memory=True`): the caching host allocator rounds a
+    pinned allocation up to a power of two, nearly twice a large state's size (torch's own
+    asynchronous checkpoint staging registers its buffers the same way). A failure leaves it
+    pageable: copies into it are then slower, not wrong."""
+    cudart = torch.cuda.cudart()
+    pointer = buffer.data_ptr()
+    status = int(cudart.cudaHostRegister(pointer, buffer.numel(), 1))  # 1: cudaHostRegisterPortable
+    if status != 0:
+        log.warning(
+            "pinning %d bytes for checkpoint snapshots failed (cudaError %d): copies stay pageable",
+            buffer.numel(),
+            status,
+        )
+        return
+    weakref.finalize(buffer, cudart.cudaHostUnregister, pointer)
+
+
+def _own_storage(view: torch.Tensor, arena: torch.Tensor) -> torch.Tensor:
+    """`view` (contiguous, in `arena`) as a tensor whose storage is exactly its bytes, keeping
+    `arena` alive while it lives."""
+    nbytes = view.numel() * view.element_size()
+    if nbytes == 0:
+        return torch.empty(view.shape, dtype=view.dtype)
+    window = (ctypes.c_char * nbytes).from_address(view.data_ptr())
+    window._arena = arena  # type: ignore[attr-defined]
+    return torch.frombuffer(window, dtype=view.dtype).view(view.shape)
