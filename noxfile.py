@@ -30,8 +30,10 @@ def tests(session: nox.Session) -> None:
 
 @nox.session
 def lint(session: nox.Session) -> None:
-    session.install("ruff")
+    session.install("ruff", "import-linter>=2.1")
     session.run("ruff", "check", "pipeline", "stages", "backends", "tests", "bench")
+    # The layers of docs/DESIGN.md, as pyproject.toml's import contracts.
+    session.run("lint-imports")
 
 
 @nox.session

@@ -17,23 +17,9 @@ from __future__ import annotations
 
 import math
 import random
-from typing import Any, Literal
+from typing import Any
 
-import msgspec
-
-from pipeline.recipe import PositiveFloat, PositiveInt, Section
-
-
-class BenchLengths(Section, frozen=True):
-    """`rollout.bench_lengths`: ln(length) ~ Normal(ln(median_tokens), sigma)."""
-
-    distribution: Literal["lognormal"] = "lognormal"
-    median_tokens: PositiveInt = 256
-    sigma: PositiveFloat = 0.9
-
-    def describe(self, max_new_tokens: int) -> dict[str, Any]:
-        """The distribution and its parameters, as benchmark results record them."""
-        return {**msgspec.to_builtins(self), "max_new_tokens": max_new_tokens}
+from pipeline.contracts.sections import BenchLengths
 
 
 class LengthDraw:

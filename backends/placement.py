@@ -1,7 +1,8 @@
 """Where the backend runs: in this process (`local`, the default) or on a Ray cluster (`ray`).
 
 The recipe's `placement` section picks one; nothing else in a recipe changes between a laptop
-and a cluster. `place(recipe, ...)` builds what the pipeline drives, on a worker thread:
+and a cluster. `backends.place.place(recipe, ...)` builds what the pipeline drives, on a worker
+thread:
 
 - `local`: the backend's engine and trainer in this process (today's wiring);
 - `ray` (`backends/ray/place.py`): engine replicas, the trainer and, with `reward_workers`, the
@@ -15,16 +16,16 @@ Importing this module imports neither torch nor ray.
 from __future__ import annotations
 
 import importlib.util
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import msgspec
 
-from pipeline.errors import RecipeError
-from pipeline.recipe import NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, Section
+from pipeline.contracts.errors import RecipeError
+from pipeline.contracts.sections import NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, Section
 
-# Scores a group's (prompt, completion text or None) pairs: stages.reward.score_all's contract.
+# Scores a group's (prompt, completion text or None) pairs: pipeline.rewards.scoring.score_all's contract.
 Scorer = Callable[[list[tuple[Any, str | None]]], Awaitable[list[Any]]]
 
 
@@ -78,23 +79,6 @@ class Placed:
     close: Callable[[], None]
     score: Scorer | None = None
     counters: Callable[[], dict[str, float]] = field(default=dict)
-
-
-def place(recipe: Any, *, vocab_size: int, stop_ids: Sequence[int]) -> Placed:
-    """Build the backend where `recipe.placement` says; blocking (call it on a worker thread)."""
-    if isinstance(recipe.placement, RayPlacement):
-        from backends.ray.place import place_on_ray
-
-        return place_on_ray(recipe, vocab_size=vocab_size, stop_ids=stop_ids)
-    from backends.registry import build_backend
-
-    engine, trainer = build_backend(recipe, vocab_size=vocab_size, stop_ids=stop_ids)
-
-    def close() -> None:
-        engine.close()
-        trainer.close()
-
-    return Placed(engine=engine, trainer=trainer, close=close)
 
 
 def gpus(recipe: Any, side: str) -> float:

@@ -10,7 +10,12 @@ also `Checkpointable`), and
     build_trainer_alone(recipe, *, vocab_size: int) -> Trainer
 
 that builds the trainer alone, for a process whose engines run elsewhere (a Ray trainer actor:
-one a rank), whose `served_parameters()` are the weights an engine's torch `Decoder` takes
+one a rank), and
+
+    build_engine_alone(recipe, *, vocab_size: int, stop_ids: Sequence[int], replica: int) -> Engine
+
+that builds one engine replica alone, on weights of its own that a refit refreshes (a Ray engine
+actor), whose trainer's `served_parameters()` are the weights an engine's torch `Decoder` takes
 (its names and layout); a bad recipe raises `RecipeError` naming the field. A backend that
 refuses some recipes also gives `check(recipe)`, which raises that error without building (the
 pre-flight checks of `validate` and `run` call it). Its recipe sections
@@ -23,11 +28,10 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Sequence
-from typing import Any, Literal, get_args
+from typing import Any, get_args
 
-from pipeline.protocols import Engine, Trainer
-
-BackendName = Literal["torch", "megatron"]  # what the recipe's `train.backend` accepts
+from pipeline.contracts.protocols import Engine, Trainer
+from pipeline.contracts.sections import BackendName
 
 BACKENDS: dict[str, str] = {"torch": "backends.torch.build", "megatron": "backends.megatron.build"}
 assert set(BACKENDS) == set(get_args(BackendName)), "a backend named in one place only"
@@ -54,3 +58,13 @@ def build_backend(recipe: Any, *, vocab_size: int, stop_ids: Sequence[int]) -> t
     module = importlib.import_module(BACKENDS[recipe.train.backend])
     engine, trainer = module.build_backend(recipe, vocab_size=vocab_size, stop_ids=stop_ids)
     return engine, trainer
+
+
+def build_engine_alone(recipe: Any, *, vocab_size: int, stop_ids: Sequence[int], replica: int = 0) -> Engine:
+    """Engine replica `replica` alone, of the backend `recipe.train.backend` names, on weights of
+    its own that a refit refreshes (a Ray engine actor, apart from the trainer)."""
+    module = importlib.import_module(BACKENDS[recipe.train.backend])
+    engine: Engine = module.build_engine_alone(
+        recipe, vocab_size=vocab_size, stop_ids=stop_ids, replica=replica
+    )
+    return engine

@@ -54,15 +54,16 @@ from typing import Any
 
 import torch
 
-from backends.bench_lengths import BenchLengths, LengthDraw
+from backends.bench_lengths import LengthDraw
 from backends.torch.config import ModelConfig
 from backends.torch.fingerprint import Fingerprinter, parameter_probes
 from backends.torch.grouped import response_logprobs
-from backends.torch.grpo_loss import mismatch_metrics
 from backends.torch.logprobs import picked_logprobs
 from backends.torch.model import Decoder, token_logprobs
 from backends.torch.sampler import Admission, Sampler
-from pipeline.messages import Completion
+from pipeline.algorithms.losses import mismatch_metrics
+from pipeline.contracts.messages import Completion
+from pipeline.contracts.sections import BenchLengths
 
 QWEN_1_5B = ModelConfig(
     vocab_size=151936,

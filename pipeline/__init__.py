@@ -15,12 +15,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pipeline.errors import PipelineError, RecipeError
+from pipeline.contracts.errors import PipelineError, RecipeError
 from pipeline.runner import StopRequest
 
 if TYPE_CHECKING:
+    from pipeline.shell.recipe import Recipe
     from stages.program import RunSummary
-    from stages.recipe import Recipe
 
 __all__ = ["PipelineError", "RecipeError", "StopRequest", "load_recipe", "run"]
 
@@ -28,7 +28,7 @@ __all__ = ["PipelineError", "RecipeError", "StopRequest", "load_recipe", "run"]
 def load_recipe(path: str | Path, overrides: Sequence[str] = ()) -> Recipe:
     """Read and validate a recipe; raises `RecipeError` naming the file and field."""
     from pipeline import recipe as loader
-    from stages.recipe import Recipe
+    from pipeline.shell.recipe import Recipe
 
     return loader.load(path, Recipe, overrides)
 
@@ -45,5 +45,5 @@ async def run(recipe: Recipe, **options: Any) -> RunSummary:
 
     # The stages' modules are imported off the event loop: the host keeps its turns.
     with start_up():
-        program = await anyio.to_thread.run_sync(importlib.import_module, "stages.program")
+        program = await anyio.to_thread.run_sync(importlib.import_module, "pipeline.shell.run")
     return await program.run_program(recipe, **options)

@@ -1,5 +1,5 @@
 import sys
 
-from pipeline.cli import main
+from pipeline.shell.cli import main
 
 sys.exit(main())

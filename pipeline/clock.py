@@ -25,7 +25,7 @@ from typing import Protocol
 import anyio
 import msgspec
 
-from pipeline.errors import DeadlineExceeded
+from pipeline.contracts.errors import DeadlineExceeded
 
 # A deadline this close to expiry counts as expired. Service time is source time minus the
 # suspended total, so float rounding can leave a deadline 1 ulp short after sleeping exactly the

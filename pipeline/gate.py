@@ -39,8 +39,8 @@ import anyio
 import msgspec
 
 from pipeline.clock import DeadlineClock
-from pipeline.errors import HandoffMismatch
-from pipeline.protocols import Engine, Trainer
+from pipeline.contracts.errors import HandoffMismatch
+from pipeline.contracts.protocols import Engine, PartialRollouts, Trainer
 
 T = TypeVar("T")
 
@@ -87,9 +87,10 @@ class EngineGate:
         self._timings: dict[str, float] = {}
         self._memory_after_stand_down: int | None = None
         self._on_transition = on_transition
-        self.partial = bool(getattr(engine, "partial_rollouts", False))
+        partial = engine if isinstance(engine, PartialRollouts) and engine.partial_rollouts else None
+        self.partial = partial is not None
         # Partial rollouts: the version served, and the frozen window, per count of engine wakes.
-        self._versions: dict[int, int] = {engine.wakes: version} if self.partial else {}  # type: ignore[attr-defined]
+        self._versions: dict[int, int] = {partial.wakes: version} if partial is not None else {}
         self._windows: dict[int, tuple[float, float]] = {}
         self._down_since = 0.0
 

@@ -98,3 +98,8 @@ def read(path: Path) -> list[dict[str, Any]]:
                 except json.JSONDecodeError:
                     continue
     return records
+
+
+def per_evaluation(name: str) -> bool:
+    """Whether `name` is read from eval.jsonl (one value per evaluation), not metrics.jsonl."""
+    return (name.startswith("eval/") and name != "eval/skipped") or name == "timing/eval_s"

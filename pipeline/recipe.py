@@ -6,8 +6,9 @@
 
     recipes/x.yaml: async_rl.max_lookahead_versions: Expected `int` >= 0, got -1
 
-The sections the engine itself owns live here; the RL stages own theirs, and the root recipe
-(`stages.recipe.Recipe`) composes them.
+The section types (the base and the engine's own sections) are contracts
+(`pipeline.contracts.sections`); the RL stages own theirs, and the root recipe
+(`pipeline.shell.recipe.Recipe`) composes them.
 """
 
 from __future__ import annotations
@@ -16,69 +17,15 @@ import difflib
 import re
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Any, TypeVar
 
 import msgspec
 import msgspec.inspect
 import yaml
 
-from pipeline.errors import RecipeError
+from pipeline.contracts.errors import RecipeError
 
 R = TypeVar("R")
-
-PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
-NonNegativeInt = Annotated[int, msgspec.Meta(ge=0)]
-PositiveFloat = Annotated[float, msgspec.Meta(gt=0)]
-NonNegativeFloat = Annotated[float, msgspec.Meta(ge=0)]
-
-
-class Section(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
-    """Base of every recipe section.
-
-    msgspec passes `frozen` on to subclasses, but a type checker reads it from each class
-    statement (PEP 681), so every section repeats `frozen=True`."""
-
-
-class RunSection(Section, frozen=True):
-    dir: str = "runs/quickstart"
-    steps: PositiveInt = 100
-    seed: int = 0
-    stop_grace_s: PositiveFloat = 30.0
-    progress: bool = True  # the live terminal view (plain lines when not a terminal)
-    log_every_steps: PositiveInt = 10  # a plain progress line every N steps (and at each eval)
-    plot: bool = False  # write run.dir/report.png at the end (needs matplotlib)
-
-
-class AsyncRLSection(Section, frozen=True):
-    max_lookahead_versions: NonNegativeInt = 1
-    # After each stand-down, the engine holds no memory it reports; after each wake or refit it
-    # serves exactly the trainer's weights (fingerprints compared by the gate).
-    handoff_checks: bool = True
-
-
-class CheckpointSection(Section, frozen=True):
-    every_steps: NonNegativeInt = 0  # 0: only at the last step and on a clean stop
-    keep_last: Annotated[int, msgspec.Meta(ge=2)] = 2
-    resume: str = "auto"  # "auto", "never" or a checkpoint path
-
-
-class WatchdogSection(Section, frozen=True):
-    stall_s: PositiveFloat = 600.0
-    fail: bool = False
-
-
-class WandbSection(Section, frozen=True):
-    enabled: bool = False
-    project: str = "grpo-pipeline"
-    name: str | None = None  # default: the run directory's name
-    tags: tuple[str, ...] = ()
-    # None leaves the mode to wandb, so WANDB_MODE (and `wandb offline`) still decide.
-    mode: Literal["offline", "online", "disabled"] | None = None
-
-
-class TensorBoardSection(Section, frozen=True):
-    enabled: bool = False  # event files in run.dir/tensorboard (needs the tensorboard package)
-
 
 _PATH_RE = re.compile(r" - at `\$\.?([^`]*)`$")
 _FLOATISH = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)[eE][+-]?\d+$")

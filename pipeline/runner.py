@@ -16,7 +16,7 @@ from typing import Protocol
 import anyio
 
 from pipeline.clock import DeadlineClock
-from pipeline.errors import PipelineError, StageFailed
+from pipeline.contracts.errors import PipelineError, StageFailed
 from pipeline.watchdog import Watchdog
 
 log = logging.getLogger("pipeline.runner")

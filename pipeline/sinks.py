@@ -15,8 +15,8 @@ import uuid
 from pathlib import Path
 from typing import Any, Protocol
 
-from pipeline.errors import PipelineError, RecipeError
-from pipeline.recipe import TensorBoardSection, WandbSection
+from pipeline.contracts.errors import PipelineError, RecipeError
+from pipeline.contracts.sections import TensorBoardSection, WandbSection
 
 
 class Sink(Protocol):

@@ -27,8 +27,8 @@ from typing import Any
 
 import anyio
 
-from pipeline.errors import DamagedState, NonFiniteState, RequestRejected, RetryableEngineError
-from pipeline.messages import Completion, TrainGroup
+from pipeline.contracts.errors import DamagedState, NonFiniteState, RequestRejected, RetryableEngineError
+from pipeline.contracts.messages import Completion, TrainGroup
 
 
 class FakeTime:

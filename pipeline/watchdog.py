@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from pipeline.clock import TimeSource
-from pipeline.errors import StallError
+from pipeline.contracts.errors import StallError
 
 log = logging.getLogger("pipeline.watchdog")
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from pipeline.channel import Channel
-from pipeline.messages import Batch, Prompt
+from pipeline.contracts.messages import Batch, Prompt
 from pipeline.tickets import TicketBox
 from stages.context import RunContext
 from stages.progress import Progress

@@ -13,7 +13,7 @@ from collections import defaultdict
 import anyio
 
 from pipeline.channel import Channel
-from pipeline.messages import Dropped, Group
+from pipeline.contracts.messages import Dropped, Group
 
 
 class BatchAssembler:

@@ -45,9 +45,9 @@ from typing import Any
 import msgspec
 import yaml
 
-from pipeline.errors import DamagedState, NonFiniteState, PipelineError, RecipeError
+from pipeline.contracts.errors import DamagedState, NonFiniteState, PipelineError, RecipeError
+from pipeline.contracts.protocols import Checkpointable
 from pipeline.metrics import EVAL_FILE, STEPS_FILE, finite, read
-from pipeline.protocols import Checkpointable
 from pipeline.recipe import dump, lookup
 from stages.run_dir import LOCK_FILE
 

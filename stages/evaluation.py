@@ -18,11 +18,11 @@ from statistics import fmean
 import anyio
 
 from pipeline.clock import DeadlineClock
-from pipeline.errors import DeadlineExceeded
+from pipeline.contracts.errors import DeadlineExceeded
+from pipeline.contracts.messages import Prompt
+from pipeline.contracts.sections import NonNegativeInt, PositiveInt, Section
 from pipeline.gate import EngineGate
-from pipeline.messages import Prompt
-from pipeline.recipe import NonNegativeInt, PositiveInt, Section
-from stages.reward import RewardFn, score_all
+from pipeline.rewards.scoring import RewardFn, score_all
 from stages.rollout import GiveUp, RolloutSection, with_retries
 
 

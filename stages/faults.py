@@ -16,10 +16,10 @@ from typing import Annotated
 import msgspec
 
 from pipeline.clock import TimeSource
-from pipeline.errors import RetryableEngineError
-from pipeline.messages import Completion
-from pipeline.protocols import Engine
-from pipeline.recipe import NonNegativeFloat, Section
+from pipeline.contracts.errors import RetryableEngineError
+from pipeline.contracts.messages import Completion
+from pipeline.contracts.protocols import Engine, PartialRollouts
+from pipeline.contracts.sections import NonNegativeFloat, Section
 
 Rate = Annotated[float, msgspec.Meta(ge=0, le=1)]
 
@@ -46,7 +46,7 @@ class FaultyEngine:
         self.rng = random.Random(f"faults-{seed}")
         self.blocks_training = engine.blocks_training
         self.wake_carries_weights = engine.wake_carries_weights
-        self.partial_rollouts = getattr(engine, "partial_rollouts", False)
+        self.partial_rollouts = isinstance(engine, PartialRollouts) and engine.partial_rollouts
 
     @property
     def wakes(self) -> int:

@@ -18,7 +18,6 @@ clean stop): it evaluates, writes `run_dir/gates.json` and logs a line per gate.
 
 from __future__ import annotations
 
-import difflib
 import json
 import logging
 import math
@@ -31,9 +30,8 @@ from typing import Any, Literal
 
 import msgspec
 
-from pipeline.metrics import EVAL_FILE, STEPS_FILE, read
-from pipeline.recipe import NonNegativeInt, Section
-from stages.metric_names import MetricNames, per_evaluation
+from pipeline.contracts.sections import NonNegativeInt, Section
+from pipeline.metrics import EVAL_FILE, STEPS_FILE, per_evaluation, read
 
 log = logging.getLogger("stages.gates")
 
@@ -113,18 +111,6 @@ class Gate(Section, frozen=True):
 class GatesSection(Section, frozen=True):
     checks: tuple[Gate, ...] = ()
     fail: bool = True  # a failed gate makes `python -m pipeline run` exit 3
-
-
-def check_names(gates: GatesSection, names: MetricNames) -> None:
-    """Raise ValueError naming the first gate whose metric no run of this recipe logs."""
-    for i, gate in enumerate(gates.checks):
-        if not names.known(gate.metric):
-            close = difflib.get_close_matches(gate.metric, names.all(), n=1, cutoff=0.75)
-            hint = f" (did you mean `{close[0]}`?)" if close else ""
-            raise ValueError(
-                f"gates.checks[{i}]: unknown metric `{gate.metric}`{hint}; "
-                "the names a run logs are listed in README.md, 'Watching a run'"
-            )
 
 
 class GateResult(msgspec.Struct, frozen=True, kw_only=True):

@@ -9,9 +9,9 @@
 
 Channels hold `prompts_per_step * (L+1)` groups (`batches`: L+1 batches), so nothing queues past
 what the tickets admit. Every stage takes the one `RunContext` (clock, trace, watchdog, timings,
-metrics). `run_program` reads the checkpoint to resume from and builds the backend off the event
-loop (`backends.placement`: in this process through `backends.registry`, or on Ray), loads the
-checkpoint into it, takes the run directory's lock, and
+metrics). `run_program` reads the checkpoint to resume from and has the backend built off the event
+loop (by the `start` the shell gives it: `pipeline.shell.run`), loads the checkpoint into it,
+takes the run directory's lock, and
 runs the stages (`_Pipeline`) to the last step or a clean stop, saving on the way out.
 """
 
@@ -21,23 +21,22 @@ import logging
 import random
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import msgspec
 
-from backends.placement import Placed, place
+from pipeline.algorithms.presets import algorithm_of
 from pipeline.channel import Channel
 from pipeline.clock import DeadlineClock, TimeSource
-from pipeline.console import Console
-from pipeline.errors import BackendLost, PipelineError
+from pipeline.contracts.errors import BackendLost, PipelineError
+from pipeline.contracts.messages import Batch, Dropped, Group
+from pipeline.contracts.protocols import Engine, Fingerprinted, SlotStatistics, Trainer
 from pipeline.gate import EngineGate
 from pipeline.logs import reset_warnings
-from pipeline.messages import Batch, Dropped, Group
 from pipeline.metrics import MetricsLog
-from pipeline.plot import draw_apart
-from pipeline.protocols import Engine, Trainer
 from pipeline.recipe import dump
+from pipeline.rewards.scoring import RewardFn
 from pipeline.runner import Stage, StopRequest, first_error, run_stages
 from pipeline.sinks import open_sinks
 from pipeline.startup import start_up, thaws_after
@@ -64,18 +63,26 @@ from stages.context import RunContext
 from stages.evaluation import Evaluation
 from stages.faults import FaultyEngine
 from stages.gates import Verdict, give_verdict
-from stages.preflight import Checked, preflight
 from stages.progress import Progress
 from stages.prompts import PromptSet
-from stages.recipe import Recipe
-from stages.reward import RewardFn, RewardStage
+from stages.reward import RewardStage
 from stages.rollout import RolloutStage
 from stages.run_dir import RunDirLock, keep_earlier_runs
 from stages.step_record import StepRecorder
 from stages.timings import BatchTimings
 from stages.train import TrainStage
 
+if TYPE_CHECKING:
+    from backends.placement import Placed
+    from pipeline.shell.console import Console
+    from pipeline.shell.preflight import Checked
+    from pipeline.shell.recipe import Recipe
+
 log = logging.getLogger("stages.program")
+
+# The recipe's checks, then (when asked: True) its backend, built where `placement` says; on a
+# worker thread. The shell gives it (`pipeline.shell.run`): the stages never import a backend.
+Start = Callable[["Recipe", bool], "tuple[Checked, Placed | None]"]
 
 
 class RunSummary(msgspec.Struct, frozen=True, kw_only=True):
@@ -93,6 +100,7 @@ class RunSummary(msgspec.Struct, frozen=True, kw_only=True):
 async def run_program(
     recipe: Recipe,
     *,
+    start: Start,
     engine: Engine | None = None,
     trainer: Trainer | None = None,
     time_source: TimeSource | None = None,
@@ -102,7 +110,8 @@ async def run_program(
     console: Console | None = None,
     checkpoint_hook: Callable[[str], None] | None = None,
 ) -> RunSummary:
-    """Run `recipe` to its last step (or a clean stop). `engine`/`trainer` replace the backend.
+    """Run `recipe` to its last step (or a clean stop). `start` checks the recipe and builds its
+    backend; `engine`/`trainer` replace the backend (then `start` only checks).
 
     `echo` is called with each train step's metrics record, `on_eval` with each evaluation's
     (step 0: before training); `console` shows the run.
@@ -120,7 +129,7 @@ async def run_program(
     # without the garbage collector's full passes, which hold the GIL 100-300 ms each.
     with start_up():
         resume = await anyio.to_thread.run_sync(open_resume, run_dir, recipe)
-        checked, placed = await anyio.to_thread.run_sync(_start, recipe, built)
+        checked, placed = await anyio.to_thread.run_sync(start, recipe, built)
     prompts, reward_fn = checked.prompts, checked.reward_fn
     if placed is not None:
         engine, trainer = placed.engine, placed.trainer
@@ -198,7 +207,7 @@ async def _run_locked(
     if resumed is not None:
         state = resumed.state
         set_aside(resumed.damaged)
-        prompts.train.skip(state.next_batch * recipe.prompts.prompts_per_step)
+        prompts.train.skip(state.next_batch * algorithm_of(recipe).admitted(recipe.prompts.prompts_per_step))
         set_python_rng_state(state.python_rng)
         restore_metrics(run_dir, state)
         checkpoints.last_step = state.step
@@ -263,10 +272,6 @@ async def _run_locked(
         # On a worker thread: closing the sinks (wandb) and writing the trace take a while.
         with anyio.CancelScope(shield=True):
             await anyio.to_thread.run_sync(lambda: _close_all(steps, failing=failing))
-    if recipe.run.plot:
-        problem = await draw_apart(run_dir)
-        if problem:  # the run is done and saved: a missing plot is not a failure
-            log.warning("run.plot: no report.png: %s", problem)
     verdict = await anyio.to_thread.run_sync(give_verdict, run_dir, recipe.gates, recipe.run.steps)
     return RunSummary(
         run_dir=str(run_dir),
@@ -327,7 +332,8 @@ class _Pipeline:
             steps_done=state.step if state else 0,
             empty_batches=state.empty_batches if state else 0,
         )
-        per_step = recipe.prompts.prompts_per_step
+        algorithm = algorithm_of(recipe)
+        per_step = algorithm.admitted(recipe.prompts.prompts_per_step)  # prompts admitted a step
         batches: Channel[Batch] = Channel("batches", lookahead + 1)
         generated: Channel[Group | Dropped] = Channel("generated", per_step * (lookahead + 1))
         scored: Channel[Group | Dropped] = Channel("scored", per_step * (lookahead + 1))
@@ -371,6 +377,8 @@ class _Pipeline:
             save=self.save,
             save_due=lambda step: bool(every) and step % every == 0,
             limits=recipe.train,
+            algorithm=algorithm,
+            prompts_per_step=recipe.prompts.prompts_per_step,
             evaluation=self.evaluation,
             echo=echo,
             on_eval=on_eval,
@@ -412,10 +420,9 @@ class _Pipeline:
     def idle_slots(self) -> dict[str, float]:
         """The fraction of the engine's slots (row x decode step) with no row generating since
         the last step (finished rows waiting for a refill), from an engine with `statistics()`."""
-        statistics = getattr(self.backend_engine, "statistics", None)
-        if statistics is None:
+        if not isinstance(self.backend_engine, SlotStatistics):
             return {}
-        stats = statistics()
+        stats = self.backend_engine.statistics()
         slots = stats.slot_steps - self._slots_before[0]
         busy = stats.busy_slot_steps - self._slots_before[1]
         self._slots_before = (stats.slot_steps, stats.busy_slot_steps)
@@ -513,17 +520,7 @@ def _both(*hooks: Callable[[dict[str, Any]], None] | None) -> Callable[[dict[str
     return call
 
 
-def _start(recipe: Recipe, build: bool) -> tuple[Checked, Placed | None]:
-    """The recipe's checks, then (with `build`) the recipe's backend where `placement` says; on
-    a worker thread."""
-    checked = preflight(recipe, model=build, resume=False)  # open_resume read it whole
-    if not build:
-        return checked, None
-    tokenizer = checked.prompts.tokenizer
-    return checked, place(recipe, vocab_size=tokenizer.vocab_size, stop_ids=tokenizer.stop_ids)
-
-
 def _fingerprints(engine: Any, trainer: Any) -> bool:
     """Whether both sides take weight fingerprints (an engine or trainer passed in by an
     embedding application may predate `fingerprint` in the protocols: its run goes unchecked)."""
-    return all(callable(getattr(part, "fingerprint", None)) for part in (engine, trainer))
+    return all(isinstance(part, Fingerprinted) for part in (engine, trainer))

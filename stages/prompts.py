@@ -25,9 +25,9 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
-from pipeline.errors import RecipeError
-from pipeline.messages import Prompt
-from pipeline.recipe import PositiveInt, Section
+from pipeline.contracts.errors import RecipeError
+from pipeline.contracts.messages import Prompt
+from pipeline.contracts.sections import PositiveInt, Section
 from stages.tokenizer import CharTokenizer, Tokenizer
 
 NonNegativeInt = Annotated[int, msgspec.Meta(ge=0)]

@@ -1,4 +1,4 @@
-"""Reward: scores every usable sample of a group with the recipe's reward function.
+"""The reward stage: scores every usable sample of a group with the recipe's reward function.
 
 A reward function takes `(prompt: Prompt, completion: str)` and returns a float or a dict of
 floats with a `"reward"` key (the other keys are logged as `reward/<key>`). `prompt.text` is
@@ -16,32 +16,28 @@ failure: those samples get no reward and are not trained on. More than `max_fail
 stop the run.
 """
 
+
 from __future__ import annotations
 
 import functools
-import importlib
-import inspect
 import logging
-import math
 from collections import Counter
 from collections.abc import Awaitable, Callable
-from typing import Any
 
 import anyio
 import msgspec
 
 from pipeline.channel import Channel
-from pipeline.errors import DeadlineExceeded, DropBudgetExceeded, RecipeError
+from pipeline.contracts.errors import DeadlineExceeded, DropBudgetExceeded
+from pipeline.contracts.messages import Dropped, Group, Prompt, Sample
+from pipeline.contracts.sections import NonNegativeInt, PositiveFloat, PositiveInt, Section
 from pipeline.logs import warn_once
-from pipeline.messages import Dropped, Group, Prompt, Sample
-from pipeline.recipe import NonNegativeInt, PositiveFloat, PositiveInt, Section
+from pipeline.rewards.scoring import RewardFn, Scored, is_cheap, score_all, score_all_sync
+from pipeline.rewards.threads import blocking_note
 from stages.context import RunContext
-from stages.reward_threads import blocking_note, run_abandonable, run_async
 from stages.tokenizer import Tokenizer
 
 log = logging.getLogger("stages.reward")
-
-RewardFn = Callable[[Prompt, str], float | dict[str, float] | Awaitable[float | dict[str, float]]]
 
 
 class RewardSection(Section, frozen=True):
@@ -50,150 +46,6 @@ class RewardSection(Section, frozen=True):
     max_failures: NonNegativeInt = 64
     concurrency: PositiveInt = 8  # groups scored at once (worker threads, or awaits of an async function)
 
-
-def positional_reward(prompt: Prompt, completion: str) -> dict[str, float]:
-    """Positions correct / max(len(answer), len(completion)); exact match logged beside."""
-    answer = prompt.answer
-    longest = max(len(answer), len(completion))
-    correct = sum(a == b for a, b in zip(answer, completion, strict=False))
-    return {
-        "reward": correct / longest if longest else 1.0,
-        "exact_match": float(completion == answer),
-    }
-
-
-def exact_match_reward(prompt: Prompt, completion: str) -> float:
-    return float(completion.strip() == prompt.answer.strip())
-
-
-def _math(prompt: Prompt, completion: str) -> dict[str, float]:
-    from stages.math_reward import math_reward
-
-    return math_reward(prompt, completion)
-
-
-BUILTIN: dict[str, RewardFn] = {
-    "positional": positional_reward,
-    "exact_match": exact_match_reward,
-    "math": _math,
-}
-# Microseconds a sample: scored on the event loop.
-CHEAP: tuple[RewardFn, ...] = (positional_reward, exact_match_reward)
-
-
-def is_cheap(fn: RewardFn) -> bool:
-    """A cheap built-in (by identity: a user's callable need not be hashable)."""
-    return any(fn is cheap for cheap in CHEAP)
-
-
-SOURCE_CHECKER = "reasoning_gym"
-
-
-def resolve(name: str, *, source_reward: RewardFn | None = None) -> RewardFn:
-    """The reward function `reward.function` names; `source_reward` is the prompt source's own
-    answer checker, if it has one. Raises `RecipeError` for a name that cannot be used."""
-    if name == "math":
-        from stages.math_reward import _math_verify
-
-        _math_verify()  # a missing package is a recipe error now, not a failure per sample
-    if name in BUILTIN:
-        return BUILTIN[name]
-    if name == SOURCE_CHECKER:
-        if source_reward is None:
-            raise RecipeError(
-                "reward.function: 'reasoning_gym' scores with the prompt source's own checker; "
-                "it needs prompts.source.kind: reasoning_gym"
-            )
-        return source_reward
-    module_name, sep, attr = name.partition(":")
-    if not sep:
-        raise RecipeError(
-            f"reward.function: {name!r} is neither a built-in "
-            f"({', '.join(sorted([*BUILTIN, SOURCE_CHECKER]))}) nor module:function"
-        )
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as error:
-        raise RecipeError(f"reward.function: cannot import module {module_name!r}: {error}") from None
-    fn = getattr(module, attr, None)
-    if not callable(fn):
-        raise RecipeError(f"reward.function: module {module_name!r} has no function {attr!r}")
-    return fn
-
-
-class NonFiniteReward(ValueError):
-    """A reward function returned NaN or an infinity: a reward failure, never a trained value."""
-
-
-def _normalise(result: Any) -> dict[str, float]:
-    if isinstance(result, dict):
-        if "reward" not in result:
-            raise ValueError(f"reward function returned a dict without a 'reward' key: {sorted(result)}")
-        values = {key: float(value) for key, value in result.items()}
-    else:
-        values = {"reward": float(result)}
-    bad = {key: value for key, value in values.items() if not math.isfinite(value)}
-    if bad:
-        raise NonFiniteReward(f"reward function returned non-finite values: {bad}")
-    return values
-
-
-Scored = dict[str, float] | Exception | None
-
-
-# `SystemExit` too: a reward function that calls sys.exit has failed on that sample; it must
-# not end the thread silently (nor the run).
-_REWARD_ERRORS = (Exception, SystemExit)
-
-
-def _score_all_sync(fn: RewardFn, items: list[tuple[Prompt, str | None]]) -> list[Scored]:
-    results: list[Scored] = []
-    for prompt, text in items:
-        if text is None:
-            results.append(None)
-            continue
-        try:
-            results.append(_normalise(fn(prompt, text)))
-        except _REWARD_ERRORS as error:  # a reward bug is a counted data failure, not a crash
-            results.append(_as_exception(error))
-    return results
-
-
-async def _score_all_async(fn: RewardFn, items: list[tuple[Prompt, str | None]]) -> list[Scored]:
-    results: list[Scored] = []
-    for prompt, text in items:
-        if text is None:
-            results.append(None)
-            continue
-        try:
-            results.append(_normalise(await fn(prompt, text)))  # type: ignore[misc]
-        except _REWARD_ERRORS as error:
-            results.append(_as_exception(error))
-    return results
-
-
-class RewardExited(Exception):
-    """The reward function raised `SystemExit` (called sys.exit)."""
-
-
-def _as_exception(error: Exception | SystemExit) -> Exception:
-    if isinstance(error, SystemExit):
-        return RewardExited(f"the reward function called sys.exit({error.code!r})")
-    return error
-
-
-async def score_all(fn: RewardFn, items: list[tuple[Prompt, str | None]]) -> list[Scored]:
-    """Score each (prompt, text) pair (text None: skip); an exception is returned, not raised.
-
-    A plain function scores all pairs in one call on a daemon thread, an async one on the
-    reward loop (`stages.reward_threads`): either can be abandoned by a deadline. A cheap
-    built-in scores on the event loop: the thread hop would cost more than the scoring.
-    """
-    if is_cheap(fn):
-        return _score_all_sync(fn, items)
-    if not inspect.iscoroutinefunction(fn):
-        return await run_abandonable(_score_all_sync, fn, items)
-    return await run_async(_score_all_async, fn, items, name=getattr(fn, "__name__", repr(fn)))
 
 
 class RewardStage:
@@ -262,7 +114,7 @@ class RewardStage:
         pairs = [(group.prompt, text) for text in wanted]
         results: list[Scored] = [None] * len(texts)
         if self.cheap:  # microseconds, on the event loop: no deadline could interrupt it
-            results = _score_all_sync(self.fn, pairs)
+            results = score_all_sync(self.fn, pairs)
         else:
             try:
                 with self.clock.fail_after(

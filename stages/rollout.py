@@ -17,20 +17,30 @@ import logging
 import math
 from collections import Counter
 from collections.abc import Awaitable, Callable
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Annotated, Literal, TypeVar
 
 import anyio
 import msgspec
 
-from backends.bench_lengths import BenchLengths
-from backends.placement import RayPlacement
 from pipeline.channel import Channel
 from pipeline.clock import DeadlineClock
-from pipeline.errors import DeadlineExceeded, DropBudgetExceeded, RequestRejected, RetryableEngineError
+from pipeline.contracts.errors import (
+    DeadlineExceeded,
+    DropBudgetExceeded,
+    RequestRejected,
+    RetryableEngineError,
+)
+from pipeline.contracts.messages import Batch, Completion, Dropped, Group, Prompt, Sample
+from pipeline.contracts.sections import (
+    BenchLengths,
+    NonNegativeFloat,
+    NonNegativeInt,
+    PositiveFloat,
+    PositiveInt,
+    Section,
+)
 from pipeline.gate import EngineGate
 from pipeline.logs import warn_once
-from pipeline.messages import Batch, Completion, Dropped, Group, Prompt, Sample
-from pipeline.recipe import NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, Section
 from stages.context import RunContext
 
 log = logging.getLogger("stages.rollout")
@@ -58,71 +68,11 @@ class RolloutSection(Section, frozen=True):
     # distribution, as if the model had emitted end-of-sequence (`backends/bench_lengths.py`).
     bench_lengths: BenchLengths | None = None
     # What generates: `torch`, our engine, or `megatron`, megatron-core's dynamic inference
-    # engine serving the megatron trainer's own model in place (`check_engine` says where).
+    # engine serving the megatron trainer's own model in place (`backends/megatron/rules.py` says
+    # where).
     engine: Literal["torch", "megatron"] = "torch"
     # engine megatron: its KV cache in GiB; 0 derives it from the batch (backends/megatron/serve.py).
     kv_cache_gb: NonNegativeFloat = 0.0
-
-
-def check_engine(recipe: Any) -> None:
-    """Cross-field rules of `rollout.engine` against the rest of the recipe (ValueError naming
-    both). megatron's engine serves the megatron trainer's module where it lies: one process,
-    colocated, CUDA (its dynamic context allocates with CUDA only), bf16 (its attention runs
-    flash-attention kernels); its logprobs are those of the tempered distribution it samples
-    from, which matches ours only without a top-p cut."""
-    rollout = recipe.rollout
-    if rollout.engine == "torch":
-        if rollout.kv_cache_gb:
-            raise ValueError(
-                f"rollout.kv_cache_gb: {rollout.kv_cache_gb:g} sizes the KV cache of rollout.engine "
-                "megatron; the torch engine sizes its own for each decode loop: leave it at 0"
-            )
-        return
-    if recipe.train.backend != "megatron":
-        raise ValueError(
-            f"rollout.engine: megatron needs train.backend: megatron (it serves the megatron "
-            f"trainer's own model), got {recipe.train.backend}; set train.backend: megatron or "
-            "rollout.engine: torch"
-        )
-    if not recipe.colocated:
-        raise ValueError(
-            "rollout.engine: megatron needs colocated: true (it serves the trainer's model in place; "
-            "a separate engine would need a model of its own and a weight copy after each step); set "
-            "colocated: true or rollout.engine: torch"
-        )
-    if not recipe.model.device.startswith("cuda"):
-        raise ValueError(
-            f"rollout.engine: megatron needs model.device: cuda (megatron's dynamic inference context "
-            f"allocates its KV cache and bookkeeping on CUDA only), got {recipe.model.device}; set "
-            "rollout.engine: torch"
-        )
-    if recipe.model.dtype != "bfloat16":
-        raise ValueError(
-            f"rollout.engine: megatron needs model.dtype: bfloat16 (its attention runs flash-attention "
-            f"kernels, which take bf16), got {recipe.model.dtype}"
-        )
-    if isinstance(recipe.placement, RayPlacement):
-        raise ValueError(
-            "rollout.engine: megatron is not built for placement.backend ray yet: set "
-            "placement.backend: local or rollout.engine: torch"
-        )
-    if rollout.partial:
-        raise ValueError(
-            "rollout.partial: true needs rollout.engine: torch (the weights version of each token of "
-            "a continued request is the torch engine's bookkeeping); set rollout.partial: false"
-        )
-    if rollout.temperature == 0:
-        raise ValueError(
-            "rollout.temperature: 0 needs rollout.engine: torch (megatron's sampler divides the "
-            "logits by the temperature, and its greedy mode reports logprob 0 for every token): "
-            "set a temperature above 0"
-        )
-    if rollout.top_p < 1:
-        raise ValueError(
-            f"rollout.top_p: {rollout.top_p:g} needs rollout.engine: torch (megatron's engine reports "
-            "the logprobs of the nucleus it renormalised, the trainer those of the whole tempered "
-            "distribution): set rollout.top_p: 1.0"
-        )
 
 
 class GiveUp(Exception):

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import TextIO
 
-from pipeline.errors import RecipeError
+from pipeline.contracts.errors import RecipeError
 from pipeline.metrics import EVAL_FILE, STEPS_FILE
 
 log = logging.getLogger("stages.run_dir")

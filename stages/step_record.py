@@ -5,7 +5,7 @@ unscored samples, rewards, lag against the engine's `version`, response lengths 
 percentiles, partial rollouts); `finish`
 adds, once the step's weights are published, the gate's and the stages' timings, the step's
 seconds (from the previous step's end, evaluations not charged), throughput, queue depths and
-the run's counters. Metric names are listed in `stages.metric_names`.
+the run's counters. Metric names are listed in `pipeline.shell.metric_names`.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from collections.abc import Callable, Mapping, Sequence
 from statistics import fmean
 from typing import Any
 
-from pipeline.messages import Dropped, Group, Sample
-from stages.advantages import population_std
+from pipeline.algorithms.advantages import population_std
+from pipeline.contracts.messages import Dropped, Group, Sample
 from stages.context import RunContext
 
 

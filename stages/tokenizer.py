@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Protocol
 
-from pipeline.errors import RecipeError
+from pipeline.contracts.errors import RecipeError
 
 
 class Tokenizer(Protocol):

@@ -21,14 +21,20 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
-from backends.registry import BackendName
-from pipeline.errors import NothingTrained
+from pipeline.algorithms.config import Algorithm
+from pipeline.contracts.errors import NothingTrained
+from pipeline.contracts.messages import Dropped, Group, TrainGroup, TrainSample
+from pipeline.contracts.protocols import Trainer
+from pipeline.contracts.sections import (
+    BackendName,
+    NonNegativeFloat,
+    NonNegativeInt,
+    PositiveFloat,
+    PositiveInt,
+    Section,
+)
 from pipeline.gate import EngineGate
-from pipeline.messages import Dropped, Group, TrainGroup, TrainSample
-from pipeline.protocols import Trainer
-from pipeline.recipe import NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, Section
 from pipeline.tickets import Ticket, TicketBox
-from stages.advantages import leave_one_out
 from stages.batch_assembly import BatchAssembler
 from stages.context import RunContext
 from stages.evaluation import Evaluation, EvaluationSkipped
@@ -54,8 +60,27 @@ class TrainSection(Section, frozen=True):
     # in each micro-batch holding its samples), not whole groups padded to their longest.
     micro_batch_tokens: NonNegativeInt = 0
     updates_per_step: PositiveInt = 1
-    clip_low: NonNegativeFloat = 0.2
-    clip_high: NonNegativeFloat = 0.28
+    # The RL algorithm: a preset (pipeline/algorithms/presets.py), and each of its knobs, which
+    # a recipe may set on its own (unset: the preset's). `advantage` and `policy_loss` also take
+    # a `module:function` of your own.
+    algorithm: Literal["grpo", "dr_grpo", "dapo", "gspo", "rloo"] = "grpo"
+    advantage: str | None = None  # grpo | dr_grpo | rloo | module:function
+    policy_loss: str | None = None  # token | sequence (GSPO) | module:function
+    loss_aggregation: Literal["token_mean", "sequence_mean", "token_sum"] | None = None
+    clip_low: NonNegativeFloat | None = None
+    clip_high: NonNegativeFloat | None = None
+    # DAPO's dynamic sampling: a group whose rewards are all equal (no advantage to learn from)
+    # is filtered and another prompt generated for the same step in its place.
+    dynamic_sampling: bool | None = None
+    # With dynamic sampling each step admits prompts_per_step x oversample prompts (one ticket,
+    # so within the lag bound) and trains the first prompts_per_step groups, in prompt order,
+    # whose rewards are not all equal: the rest are counted (rollout/filtered_groups,
+    # rollout/surplus_groups) and not trained. Fewer than prompts_per_step: the step trains those.
+    oversample: Annotated[float, msgspec.Meta(ge=1)] = 2.0
+    # DAPO's soft overlong penalty: over the last `overlong_buffer` tokens before
+    # rollout.max_new_tokens the reward falls linearly by up to `overlong_penalty`.
+    overlong_buffer: NonNegativeInt | None = None
+    overlong_penalty: NonNegativeFloat = 1.0
     kl_coef: NonNegativeFloat = 0.0
     is_correction: Literal["none", "tis", "icepop"] = "tis"
     is_cap: Annotated[float, msgspec.Meta(gt=1)] = 2.0
@@ -106,6 +131,8 @@ class TrainStage:
         save: Saver,
         save_due: Callable[[int], bool],
         limits: TrainSection,
+        algorithm: Algorithm,
+        prompts_per_step: int,
         evaluation: Evaluation | None = None,
         echo: Callable[[dict[str, Any]], None] = lambda record: None,
         on_eval: Callable[[dict[str, Any]], None] = lambda record: None,
@@ -120,6 +147,8 @@ class TrainStage:
         self.clock = context.clock
         self.save = save
         self.save_due = save_due
+        self.algorithm = algorithm
+        self.prompts_per_step = prompts_per_step
         self.max_empty_in_row = limits.max_consecutive_empty_batches
         self.max_skipped_in_row = limits.max_consecutive_skipped_steps
         self.evaluation = evaluation
@@ -160,14 +189,18 @@ class TrainStage:
     async def _step(self, batch: int, items: list[Group | Dropped], *, wait_s: float) -> None:
         groups = [item for item in items if isinstance(item, Group)]
         dropped = [item for item in items if isinstance(item, Dropped)]
-        train_groups = [g for g in map(train_group, groups) if g.samples]
+        pairs = [(g, t) for g, t in ((g, train_group(g, self.algorithm)) for g in groups) if t.samples]
         record = self.records.rollout(batch, groups, dropped)
-        if not train_groups:
+        if self.algorithm.dynamic_sampling:
+            pairs, filtered, surplus = dynamic_sample(pairs, self.prompts_per_step)
+            record.update({"rollout/filtered_groups": filtered, "rollout/surplus_groups": surplus})
+        if not pairs:
             self._empty(batch, record)
             return
+        train_groups = [t for _, t in pairs]
         self.empty_in_row = 0
         step = self.progress.steps_done + 1
-        record.update(self.records.trained(step, groups, self.gate.engine_version))
+        record.update(self.records.trained(step, [g for g, _ in pairs], self.gate.engine_version))
 
         async def train() -> Mapping[str, float]:
             result = await self.trainer.train_step(train_groups)
@@ -259,11 +292,15 @@ class TrainStage:
         self.on_eval(self.context.metrics.write_eval(record))
 
 
-def train_group(group: Group) -> TrainGroup:
+def train_group(group: Group, algorithm: Algorithm) -> TrainGroup:
     """What the trainer gets of a scored group: its prompt once, its usable samples with their
-    GRPO advantages (reward minus the leave-one-out mean, over the group's std)."""
-    scored = [(s, s.reward) for s in group.samples if not s.poisoned and s.reward is not None]
-    advantages = leave_one_out([reward for _, reward in scored])
+    advantages by the algorithm's estimator, over rewards shaped by its overlong penalty."""
+    scored = [
+        (s, s.reward + algorithm.overlong(len(s.tokens)))
+        for s in group.samples
+        if not s.poisoned and s.reward is not None
+    ]
+    advantages = algorithm.advantages()([reward for _, reward in scored])
     return TrainGroup(
         group_id=group.group_id,
         prompt_tokens=group.prompt.tokens,
@@ -272,3 +309,12 @@ def train_group(group: Group) -> TrainGroup:
             for (s, reward), advantage in zip(scored, advantages, strict=True)
         ),
     )
+
+
+def dynamic_sample(
+    pairs: list[tuple[Group, TrainGroup]], keep: int
+) -> tuple[list[tuple[Group, TrainGroup]], int, int]:
+    """DAPO's dynamic sampling over one batch's groups, in prompt order: the first `keep` whose
+    rewards (as trained: shaped) are not all equal; (kept, filtered, surplus) counts."""
+    spread = [pair for pair in pairs if len({s.reward for s in pair[1].samples}) > 1]
+    return spread[:keep], len(pairs) - len(spread), max(0, len(spread) - keep)

@@ -26,9 +26,9 @@ from backends.placement import RayPlacement
 from backends.torch.build import DTYPES, build_model
 from backends.torch.compute import ComputeThread
 from backends.torch.engine import TorchEngine
-from backends.torch.grpo_loss import LossConfig
 from backends.torch.sampler import Sampler
-from pipeline.errors import RecipeError
+from pipeline.algorithms.presets import algorithm_of
+from pipeline.contracts.errors import RecipeError
 
 # train.<field>: (its default, what it would take)
 _NOT_YET = {
@@ -129,6 +129,16 @@ def build_backend(recipe: Any, *, vocab_size: int, stop_ids: Sequence[int]) -> t
     return engine, trainer
 
 
+def build_engine_alone(recipe: Any, *, vocab_size: int, stop_ids: Sequence[int], replica: int = 0) -> Any:
+    """An engine replica apart from the megatron trainer: our torch engine, refreshed from the
+    trainer's weights as the engine's `Decoder` holds them (`reshard.served`). Importing this
+    module set megatron's warning filters: the trainer's weights arrive pickled through
+    megatron's `safe_load_from_bytes`, which the unpickling imports."""
+    from backends.torch.build import build_engine_alone as torch_engine
+
+    return torch_engine(recipe, vocab_size=vocab_size, stop_ids=stop_ids, replica=replica)
+
+
 def build_trainer_alone(recipe: Any, *, vocab_size: int) -> Any:
     """This process's rank of the megatron trainer alone (a Ray trainer actor, whose engines are
     elsewhere). Rank 0 keeps the served weights after each step (`served_parameters`), which it
@@ -190,7 +200,7 @@ def _build(recipe: Any, *, vocab_size: int) -> tuple[Any, Any]:
         model,
         step,
         config=config,
-        loss=LossConfig.of(train),
+        algorithm=algorithm_of(recipe),
         lr=train.lr,
         warmup_steps=train.warmup_steps,
         schedule=train.schedule,

@@ -35,7 +35,7 @@ from megatron.core.dist_checkpointing.strategies import torch as torch_strategy
 from torch.distributed.checkpoint.api import CheckpointException
 
 from backends.torch.state_file import nonfinite
-from pipeline.errors import DamagedState, NonFiniteState
+from pipeline.contracts.errors import DamagedState, NonFiniteState
 
 _SHARDED = (ShardedTensor, ShardedTensorFactory)
 

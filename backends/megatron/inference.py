@@ -51,8 +51,8 @@ from typing import Any
 
 from backends.bench_lengths import LengthDraw
 from backends.torch.state_file import ENGINE_FILE, load_state, save_state
-from pipeline.errors import RequestRejected
-from pipeline.messages import Completion
+from pipeline.contracts.errors import RequestRejected
+from pipeline.contracts.messages import Completion
 
 
 class State(Enum):

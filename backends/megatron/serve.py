@@ -27,7 +27,7 @@ flash-attn's functions, answered by torch's flash kernels where flash-attn is mi
   cache still goes back to the driver, the collection is skipped, and an engine that did capture
   graphs has them deleted by megatron's own function as before.
 - Sampling (`sampling_params`): the recipe's temperature with neither top-k nor top-p
-  (`check_engine` refuses top_p < 1 and temperature 0); greedy requests (evaluation) take
+  (`backends/megatron/rules.py` refuses top_p < 1 and temperature 0); greedy requests (evaluation) take
   megatron's greedy draw, top_k 1. One termination id, the tokenizer's one stop token (megatron
   takes no more: several are refused).
 - Logprobs: `logprobs_mode` "processed_logprobs", the log-softmax of the logits divided by the
@@ -62,7 +62,7 @@ from backends.bench_lengths import length_draw
 from backends.megatron import flash_adapter
 from backends.megatron.inference import MegatronInference
 from backends.torch.config import ModelConfig
-from pipeline.errors import RecipeError
+from pipeline.contracts.errors import RecipeError
 
 BLOCK_TOKENS = 256  # megatron's default KV block
 

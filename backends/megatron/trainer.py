@@ -1,12 +1,10 @@
-"""The megatron GRPO trainer: the torch trainer's loss and metrics on a megatron-core `GPTModel`.
+"""The megatron trainer: the recipe's RL algorithm on a megatron-core `GPTModel`.
 
-`train_step(groups)` runs one pipeline step on the trainer's compute thread. The groups are
-shuffled with the trainer's generator and split into `updates_per_step` minibatches (one
-optimizer update each, whole groups), each into micro-batches of at most `micro_batch_samples`
-samples whose gradients add up; the loss is `backends.torch.grpo_loss`'s clipped surrogate with
-its importance-sampling correction, a token mean over the step, and the step reports the same
-`train/*` figures as `TorchTrainer` (mismatch metrics from the same function). With several
-updates a step, the pre-step logprobs are computed first; with one they are the forward's own.
+`train_step(groups)` runs one pipeline step on the trainer's compute thread through the shared
+update loop (`pipeline.algorithms.update.run_update`: minibatches, the algorithm's loss and
+aggregation, the skip on a non-finite loss or gradient norm, the `train/*` metrics, as for
+`TorchTrainer`); this backend supplies micro-batches of whole groups (at most
+`micro_batch_samples` samples), megatron's forward and its optimizer step.
 
 Each sample is one right-padded sequence, prompt then response (megatron's model takes whole
 sequences; the torch trainer computes a group's prompt once instead); only the response
@@ -45,22 +43,22 @@ from backends.megatron.optimizer import Step
 from backends.torch.compute import ComputeThread
 from backends.torch.config import ModelConfig
 from backends.torch.fingerprint import Fingerprinter, parameter_probes
-from backends.torch.grpo_loss import LossConfig, grpo_token_loss, mismatch_metrics
 from backends.torch.logprobs import picked_logprobs
 from backends.torch.schedule import lr_factor
 from backends.torch.state_file import load_state, save_state
-from pipeline.messages import TrainGroup
+from pipeline.algorithms.config import Algorithm
+from pipeline.algorithms.update import Chunk, run_update
+from pipeline.contracts.messages import TrainGroup, TrainSample
 
 MODEL_DIR = "megatron"
 STATE_FILE = "megatron-trainer.pt"
 
 
-class _Chunk:
-    """A micro-batch: its sequences [N, S], where each response starts, and once computed the
-    pre-step and behaviour logprobs [N, R]."""
+class _Inputs:
+    """A micro-batch as megatron's model takes it: sequences [N, S] (prompt then response,
+    right-padded) and, for each response token, the position that predicts it [N, R]."""
 
-    def __init__(self, groups: list[TrainGroup], device: torch.device) -> None:
-        samples = [(g.prompt_tokens, s) for g in groups for s in g.samples]
+    def __init__(self, samples: list[tuple[tuple[int, ...], TrainSample]], device: torch.device) -> None:
         width = max(len(p) + len(s.tokens) for p, s in samples)
         longest = max(len(s.tokens) for _, s in samples)
         self.ids = torch.tensor(
@@ -69,16 +67,7 @@ class _Chunk:
         )
         # Target j of the response is predicted at sequence position len(prompt) - 1 + j.
         starts = torch.tensor([len(p) - 1 for p, _ in samples], device=device)
-        lengths = torch.tensor([len(s.tokens) for _, s in samples], device=device)
-        steps = torch.arange(longest, device=device)
-        self.mask = (steps < lengths[:, None]).float()
-        self.index = (starts[:, None] + steps).clamp(max=width - 2)
-        self.gen = torch.tensor(
-            [list(s.logprobs) + [0.0] * (longest - len(s.tokens)) for _, s in samples], device=device
-        )
-        self.advantages = torch.tensor([s.advantage for _, s in samples], dtype=torch.float32, device=device)
-        self.tokens = float(lengths.sum())
-        self.old: torch.Tensor | None = None
+        self.index = (starts[:, None] + torch.arange(longest, device=device)).clamp(max=width - 2)
 
 
 def response_logprobs(
@@ -113,7 +102,7 @@ class MegatronTrainer:
         step: Step,
         *,
         config: ModelConfig,
-        loss: LossConfig,
+        algorithm: Algorithm,
         lr: float,
         warmup_steps: int,
         schedule: str,
@@ -135,8 +124,8 @@ class MegatronTrainer:
         self._served: list[tuple[str, torch.Tensor]] | None = None
         self._previous: list[tuple[str, torch.Tensor]] | None = None
         self.optimizer = step
-        self.loss = loss
-        self.lr = lr
+        self.algorithm = algorithm
+        self.base_lr = lr
         self.warmup_updates = warmup_steps * updates_per_step
         self.total_updates = max(1, total_steps * updates_per_step)
         self.schedule = schedule
@@ -187,7 +176,7 @@ class MegatronTrainer:
             self.on_weights(served)
 
     def _lr(self, update: int) -> float:
-        return self.lr * lr_factor(
+        return self.base_lr * lr_factor(
             update,
             warmup_updates=self.warmup_updates,
             total_updates=self.total_updates,
@@ -195,87 +184,54 @@ class MegatronTrainer:
             min_lr_ratio=self.min_lr_ratio,
         )
 
-    def _minibatches(self, groups: list[TrainGroup]) -> list[list[_Chunk]]:
-        order = torch.randperm(len(groups), generator=self.generator).tolist()
-        minibatches = []
-        for part in torch.tensor(order).tensor_split(min(self.updates_per_step, len(groups))):
-            chunks: list[list[TrainGroup]] = [[]]
-            rows = 0
-            for g in part.tolist():
-                size = len(groups[g].samples)
-                if chunks[-1] and rows + size > self.micro_batch_samples:
-                    chunks.append([])
-                    rows = 0
-                chunks[-1].append(groups[g])
-                rows += size
-            minibatches.append([_Chunk(c, self.device) for c in chunks])
-        return minibatches
+    has_reference = False
 
-    def logprobs(self, chunk: _Chunk) -> torch.Tensor:
+    def micro_batches(self, groups: list[TrainGroup]) -> list[Chunk]:
+        """One minibatch's micro-batches: whole groups, at most `micro_batch_samples` samples."""
+        parts: list[list[TrainGroup]] = [[]]
+        rows = 0
+        for group in groups:
+            if parts[-1] and rows + len(group.samples) > self.micro_batch_samples:
+                parts.append([])
+                rows = 0
+            parts[-1].append(group)
+            rows += len(group.samples)
+        chunks = []
+        for part in parts:
+            samples = [(g.prompt_tokens, s) for g in part for s in g.samples]
+            chunks.append(Chunk.of([s for _, s in samples], _Inputs(samples, self.device), self.device))
+        return chunks
+
+    def logprobs(self, chunk: Chunk, *, reference: bool = False) -> torch.Tensor:
         """Response logprobs [N, R] (0 past each response) of the model at its current weights."""
-        return response_logprobs(self.optimizer.model, chunk.ids, chunk.index, chunk.mask, self.temperature)
+        assert not reference, "the megatron trainer has no reference model"
+        inputs: _Inputs = chunk.inputs
+        return response_logprobs(self.optimizer.model, inputs.ids, inputs.index, chunk.mask, self.temperature)
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad()
+
+    def lr(self) -> float:
+        return self._lr(self.updates)
+
+    def apply(self, *, finite_loss: bool) -> float | None:
+        """Clip and step at this update's learning rate (megatron's `Step` skips a non-finite
+        gradient norm itself); the gradient norm, or None when skipped."""
+        if finite_loss:
+            grad_norm = self.optimizer.step(self._lr(self.updates))
+        else:
+            self.optimizer.zero_grad()
+            grad_norm = math.nan
+        self.updates += 1
+        return grad_norm if math.isfinite(grad_norm) else None
 
     def _train_step(self, groups: list[TrainGroup]) -> dict[str, float]:
         self.model.train()
-        minibatches = self._minibatches(groups)
-        chunks = [c for minibatch in minibatches for c in minibatch]
-        if self.updates_per_step > 1:  # later updates compare against the pre-step policy
-            with torch.no_grad():
-                for chunk in chunks:
-                    chunk.old = self.logprobs(chunk)
-        loss_total = clipped = tokens_total = 0.0
-        grad_norms: list[float] = []
-        for minibatch in minibatches:
-            tokens = sum(c.tokens for c in minibatch)
-            self.optimizer.zero_grad()
-            loss_sum = 0.0
-            for chunk in minibatch:
-                lp = self.logprobs(chunk)
-                if chunk.old is None:  # one update: this forward's logprobs are the pre-step ones
-                    chunk.old = lp.detach()
-                parts = grpo_token_loss(
-                    lp,
-                    old=chunk.old,
-                    gen=chunk.gen,
-                    reference=None,
-                    advantages=chunk.advantages,
-                    mask=chunk.mask,
-                    config=self.loss,
-                )
-                (parts["loss_sum"] / tokens).backward()
-                loss_sum += float(parts["loss_sum"].detach())
-                clipped += float(parts["clipped"])
-            loss_total += loss_sum
-            tokens_total += tokens
-            if math.isfinite(loss_sum):
-                grad_norm = self.optimizer.step(self._lr(self.updates))
-            else:
-                self.optimizer.zero_grad()
-                grad_norm = math.nan
-            if math.isfinite(grad_norm):
-                grad_norms.append(grad_norm)
-            else:
-                self.skipped_steps += 1
-            self.updates += 1
-        masked = [c.mask.bool() for c in chunks]
-        assert all(c.old is not None for c in chunks)
-        metrics = mismatch_metrics(
-            torch.cat([c.old[m] for c, m in zip(chunks, masked, strict=True)]),  # type: ignore[index]
-            torch.cat([c.gen[m] for c, m in zip(chunks, masked, strict=True)]),
-            torch.ones(int(sum(m.sum() for m in masked)), device=self.device),
+        metrics, skipped = run_update(
+            self, groups, algorithm=self.algorithm, updates_per_step=self.updates_per_step
         )
-        tokens_total = max(1.0, tokens_total)
-        metrics.update(
-            {
-                "train/loss": loss_total / tokens_total,
-                "train/grad_norm": sum(grad_norms) / len(grad_norms) if grad_norms else math.nan,
-                "train/clip_fraction": clipped / tokens_total,
-                "train/lr": self._lr(self.updates),
-                "train/skipped_steps": float(self.skipped_steps),
-                "train/applied_updates": float(len(grad_norms)),
-                "train/tokens": tokens_total,
-            }
-        )
+        self.skipped_steps += skipped
+        metrics["train/skipped_steps"] = float(self.skipped_steps)
         self.completed_steps += 1
         self.weights_changed()
         return metrics

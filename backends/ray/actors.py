@@ -30,8 +30,9 @@ class BackendPart:
     """One actor's part of the backend, built from the recipe where the actor runs.
 
     `both`: the colocated pair sharing one model, as the recipe's backend builds it in one
-    process (stand-down and wake instead of weight packages). Apart: `engine`, a replica of our
-    torch engine that samples from its own copy of the weights, refreshed by `set_weights`;
+    process (stand-down and wake instead of weight packages). Apart: `engine`, a replica of the
+    engine the recipe's backend serves apart (`build_engine_alone`), sampling from its own copy
+    of the weights, refreshed by `set_weights`;
     `trainer`, the recipe's backend's trainer alone, which publishes its weights as the
     engine's `Decoder` holds them (`served_parameters`) with `publish`. Under tensor
     parallelism (`world`) the actor joins the ranks' world as rank `rank` before it builds
@@ -52,14 +53,8 @@ class BackendPart:
         from backends.torch.runtime import load
 
         load()  # torch as the controller loads it (OpenMP's spinning, before the first import)
-        from backends.registry import build_backend, build_trainer_alone
-        from backends.torch.build import build_engine, build_model
-        from backends.torch.compute import ComputeThread
+        from backends.registry import build_backend, build_engine_alone, build_trainer_alone
 
-        if recipe.train.backend == "megatron":
-            # Its warning filters first: a megatron process pickles tensors through megatron's
-            # `safe_load_from_bytes`, so an engine unpickling the trainer's weights imports it.
-            import backends.megatron  # noqa: F401
         if world is not None:  # rank `rank` of the trainer's tensor-parallel ranks
             from backends.ray.world import join
 
@@ -76,16 +71,9 @@ class BackendPart:
             self.engine, self.trainer = build_backend(recipe, vocab_size=vocab_size, stop_ids=stop_ids)
         elif role == "trainer":
             self.trainer = build_trainer_alone(recipe, vocab_size=vocab_size)
-        else:  # our torch engine, whichever backend trains
-            model = build_model(recipe.model, vocab_size=vocab_size, seed=recipe.run.seed)
-            self.engine = build_engine(
-                recipe,
-                model,
-                shared=False,
-                source=model,
-                stop_ids=stop_ids,
-                compute=ComputeThread("engine"),
-                replica=replica,
+        else:
+            self.engine = build_engine_alone(
+                recipe, vocab_size=vocab_size, stop_ids=stop_ids, replica=replica
             )
 
     def where(self) -> dict[str, Any]:
@@ -135,8 +123,8 @@ class BackendPart:
         """Serve `package` from the next batch on; it must be the announced `version`."""
         from backends.ray.weights import unpack
 
-        model = self.engine.sampler.model
-        await self.engine.load_weights(unpack(package, version=version, like=model.named_parameters()))
+        like = self.engine.served_parameters()
+        await self.engine.load_weights(unpack(package, version=version, like=like))
         self.version = version
         return self.engine.fingerprint()
 
@@ -188,7 +176,7 @@ class BackendPart:
         """An engine: receive the broadcast of `version` and serve it from the next batch on."""
         from backends.ray.broadcast import receive
 
-        like = list(self.engine.sampler.model.named_parameters())
+        like = self.engine.served_parameters()
         await self.engine.load_weights(await anyio.to_thread.run_sync(receive, version, like))
         self.version = version
         return self.engine.fingerprint()
@@ -218,7 +206,7 @@ class RewardWorker:
     """Scores groups with the recipe's reward function, up to the actor's concurrency at once."""
 
     def __init__(self, function: str) -> None:
-        from stages.reward import resolve
+        from pipeline.rewards.scoring import resolve
 
         self.fn = resolve(function)
 
@@ -226,6 +214,6 @@ class RewardWorker:
         return os.getpid()
 
     async def score(self, pairs: list[tuple[Any, str | None]]) -> list[Any]:
-        from stages.reward import score_all
+        from pipeline.rewards.scoring import score_all
 
         return await score_all(self.fn, pairs)

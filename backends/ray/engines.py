@@ -37,8 +37,8 @@ import ray
 from backends.ray.actors import Request
 from backends.ray.lost import ACTOR_LOST, cause, unwrapped
 from backends.ray.wire import decode_completions
-from pipeline.errors import BackendLost, PipelineError
-from pipeline.messages import Completion
+from pipeline.contracts.errors import BackendLost, PipelineError
+from pipeline.contracts.messages import Completion
 
 if TYPE_CHECKING:
     from backends.ray.collective import Collective

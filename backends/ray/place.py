@@ -34,12 +34,12 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from backends.placement import Placed, RayPlacement, gpus, shares_gpu, weights_transport
 from backends.ray.actors import BackendPart, RewardWorker
 from backends.ray.collective import Collective
+from backends.ray.counters import PLACEMENT_COUNTERS
 from backends.ray.engines import RayEngine, Replica
 from backends.ray.rewards import RewardPool
 from backends.ray.trainer import RayTrainer
 from backends.ray.weights import Transport
-from pipeline.errors import PipelineError
-from stages.metric_names import PLACEMENT_COUNTERS
+from pipeline.contracts.errors import PipelineError
 
 log = logging.getLogger("backends.ray.place")
 

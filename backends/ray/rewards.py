@@ -1,6 +1,6 @@
 """The reward stage's scoring function over a pool of reward-worker actors.
 
-`RewardPool.score(pairs)` has `stages.reward.score_all`'s contract (one group's (prompt, text)
+`RewardPool.score(pairs)` has `pipeline.rewards.scoring.score_all`'s contract (one group's (prompt, text)
 pairs in, one result or exception per pair out) and sends the group to the worker with the
 fewest groups in hand; each worker scores up to its actor's concurrency at once. A worker that
 dies is replaced by a new actor and the groups it held are scored again there (counted:

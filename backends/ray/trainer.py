@@ -19,8 +19,8 @@ import ray
 from backends.ray.lost import ACTOR_LOST, cause, unwrapped
 from backends.ray.weights import Transport
 from backends.ray.wire import encode_groups
-from pipeline.errors import BackendLost
-from pipeline.messages import TrainGroup
+from pipeline.contracts.errors import BackendLost
+from pipeline.contracts.messages import TrainGroup
 
 
 class RayTrainer:

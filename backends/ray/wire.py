@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import msgspec
 
-from pipeline.messages import Completion, TrainGroup
+from pipeline.contracts.messages import Completion, TrainGroup
 
 _encoder = msgspec.msgpack.Encoder()
 _groups = msgspec.msgpack.Decoder(list[TrainGroup])

@@ -13,12 +13,12 @@ from backends.bench_lengths import length_draw
 from backends.torch.compute import ComputeThread
 from backends.torch.engine import TorchEngine
 from backends.torch.errors import ModelLoadError
-from backends.torch.grpo_loss import LossConfig
 from backends.torch.model import Decoder
 from backends.torch.sampler import Sampler
 from backends.torch.section import ModelSection
 from backends.torch.trainer import TorchTrainer
-from pipeline.errors import RecipeError
+from pipeline.algorithms.presets import algorithm_of
+from pipeline.contracts.errors import RecipeError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -80,6 +80,23 @@ def build_trainer_alone(recipe: Any, *, vocab_size: int) -> TorchTrainer:
     return build_trainer(recipe, model, compute=ComputeThread("trainer"))
 
 
+def build_engine_alone(
+    recipe: Any, *, vocab_size: int, stop_ids: Sequence[int], replica: int = 0
+) -> TorchEngine:
+    """Engine replica `replica` on a model of its own (a Ray engine actor, apart from the
+    trainer), which `load_weights` refreshes."""
+    model = build_model(recipe.model, vocab_size=vocab_size, seed=recipe.run.seed)
+    return build_engine(
+        recipe,
+        model,
+        shared=False,
+        source=model,
+        stop_ids=stop_ids,
+        compute=ComputeThread("engine"),
+        replica=replica,
+    )
+
+
 def build_engine(
     recipe: Any,
     model: Decoder,
@@ -120,7 +137,7 @@ def build_trainer(recipe: Any, model: Decoder, *, compute: ComputeThread) -> Tor
         reference.requires_grad_(False)
     return TorchTrainer(
         model,
-        loss=LossConfig.of(train),
+        algorithm=algorithm_of(recipe),
         lr=train.lr,
         betas=(train.beta1, train.beta2),
         weight_decay=train.weight_decay,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from pipeline.errors import RecipeError
+from pipeline.contracts.errors import RecipeError
 
 
 def check_device(device: str, where: str) -> None:

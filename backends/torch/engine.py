@@ -56,7 +56,6 @@ from pathlib import Path
 from typing import Any
 
 import anyio
-import msgspec
 import torch
 
 from backends.bench_lengths import LengthDraw
@@ -66,19 +65,9 @@ from backends.torch.model import Decoder
 from backends.torch.sampler import Admission, Sampler
 from backends.torch.sampling import check_arguments, check_prompts
 from backends.torch.state_file import ENGINE_FILE, load_state, save_state
-from pipeline.errors import RequestRejected
-from pipeline.messages import Completion
-
-
-class EngineStatistics(msgspec.Struct, frozen=True, kw_only=True):
-    """Running totals since the engine was built. A slot is one row of a decode loop's width
-    for one decode step (`Sampler.slot_steps`); it is busy while a row in it is generating."""
-
-    slot_steps: int
-    busy_slot_steps: int
-    frozen_rows: int  # rows frozen at a stand-down, in all
-    reprefilled_tokens: int  # tokens prefilled again to continue frozen rows (shared: once)
-    frozen_now: int  # rows frozen and not yet continued
+from pipeline.contracts.errors import RequestRejected
+from pipeline.contracts.messages import Completion
+from pipeline.contracts.protocols import SlotStats
 
 
 class _Row:
@@ -365,8 +354,8 @@ class TorchEngine:
         if not self._event_loop.is_closed():
             self._event_loop.call_soon_threadsafe(self._notify)
 
-    def statistics(self) -> EngineStatistics:
-        return EngineStatistics(
+    def statistics(self) -> SlotStats:
+        return SlotStats(
             slot_steps=self.sampler.slot_steps,
             busy_slot_steps=self._busy_slot_steps,
             frozen_rows=self._frozen_rows,
@@ -427,6 +416,11 @@ class TorchEngine:
             for target, value in zip(self.sampler.model.parameters(), self.source.parameters(), strict=True):
                 target.copy_(value)
         self._take_fingerprint()
+
+    def served_parameters(self) -> list[tuple[str, torch.Tensor]]:
+        """The weights its sampler reads, by the `Decoder`'s names: what `load_weights` takes
+        (and how a weights package unpacks into them)."""
+        return list(self.sampler.model.named_parameters())
 
     async def load_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
         """Copy `weights` (every parameter, by name) into the served model between two loops:

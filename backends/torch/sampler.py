@@ -47,7 +47,7 @@ from backends.torch.kv_cache import KVCache
 from backends.torch.kv_pool import KVPool, make_pool
 from backends.torch.model import PLAIN_PARTS, Decoder, compiled_layer_parts
 from backends.torch.sampling import check_arguments, completions, draw
-from pipeline.messages import Completion
+from pipeline.contracts.messages import Completion
 
 _BUCKETS = (8, 16, 32, 64, 128, 256, 512, 1024, 2048)
 # Tokens of the prefill forward at once (bounds prefill activation memory).

@@ -14,7 +14,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from pipeline.messages import Completion
+from pipeline.contracts.messages import Completion
 
 
 def check_arguments(

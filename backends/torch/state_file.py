@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from pipeline.errors import DamagedState, NonFiniteState
+from pipeline.contracts.errors import DamagedState, NonFiniteState
 
 TRAINER_FILE = "trainer.pt"
 ENGINE_FILE = "engine.pt"

@@ -1,12 +1,11 @@
-"""The torch GRPO trainer: AdamW, warmup + cosine/constant schedule, clipping, micro-batching.
+"""The torch trainer: AdamW with float32 masters, warmup + cosine/constant schedule, clipping,
+micro-batching, optimizer offload.
 
-`train_step(groups)` runs one pipeline step in a worker thread: it optionally recomputes the
-pre-step logprobs (only needed when a step makes several optimizer updates; with one update they
-equal the detached logprobs of the same forward), splits the groups into `updates_per_step`
-minibatches, accumulates gradients over micro-batches of at most
-`micro_batch_samples` (and `micro_batch_tokens`), and steps the optimizer once per minibatch.
-A non-finite loss or gradient norm skips that update (counted in `train/skipped_steps`), so no
-NaN reaches the weights.
+`train_step(groups)` runs one pipeline step on the trainer's compute thread through the shared
+update loop (`pipeline.algorithms.update.run_update`: minibatches, the recipe's algorithm, the
+skip on a non-finite loss or gradient norm, the `train/*` metrics); this backend supplies the
+forward (each group's prompt computed once per micro-batch), the micro-batch packing (by samples,
+and by computed tokens with `micro_batch_tokens`) and the optimizer step.
 """
 
 from __future__ import annotations
@@ -22,28 +21,24 @@ import torch
 from backends.torch.compute import ComputeThread
 from backends.torch.fingerprint import Fingerprinter, parameter_probes
 from backends.torch.grouped import response_logprobs
-from backends.torch.grpo_loss import LossConfig, grpo_token_loss, mismatch_metrics
 from backends.torch.model import Decoder
 from backends.torch.precision import MasterWeights, StreamedParking
 from backends.torch.schedule import lr_factor
 from backends.torch.state_file import TRAINER_FILE, load_state, save_state
-from pipeline.errors import RecipeError
-from pipeline.messages import TrainGroup, TrainSample
+from pipeline.algorithms.config import Algorithm
+from pipeline.algorithms.update import Chunk, run_update
+from pipeline.contracts.errors import RecipeError
+from pipeline.contracts.messages import TrainGroup, TrainSample
 
 
-@dataclass
-class _Chunk:
-    """A micro-batch (samples, each group's prompt once) and, once computed, its logprob
-    tensors [n, R]."""
+@dataclass(frozen=True)
+class _Inputs:
+    """A micro-batch as the torch model takes it: each group's prompt once, and for each
+    response the index of its prompt."""
 
     prompts: list[tuple[int, ...]]
     owner: list[int]
     responses: list[tuple[int, ...]]
-    gen: torch.Tensor
-    advantages: torch.Tensor
-    mask: torch.Tensor | None = None
-    old: torch.Tensor | None = None
-    reference: torch.Tensor | None = None
 
 
 class TorchTrainer:
@@ -51,7 +46,7 @@ class TorchTrainer:
         self,
         model: Decoder,
         *,
-        loss: LossConfig,
+        algorithm: Algorithm,
         lr: float,
         betas: tuple[float, float],
         weight_decay: float,
@@ -81,7 +76,7 @@ class TorchTrainer:
         self.compiled = compiled
         self.checkpointed = checkpointed
         self.compute = compute or ComputeThread("trainer")
-        self.loss = loss
+        self.algorithm = algorithm
         self.grad_clip = grad_clip
         self.micro_batch_samples = micro_batch_samples
         self.micro_batch_tokens = micro_batch_tokens
@@ -125,138 +120,85 @@ class TorchTrainer:
     async def train_step(self, groups: Sequence[TrainGroup]) -> dict[str, float]:
         return await self.compute.run(self._train_step, list(groups))
 
-    def _chunk(self, pieces: list[tuple[TrainGroup, list[TrainSample]]]) -> _Chunk:
-        """One micro-batch: samples of one or more groups, each group's prompt stored once."""
-        groups = {id(group): group for group, _ in pieces}  # in order, each once
-        index = {key: i for i, key in enumerate(groups)}
-        samples = [s for _, part in pieces for s in part]
-        longest = max(len(s.tokens) for s in samples)
-        gen = [list(s.logprobs) + [0.0] * (longest - len(s.logprobs)) for s in samples]
-        return _Chunk(
-            prompts=[group.prompt_tokens for group in groups.values()],
-            owner=[index[id(group)] for group, part in pieces for _ in part],
-            responses=[s.tokens for s in samples],
-            gen=torch.tensor(gen, device=self.device),
-            advantages=torch.tensor([s.advantage for s in samples], dtype=torch.float32, device=self.device),
-        )
+    @property
+    def has_reference(self) -> bool:
+        return self.reference is not None
 
-    def _chunks(self, groups: list[TrainGroup]) -> list[list[_Chunk]]:
-        """Minibatches (one per optimizer update) of micro-batches.
+    def micro_batches(self, groups: list[TrainGroup]) -> list[Chunk]:
+        """One minibatch's micro-batches.
 
-        Groups are shuffled with the trainer's generator and split into minibatches whole, one
-        per update; a minibatch's micro-batches' gradients are summed into its update. Its
-        groups go to micro-batches in order of their longest response (length bucketing), so
-        short responses are not padded to long ones, and whole: each micro-batch computes each
-        of its prompts once. A micro-batch holds at most `micro_batch_samples` samples. With
-        `micro_batch_tokens` (computed tokens: prompts once, padding included) the pieces are
-        samples instead of whole groups, in order of length: a group's samples (long-tailed
+        Its groups go to micro-batches in order of their longest response (length bucketing),
+        so short responses are not padded to long ones, and whole: each micro-batch computes
+        each of its prompts once. A micro-batch holds at most `micro_batch_samples` samples.
+        With `micro_batch_tokens` (computed tokens: prompts once, padding included) the pieces
+        are samples instead of whole groups, in order of length: a group's samples (long-tailed
         lengths: one of 2048 tokens beside seven of 300) go to micro-batches of their own
         length, each computing the prompt again, rather than all padding to the longest; a
         sample over the budget alone still makes a micro-batch of its own.
         """
-        order = torch.randperm(len(groups), generator=self.generator).tolist()
-        minibatches = []
-        for part in torch.tensor(order).tensor_split(min(self.updates_per_step, len(groups))):
-            members = [groups[g] for g in part.tolist()]
-            if self.micro_batch_tokens:
-                pieces = [(group, [s]) for group in members for s in group.samples]
-            else:
-                pieces = [(group, list(group.samples)) for group in members]
-            pieces.sort(key=lambda piece: max(len(s.tokens) for s in piece[1]))  # stable
-            chunks: list[list[tuple[TrainGroup, list[TrainSample]]]] = []
-            current: list[tuple[TrainGroup, list[TrainSample]]] = []
-            rows, width, prompts = 0, 0, set[int]()
-            for group, samples in pieces:
-                longest = max(len(s.tokens) for s in samples)
-                # Tokens the pass computes: each prompt once, padded to the widest, and every
-                # response padded to the longest (this piece's: they come in length order).
-                with_it = prompts | {id(group)}
-                wide = max(width, len(group.prompt_tokens))
-                tokens = len(with_it) * wide + (rows + len(samples)) * longest
-                over_tokens = self.micro_batch_tokens and tokens > self.micro_batch_tokens
-                if current and (rows + len(samples) > self.micro_batch_samples or over_tokens):
-                    chunks.append(current)
-                    current, rows, width, with_it = [], 0, 0, {id(group)}
-                current.append((group, samples))
-                rows, width, prompts = rows + len(samples), max(width, len(group.prompt_tokens)), with_it
-            chunks.append(current)
-            minibatches.append([self._chunk(c) for c in chunks])
-        return minibatches
+        if self.micro_batch_tokens:
+            pieces = [(group, [s]) for group in groups for s in group.samples]
+        else:
+            pieces = [(group, list(group.samples)) for group in groups]
+        pieces.sort(key=lambda piece: max(len(s.tokens) for s in piece[1]))  # stable
+        chunks: list[list[tuple[TrainGroup, list[TrainSample]]]] = []
+        current: list[tuple[TrainGroup, list[TrainSample]]] = []
+        rows, width, prompts = 0, 0, set[int]()
+        for group, samples in pieces:
+            longest = max(len(s.tokens) for s in samples)
+            # Tokens the pass computes: each prompt once, padded to the widest, and every
+            # response padded to the longest (this piece's: they come in length order).
+            with_it = prompts | {id(group)}
+            wide = max(width, len(group.prompt_tokens))
+            tokens = len(with_it) * wide + (rows + len(samples)) * longest
+            over_tokens = self.micro_batch_tokens and tokens > self.micro_batch_tokens
+            if current and (rows + len(samples) > self.micro_batch_samples or over_tokens):
+                chunks.append(current)
+                current, rows, width, with_it = [], 0, 0, {id(group)}
+            current.append((group, samples))
+            rows, width, prompts = rows + len(samples), max(width, len(group.prompt_tokens)), with_it
+        chunks.append(current)
+        return [self._chunk(c) for c in chunks]
 
-    def _logprobs(self, model: Decoder, chunk: _Chunk) -> tuple[torch.Tensor, torch.Tensor]:
+    def _chunk(self, pieces: list[tuple[TrainGroup, list[TrainSample]]]) -> Chunk:
+        """One micro-batch: samples of one or more groups, each group's prompt stored once."""
+        groups = {id(group): group for group, _ in pieces}  # in order, each once
+        index = {key: i for i, key in enumerate(groups)}
+        samples = [s for _, part in pieces for s in part]
+        inputs = _Inputs(
+            prompts=[group.prompt_tokens for group in groups.values()],
+            owner=[index[id(group)] for group, part in pieces for _ in part],
+            responses=[s.tokens for s in samples],
+        )
+        return Chunk.of(samples, inputs, self.device)
+
+    def logprobs(self, chunk: Chunk, *, reference: bool = False) -> torch.Tensor:
+        model = self.reference if reference else self.model
+        assert model is not None
+        inputs: _Inputs = chunk.inputs
         return response_logprobs(
             model,
-            chunk.prompts,
-            chunk.owner,
-            chunk.responses,
+            inputs.prompts,
+            inputs.owner,
+            inputs.responses,
             self.temperature,
             compiled=self.compiled,
             checkpointed=self.checkpointed,
-        )
+        )[0]
+
+    def zero_grad(self) -> None:
+        self.model.zero_grad(set_to_none=True)
+
+    def lr(self) -> float:
+        return float(self.scheduler.get_last_lr()[0])
 
     def _train_step(self, groups: list[TrainGroup]) -> dict[str, float]:
         self.model.train()
-        minibatches = self._chunks(groups)
-        chunks = [c for minibatch in minibatches for c in minibatch]
-        with torch.no_grad():
-            if self.updates_per_step > 1:  # later updates compare against the pre-step policy
-                for chunk in chunks:
-                    chunk.old = self._logprobs(self.model, chunk)[0]
-            if self.reference is not None:
-                for chunk in chunks:
-                    chunk.reference = self._logprobs(self.reference, chunk)[0]
-        totals: dict[str, float] = {"loss": 0.0, "clip_fraction": 0.0, "kl_ref": 0.0, "tokens": 0.0}
-        grad_norms: list[float] = []
-        for minibatch in minibatches:
-            tokens = float(sum(len(r) for c in minibatch for r in c.responses))
-            self.model.zero_grad(set_to_none=True)
-            loss_sum = torch.zeros((), device=self.device)
-            for chunk in minibatch:
-                lp, chunk.mask = self._logprobs(self.model, chunk)
-                if chunk.old is None:  # one update: this forward's logprobs are the pre-step ones
-                    chunk.old = lp.detach()
-                parts = grpo_token_loss(
-                    lp,
-                    old=chunk.old,
-                    gen=chunk.gen,
-                    reference=chunk.reference,
-                    advantages=chunk.advantages,
-                    mask=chunk.mask,
-                    config=self.loss,
-                )
-                (parts["loss_sum"] / tokens).backward()
-                loss_sum += parts["loss_sum"].detach()
-                totals["clip_fraction"] += float(parts["clipped"])
-                totals["kl_ref"] += float(parts["kl_sum"])
-            totals["loss"] += float(loss_sum)
-            totals["tokens"] += tokens
-            if self._update(finite_loss=math.isfinite(float(loss_sum)), grad_norms=grad_norms):
-                self.skipped_steps += 1
-            self.scheduler.step()
-        olds, masked = [], []
-        for c in chunks:  # the update loop above gave every chunk its mask and old logprobs
-            assert c.mask is not None and c.old is not None
-            olds.append(c.old)
-            masked.append(c.mask.bool())
-        metrics = mismatch_metrics(
-            torch.cat([old[m] for old, m in zip(olds, masked, strict=True)]),
-            torch.cat([c.gen[m] for c, m in zip(chunks, masked, strict=True)]),
-            torch.ones(int(sum(m.sum() for m in masked)), device=self.device),
+        metrics, skipped = run_update(
+            self, groups, algorithm=self.algorithm, updates_per_step=self.updates_per_step
         )
-        tokens = max(1.0, totals["tokens"])
-        metrics.update(
-            {
-                "train/loss": totals["loss"] / tokens,
-                "train/grad_norm": sum(grad_norms) / len(grad_norms) if grad_norms else math.nan,
-                "train/clip_fraction": totals["clip_fraction"] / tokens,
-                "train/lr": float(self.scheduler.get_last_lr()[0]),
-                "train/skipped_steps": float(self.skipped_steps),
-                "train/applied_updates": float(len(grad_norms)),
-                "train/tokens": tokens,
-            }
-        )
-        if self.reference is not None:
-            metrics["train/kl_ref"] = totals["kl_ref"] / tokens
+        self.skipped_steps += skipped
+        metrics["train/skipped_steps"] = float(self.skipped_steps)
         if self.parking is not None:
             moved = self.parking.take_seconds()
             metrics["timing/optimizer_reload_s"] = moved["reload"]
@@ -277,15 +219,22 @@ class TorchTrainer:
         """The weights an engine's `Decoder` takes: the model's own parameters."""
         return list(self.model.named_parameters())
 
-    def _update(self, *, finite_loss: bool, grad_norms: list[float]) -> bool:
-        """Clip and apply the accumulated gradients; True when the update was skipped."""
+    def apply(self, *, finite_loss: bool) -> float | None:
+        """Clip and apply the accumulated gradients, then step the schedule; the gradient norm,
+        or None when the update was skipped."""
+        try:
+            return self._apply(finite_loss)
+        finally:
+            self.scheduler.step()
+
+    def _apply(self, finite_loss: bool) -> float | None:
         if self.master is None:
             grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip))
         else:
             grad_norm = self.master.grad_norm()
         if not (finite_loss and math.isfinite(grad_norm)):
             self.model.zero_grad(set_to_none=True)
-            return True
+            return None
         # One chunk at a time (its state streamed in and out when parked); AdamW skips
         # parameters without a gradient.
         scale = min(1.0, self.grad_clip / (grad_norm + 1e-6))
@@ -299,8 +248,7 @@ class TorchTrainer:
                 self.master.publish(chunk)
             if self.parking is not None:
                 self.parking.park(index)
-        grad_norms.append(grad_norm)
-        return False
+        return grad_norm
 
     def _param_chunks(self) -> list[list[int]]:
         """Indices of the optimizer's parameters, stepped one list at a time: the master

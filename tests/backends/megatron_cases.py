@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from backends.torch.config import ModelConfig
-from pipeline.messages import TrainGroup, TrainSample
+from pipeline.contracts.messages import TrainGroup, TrainSample
 
 _BASE = dict(vocab_size=32, hidden_size=64, intermediate_size=96, num_hidden_layers=2)
 CONFIGS = {

@@ -8,7 +8,7 @@ from backends.megatron import layout
 from backends.megatron.model import build_gpt_model
 from backends.megatron.optimizer import TorchAdamW
 from backends.megatron.trainer import MegatronTrainer
-from backends.torch.grpo_loss import LossConfig
+from pipeline.algorithms.config import Algorithm, LossConfig
 from tests.backends.megatron_cases import CONFIGS
 
 CONFIG = CONFIGS["qwen2-bias"]  # GQA, biases: every sharded layout
@@ -21,7 +21,9 @@ def trainer(hf: dict, *, rank: int, size: int) -> MegatronTrainer:
         model,
         TorchAdamW(model, lr=1e-3, betas=(0.9, 0.999), weight_decay=0.0, grad_clip=0.5),
         config=CONFIG,
-        loss=LossConfig(clip_low=0.2, clip_high=0.28, kl_coef=0.0, is_correction="tis", is_cap=2.0),
+        algorithm=Algorithm(
+            loss=LossConfig(clip_low=0.2, clip_high=0.28, kl_coef=0.0, is_correction="tis", is_cap=2.0)
+        ),
         lr=1e-3,
         warmup_steps=0,
         schedule="constant",

@@ -13,7 +13,7 @@ pytest.importorskip("megatron.core")
 import pipeline  # noqa: E402
 from backends.megatron import layout  # noqa: E402
 from backends.megatron.build import build_backend  # noqa: E402
-from pipeline.errors import RecipeError  # noqa: E402
+from pipeline.contracts.errors import RecipeError  # noqa: E402
 from tests.backends.megatron_cases import groups  # noqa: E402
 
 

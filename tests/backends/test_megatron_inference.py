@@ -8,10 +8,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from backends.bench_lengths import BenchLengths, LengthDraw
+from backends.bench_lengths import LengthDraw
 from backends.megatron.inference import MegatronInference, State
-from pipeline.errors import RequestRejected
-from pipeline.messages import Completion
+from pipeline.contracts.errors import RequestRejected
+from pipeline.contracts.messages import Completion
+from pipeline.contracts.sections import BenchLengths
 from pipeline.testing import FakeDynamicEngine, InjectedFault
 
 

@@ -22,7 +22,7 @@ from backends.megatron.build import build_backend  # noqa: E402
 from backends.megatron.inference import MegatronInference  # noqa: E402
 from backends.megatron.model import compile_layers  # noqa: E402
 from backends.torch.sampling import draw  # noqa: E402
-from pipeline.errors import RecipeError  # noqa: E402
+from pipeline.contracts.errors import RecipeError  # noqa: E402
 from pipeline.testing import FakeDynamicEngine  # noqa: E402
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -13,14 +14,21 @@ from backends.megatron import layout, parallel, reshard  # noqa: E402
 from backends.megatron.model import build_gpt_model  # noqa: E402
 from backends.megatron.optimizer import TorchAdamW  # noqa: E402
 from backends.megatron.trainer import MegatronTrainer  # noqa: E402
-from backends.torch.grpo_loss import LossConfig  # noqa: E402
 from backends.torch.model import Decoder  # noqa: E402
 from backends.torch.trainer import TorchTrainer  # noqa: E402
-from pipeline.errors import DamagedState, NonFiniteState  # noqa: E402
+from pipeline.algorithms.config import Algorithm, LossConfig  # noqa: E402
+from pipeline.contracts.errors import DamagedState, NonFiniteState  # noqa: E402
 from tests.backends.megatron_cases import CONFIGS, groups  # noqa: E402
 
 CPU = torch.device("cpu")
-LOSS = LossConfig(clip_low=0.2, clip_high=0.28, kl_coef=0.0, is_correction="tis", is_cap=2.0)
+LOSS = Algorithm(loss=LossConfig(clip_low=0.2, clip_high=0.28, kl_coef=0.0, is_correction="tis", is_cap=2.0))
+# The loss variants, each as the trainers take it (advantages are the samples' own).
+VARIANTS = {
+    "grpo": LOSS,
+    "dr_grpo": replace(LOSS, loss_aggregation="token_sum", max_new_tokens=9),
+    "gspo": replace(LOSS, policy_loss="sequence", loss_aggregation="sequence_mean"),
+    "custom": replace(LOSS, policy_loss="tests.pipeline.algorithms.custom_loss:squared_advantage"),
+}
 SCHEDULE = dict(warmup_steps=2, schedule="cosine", min_lr_ratio=0.1, total_steps=10, temperature=0.7)
 
 
@@ -30,7 +38,7 @@ def _groups() -> None:
 
 
 def megatron_trainer(
-    config, hf, *, updates_per_step: int = 1, micro_batch_samples: int = 5
+    config, hf, *, updates_per_step: int = 1, micro_batch_samples: int = 5, algorithm: Algorithm = LOSS
 ) -> MegatronTrainer:
     model = build_gpt_model(config, dtype=torch.float32, device=CPU)
     layout.load_hf(model, hf, config)
@@ -39,7 +47,7 @@ def megatron_trainer(
         model,
         step,
         config=config,
-        loss=LOSS,
+        algorithm=algorithm,
         lr=1e-3,
         micro_batch_samples=micro_batch_samples,
         updates_per_step=updates_per_step,
@@ -48,15 +56,20 @@ def megatron_trainer(
     )
 
 
-@pytest.mark.parametrize("name", ["qwen2-bias", "qwen3-qk-norm-tied", "learned-positions"])
-async def test_same_loss_metrics_and_gradients_as_the_torch_trainer(name: str) -> None:
+@pytest.mark.parametrize(
+    ("name", "variant"),
+    [("qwen2-bias", "grpo"), ("qwen3-qk-norm-tied", "grpo"), ("learned-positions", "grpo")]
+    + [("qwen2-bias", variant) for variant in VARIANTS if variant != "grpo"],
+)
+async def test_same_loss_metrics_and_gradients_as_the_torch_trainer(name: str, variant: str) -> None:
+    """Every loss variant is the one update loop's: both trainers compute it alike."""
     config = CONFIGS[name]
     torch.manual_seed(0)
     decoder = Decoder(config)
-    ours = megatron_trainer(config, decoder.state_dict())
+    ours = megatron_trainer(config, decoder.state_dict(), algorithm=VARIANTS[variant])
     theirs = TorchTrainer(
         decoder,
-        loss=LOSS,
+        algorithm=VARIANTS[variant],
         lr=1e-3,
         betas=(0.9, 0.999),
         weight_decay=0.01,

@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from backends.torch.config import ModelConfig
-from backends.torch.grpo_loss import LossConfig
 from backends.torch.model import Decoder
 from backends.torch.precision import HostParking, StreamedParking
 from backends.torch.trainer import TorchTrainer
-from pipeline.messages import TrainGroup, TrainSample
+from pipeline.algorithms.config import Algorithm, LossConfig
+from pipeline.contracts.messages import TrainGroup, TrainSample
 
 
 def _model(dtype: torch.dtype = torch.bfloat16) -> Decoder:
@@ -24,7 +24,9 @@ def _model(dtype: torch.dtype = torch.bfloat16) -> Decoder:
 def _trainer(model: Decoder, *, lr: float = 1e-6, **options: bool) -> TorchTrainer:
     return TorchTrainer(
         model,
-        loss=LossConfig(clip_low=0.2, clip_high=0.28, kl_coef=0.0, is_correction="none", is_cap=2.0),
+        algorithm=Algorithm(
+            loss=LossConfig(clip_low=0.2, clip_high=0.28, kl_coef=0.0, is_correction="none", is_cap=2.0)
+        ),
         lr=lr,
         betas=(0.9, 0.999),
         weight_decay=0.0,

@@ -18,10 +18,11 @@ import pytest
 pytest.importorskip("megatron.core")
 
 import pipeline
-from backends.placement import Placed, place
-from pipeline.errors import BackendLost
+from backends.place import place
+from backends.placement import Placed
+from pipeline.contracts.errors import BackendLost
 from pipeline.metrics import read
-from stages import program
+from pipeline.shell import run as shell_run
 from stages.checkpoint import committed
 
 MEGATRON = [
@@ -43,7 +44,7 @@ KEYS = ("reward/mean", "train/loss", "train/grad_norm", "train/token_mult_prob_e
 def run(directory: Path, *overrides: str, placed: bool = True) -> Any:
     given = MEGATRON if placed else [o for o in MEGATRON if not o.startswith("placement.")]
     recipe = pipeline.load_recipe("recipes/quickstart.yaml", [f"run.dir={directory}", *given, *overrides])
-    return anyio.run(lambda: program.run_program(recipe))
+    return anyio.run(lambda: shell_run.run_program(recipe))
 
 
 def figures(directory: Path) -> list[list[float]]:
@@ -106,7 +107,7 @@ def test_a_rank_that_dies_stops_the_run_naming_it_with_the_last_checkpoint_intac
         if record["step"] == 2:
             os.kill(found[0].trainer.ranks[1][1]["pid"], signal.SIGKILL)
 
-    monkeypatch.setattr(program, "place", capture)
+    monkeypatch.setattr(shell_run, "place", capture)
     recipe = pipeline.load_recipe(
         "recipes/quickstart.yaml",
         [
@@ -119,7 +120,7 @@ def test_a_rank_that_dies_stops_the_run_naming_it_with_the_last_checkpoint_intac
         ],
     )
     with pytest.raises(BackendLost) as raised:
-        anyio.run(lambda: program.run_program(recipe, echo=echo))
+        anyio.run(lambda: shell_run.run_program(recipe, echo=echo))
     where = found[0].trainer.ranks[1][1]
     assert str(raised.value).startswith(
         f"placement: trainer rank 1 (pid {where['pid']}, node {where['node_id'][:12]}) died during step 3: "

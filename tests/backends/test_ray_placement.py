@@ -20,10 +20,11 @@ import anyio
 import pytest
 
 import pipeline
-from backends.placement import Placed, place
-from pipeline.errors import BackendLost
+from backends.place import place
+from backends.placement import Placed
+from pipeline.contracts.errors import BackendLost
 from pipeline.metrics import read
-from stages import program
+from pipeline.shell import run as shell_run
 from stages.checkpoint import committed
 
 RAY = [
@@ -64,7 +65,7 @@ def placements(ray_cluster, monkeypatch) -> list[Placed]:
         placed.trainer.train_step = recording
         return placed
 
-    monkeypatch.setattr(program, "place", capture)
+    monkeypatch.setattr(shell_run, "place", capture)
     return found
 
 
@@ -72,7 +73,7 @@ def run(tmp_path: Path, *overrides: str, echo: Callable[[dict[str, Any]], None] 
     recipe = pipeline.load_recipe(
         "recipes/quickstart.yaml", [f"run.dir={tmp_path / 'run'}", *RAY, *overrides]
     )
-    return anyio.run(lambda: program.run_program(recipe, echo=echo))
+    return anyio.run(lambda: shell_run.run_program(recipe, echo=echo))
 
 
 def kill_when(holds_work: Callable[[], bool], pid: Callable[[], int]) -> threading.Event:
@@ -220,7 +221,7 @@ def test_colocated_on_ray_trains_what_in_process_trains_bit_for_bit(tmp_path: Pa
         "model.threads=1",
     ]
     local_recipe = pipeline.load_recipe("recipes/quickstart.yaml", [*local, *same])
-    anyio.run(lambda: program.run_program(local_recipe))
+    anyio.run(lambda: shell_run.run_program(local_recipe))
     keys = ("reward/mean", "train/loss", "train/grad_norm", "train/token_mult_prob_error")
     on_ray, in_process = (read(tmp_path / side / "run" / "metrics.jsonl") for side in ("ray", "local"))
     assert [[r[k] for k in keys] for r in on_ray] == [[r[k] for k in keys] for r in in_process]

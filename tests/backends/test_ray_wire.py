@@ -13,8 +13,8 @@ import anyio
 from backends.ray.actors import BackendPart
 from backends.ray.engines import RayEngine, Replica
 from backends.ray.wire import decode_completions, decode_groups, encode_completions, encode_groups
-from pipeline.errors import RequestRejected
-from pipeline.messages import Completion, TrainGroup, TrainSample
+from pipeline.contracts.errors import RequestRejected
+from pipeline.contracts.messages import Completion, TrainGroup, TrainSample
 from pipeline.testing import FakeEngine
 
 # Values a float32 or a decimal text would change; NaN and infinities from a poisoned sample.

@@ -12,8 +12,8 @@ from backends.torch.config import ModelConfig
 from backends.torch.engine import TorchEngine
 from backends.torch.section import ModelSection
 from backends.torch.trainer import TorchTrainer
-from pipeline.errors import RecipeError
-from stages.recipe import Recipe
+from pipeline.contracts.errors import RecipeError
+from pipeline.shell.recipe import Recipe
 
 
 def test_the_default_backend_builds_the_torch_engine_and_trainer_sharing_one_model() -> None:

@@ -10,7 +10,7 @@ import torch
 from backends.torch.config import ModelConfig
 from backends.torch.model import Decoder, token_logprobs
 from backends.torch.sampler import Sampler
-from pipeline.messages import Completion
+from pipeline.contracts.messages import Completion
 
 VOCAB = 29
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7], [8, 9], [10, 11, 12, 13], [8, 9]]
@@ -240,7 +240,7 @@ async def test_engine_rejects_a_request_the_model_cannot_serve_without_failing_i
     import anyio
 
     from backends.torch.engine import TorchEngine
-    from pipeline.errors import RequestRejected
+    from pipeline.contracts.errors import RequestRejected
 
     sampler = _sampler(learned_position_embeddings=True)
     limit = sampler.model.config.max_position_embeddings

@@ -10,12 +10,13 @@ import anyio
 import pytest
 import torch
 
-from backends.bench_lengths import BenchLengths, LengthDraw
+from backends.bench_lengths import LengthDraw
 from backends.torch.config import ModelConfig
 from backends.torch.engine import TorchEngine
 from backends.torch.model import Decoder
 from backends.torch.sampler import Sampler
 from pipeline.clock import DeadlineClock
+from pipeline.contracts.sections import BenchLengths
 from pipeline.gate import EngineGate
 
 PROMPT = [1, 2, 3, 4]

@@ -9,7 +9,7 @@ import torch
 from test_torch_trainer import _groups, _trainer
 
 from backends.torch.state_file import TRAINER_FILE, load_state, save_state
-from pipeline.errors import DamagedState, NonFiniteState
+from pipeline.contracts.errors import DamagedState, NonFiniteState
 
 
 def test_a_saved_trainer_loads_back_and_steps_as_the_original_does(tmp_path: Path) -> None:

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from backends.torch.config import ModelConfig
-from backends.torch.grpo_loss import LossConfig
 from backends.torch.model import Decoder
 from backends.torch.trainer import TorchTrainer
-from pipeline.messages import TrainGroup, TrainSample
+from pipeline.algorithms.config import Algorithm, LossConfig
+from pipeline.contracts.messages import TrainGroup, TrainSample
 
 PINNED = json.loads((Path(__file__).parent / "trainer_steps.json").read_text())
 OPTIONS = {
@@ -31,7 +31,9 @@ def _trainer(*, vocab_size: int = 16, **options: int) -> TorchTrainer:
     )
     return TorchTrainer(
         model,
-        loss=LossConfig(clip_low=0.2, clip_high=0.28, kl_coef=0.0, is_correction="tis", is_cap=2.0),
+        algorithm=Algorithm(
+            loss=LossConfig(clip_low=0.2, clip_high=0.28, kl_coef=0.0, is_correction="tis", is_cap=2.0)
+        ),
         lr=1e-3,
         betas=(0.9, 0.999),
         weight_decay=0.0,
@@ -97,7 +99,7 @@ def test_micro_batches_bucket_groups_by_response_length() -> None:
         _group(g, (2, 3), [length - i for i in range(2 if length > 1 else 1)])
         for g, length in enumerate([9, 2, 7, 3, 8, 1])
     ]
-    (minibatch,) = trainer._chunks(groups)
+    minibatch = [chunk.inputs for chunk in trainer.micro_batches(groups)]
     assert [max(len(r) for r in chunk.responses) for chunk in minibatch] == [2, 7, 9]
     assert sorted(len(r) for chunk in minibatch for r in chunk.responses) == sorted(
         len(s.tokens) for g in groups for s in g.samples
@@ -112,7 +114,7 @@ def test_micro_batches_keep_to_a_token_budget() -> None:
     padded responses would pass the budget; a sample over it alone still gets one."""
     trainer = _trainer(vocab_size=23, micro_batch_samples=256, micro_batch_tokens=30, updates_per_step=1)
     groups = [_group(g, (2,) * 3, [length, length]) for g, length in enumerate([2, 4, 5, 20])]
-    (minibatch,) = trainer._chunks(groups)
+    minibatch = [chunk.inputs for chunk in trainer.micro_batches(groups)]
     # lengths 2, 2, 4, 4: 2 x 3 + 4 x 4 = 22; adding a 5: 3 x 3 + 5 x 5 = 34 > 30; the 5s:
     # 3 + 2 x 5 = 13; a 20: 3 + 20 = 23, both 20s 3 + 40 > 30 (they share a prompt).
     assert [[len(r) for r in chunk.responses] for chunk in minibatch] == [[2, 2, 4, 4], [5, 5], [20], [20]]
@@ -126,7 +128,7 @@ def test_under_a_token_budget_a_long_tailed_group_is_split_by_length() -> None:
     beside its own prompt."""
     trainer = _trainer(vocab_size=23, micro_batch_samples=256, micro_batch_tokens=40, updates_per_step=1)
     groups = [_group(0, (2, 3), [3, 3, 3, 30]), _group(1, (4,), [3, 4, 3, 4])]
-    (minibatch,) = trainer._chunks(groups)
+    minibatch = [chunk.inputs for chunk in trainer.micro_batches(groups)]
     assert [[len(r) for r in chunk.responses] for chunk in minibatch] == [[3, 3, 3, 3, 3, 4, 4], [30]]
     first, second = minibatch
     assert first.prompts == [(2, 3), (4,)] and first.owner == [0, 0, 0, 1, 1, 1, 1]
@@ -136,7 +138,7 @@ def test_under_a_token_budget_a_long_tailed_group_is_split_by_length() -> None:
 def test_a_checkpoint_with_another_parameter_list_is_refused_in_one_line(tmp_path: Path) -> None:
     """A trainer.pt written before q/k/v and gate/up were fused holds one optimizer entry per
     projection: loading it must be a clear error, not a zip or optimizer traceback."""
-    from pipeline.errors import RecipeError
+    from pipeline.contracts.errors import RecipeError
 
     trainer = _trainer(micro_batch_samples=256, updates_per_step=1)
     trainer._train_step(_groups())

@@ -13,7 +13,7 @@ import pytest
 
 import pipeline
 from pipeline.metrics import read
-from stages import program
+from pipeline.shell import run as shell_run
 
 pytestmark = pytest.mark.gpu
 
@@ -33,8 +33,8 @@ def gpu_ray():
 def _quickstart_on_ray(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, overrides: list[str]) -> Any:
     """Four quickstart steps on CUDA through Ray placement (`overrides` last); what `place` placed."""
     placed = []
-    place = program.place
-    monkeypatch.setattr(program, "place", lambda *a, **k: placed.append(place(*a, **k)) or placed[-1])
+    place = shell_run.place
+    monkeypatch.setattr(shell_run, "place", lambda *a, **k: placed.append(place(*a, **k)) or placed[-1])
     recipe = pipeline.load_recipe(
         "recipes/quickstart.yaml",
         [
@@ -49,7 +49,7 @@ def _quickstart_on_ray(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, override
             *overrides,
         ],
     )
-    summary = anyio.run(program.run_program, recipe)
+    summary = anyio.run(shell_run.run_program, recipe)
     assert summary.steps_done == 4
     return placed[0]
 

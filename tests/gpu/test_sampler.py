@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from backends.torch.config import ModelConfig
-from backends.torch.grpo_loss import mismatch_metrics
 from backends.torch.model import Decoder, token_logprobs
 from backends.torch.sampler import Sampler
-from pipeline.messages import Completion
+from pipeline.algorithms.losses import mismatch_metrics
+from pipeline.contracts.messages import Completion
 
 pytestmark = pytest.mark.gpu
 

@@ -9,7 +9,7 @@ import anyio
 import pytest
 
 from pipeline.clock import ClockStatistics, DeadlineClock
-from pipeline.errors import DeadlineExceeded
+from pipeline.contracts.errors import DeadlineExceeded
 from pipeline.testing import FakeTime
 
 

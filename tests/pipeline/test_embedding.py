@@ -12,13 +12,13 @@ from typing import Any
 import anyio
 
 import pipeline
-from pipeline.messages import TrainGroup
+from pipeline.contracts.messages import TrainGroup
 from pipeline.recipe import convert
 from pipeline.testing import FakeEngine, FakeTime, FakeTrainer
 
 
 def make_recipe(tmp_path: Path, steps: int, eval_every: int = 0) -> Any:
-    from stages.recipe import Recipe
+    from pipeline.shell.recipe import Recipe
 
     data = {
         "run": {"dir": str(tmp_path / "run"), "steps": steps, "stop_grace_s": 1.0e6},
@@ -131,7 +131,7 @@ async def test_stop_request_stops_admission_and_drains(tmp_path: Path) -> None:
 
 def test_import_pipeline_loads_no_heavy_framework() -> None:
     code = (
-        "import sys, pipeline, pipeline.testing, pipeline.cli, backends.registry, stages.program\n"
+        "import sys, pipeline, pipeline.testing, pipeline.shell.cli, backends.registry, stages.program\n"
         "heavy = sorted(m for m in sys.modules if m.split('.')[0] in {'torch', 'ray', 'megatron'})\n"
         "print(heavy)\n"
     )

@@ -256,7 +256,7 @@ async def test_handoff_check_stops_a_step_whose_engine_serves_other_weights(bloc
     """After the wake (colocated) or the refit (separate) the engine's fingerprint must equal
     the trainer's; a tensor that differs (or that one side lacks) fails the step, named, and the
     gate still reopens. Matching fingerprints pass; without `checks` nothing is compared."""
-    from pipeline.errors import HandoffMismatch
+    from pipeline.contracts.errors import HandoffMismatch
     from pipeline.testing import FakeTrainer
 
     fake = FakeTime()
@@ -284,7 +284,7 @@ async def test_handoff_check_stops_a_step_whose_engine_serves_other_weights(bloc
 
 
 async def test_handoff_check_stops_an_engine_that_keeps_memory_after_standing_down() -> None:
-    from pipeline.errors import HandoffMismatch
+    from pipeline.contracts.errors import HandoffMismatch
     from pipeline.testing import FakeTrainer
 
     fake = FakeTime()

@@ -16,12 +16,12 @@ import pytest
 
 import pipeline
 from pipeline.channel import Channel
-from pipeline.messages import Group, TrainGroup
+from pipeline.contracts.messages import Group, TrainGroup
 from pipeline.metrics import read
 from pipeline.runner import StopRequest
+from pipeline.shell.run import run_program
 from pipeline.testing import FakeEngine, FakeTrainer
 from stages.checkpoint import MARKER, committed
-from stages.program import run_program
 
 KEYS = ("train/loss", "train/grad_norm", "reward/mean")
 SMALL = [
@@ -89,7 +89,7 @@ def test_sigkill_after_a_save_then_resume_is_bit_exact(
 
 KILL_SCRIPT = """
 import os, sys, anyio, pipeline
-from stages.program import run_program
+from pipeline.shell.run import run_program
 point = sys.argv[2]
 saves = []
 def hook(where):

@@ -1,6 +1,6 @@
 """The whole pipeline on fakes: versions and lag, admission, backpressure, drops, timeouts, errors.
 
-Every test runs `stages.program.run_program` with a FakeEngine, a FakeTrainer and fake time that
+Every test runs `stages.run.run_program` with a FakeEngine, a FakeTrainer and fake time that
 jumps whenever every task is blocked, so minutes of simulated latency take milliseconds.
 """
 
@@ -18,14 +18,15 @@ import pytest
 
 import stages.program
 from pipeline.channel import Channel
-from pipeline.errors import DropBudgetExceeded, NothingTrained, StageFailed
-from pipeline.messages import Batch, Dropped, Group, Sample, TrainGroup
+from pipeline.contracts.errors import DropBudgetExceeded, NothingTrained, StageFailed
+from pipeline.contracts.messages import Batch, Dropped, Group, Sample, TrainGroup
 from pipeline.metrics import REQUIRED_KEYS
 from pipeline.recipe import convert
+from pipeline.shell.recipe import Recipe
+from pipeline.shell.run import run_program
 from pipeline.testing import EngineCrash, FakeEngine, FakeTime, FakeTrainer, FaultInjector, InjectedFault
 from pipeline.tickets import TicketBox
-from stages.program import RunSummary, run_program
-from stages.recipe import Recipe
+from stages.program import RunSummary
 
 PROMPTS_PER_STEP = 2
 
@@ -217,8 +218,8 @@ async def test_slow_trainer_fills_no_channel_past_capacity_and_admission_blocks(
 
 async def test_a_full_channel_blocks_the_rollout_producer(fake: FakeTime, tmp_path: Path) -> None:
     from pipeline.clock import DeadlineClock
+    from pipeline.contracts.messages import Prompt
     from pipeline.gate import EngineGate
-    from pipeline.messages import Prompt
     from pipeline.metrics import MetricsLog
     from pipeline.trace import Trace
     from pipeline.watchdog import Watchdog

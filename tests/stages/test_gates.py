@@ -13,9 +13,9 @@ import pytest
 
 import pipeline
 from pipeline.runner import StopRequest
+from pipeline.shell.run import run_program
 from pipeline.testing import FakeEngine, FakeTrainer
 from stages.gates import Gate, GatesSection, describe, evaluate_gates, give_verdict
-from stages.program import run_program
 
 # Five train steps; step 3 had poisoned samples, step 4 left its metric out (non-finite).
 STEPS = [

@@ -103,7 +103,7 @@ def test_handoff_check_stops_a_run_whose_refit_leaves_a_tensor_stale(
     import torch
 
     from backends.torch.engine import TorchEngine
-    from pipeline.errors import HandoffMismatch
+    from pipeline.contracts.errors import HandoffMismatch
 
     def copy_all_but_the_last(self: TorchEngine) -> None:
         with torch.no_grad():

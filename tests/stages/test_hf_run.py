@@ -19,11 +19,11 @@ from transformers import (
 )
 
 import pipeline
-from pipeline.errors import RecipeError
+from pipeline.contracts.errors import RecipeError
 from pipeline.metrics import read
+from pipeline.shell.generate import generate
+from pipeline.shell.model_files import export, open_model
 from stages.checkpoint import committed
-from stages.generate import generate
-from stages.model_files import export, open_model
 
 PROMPT = "What is 3 + 4?"
 RECIPE = Path(__file__).parents[1] / "data" / "tiny-hf.yaml"

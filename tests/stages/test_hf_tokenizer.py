@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from transformers import PreTrainedTokenizerFast
 
-from pipeline.errors import RecipeError
+from pipeline.contracts.errors import RecipeError
 from stages.hf_tokenizer import HFTokenizer
 
 QUESTION = "What is 3 + 4?"

@@ -19,9 +19,9 @@ import anyio
 import pytest
 
 import pipeline
-from pipeline.console import Console, ConsoleHandler
 from pipeline.logs import reset_warnings, warn_once
 from pipeline.metrics import REQUIRED_KEYS, read
+from pipeline.shell.console import Console, ConsoleHandler
 
 # Every stage's time on the batch, and the time the trainer waited for it.
 STAGE_TIMING_KEYS = {
@@ -267,8 +267,8 @@ def test_reports_leave_the_host_applications_matplotlib_alone(
     figures with its pyplot."""
     import matplotlib
 
-    from pipeline.plot import write_report
-    from pipeline.timeline import write_timeline
+    from pipeline.shell.plot import write_report
+    from pipeline.shell.timeline import write_timeline
 
     monkeypatch.setitem(matplotlib.rcParams, "backend", "svg")  # the host's choice
     write_report([runs[True]], tmp_path / "r.png")

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.errors import RecipeError
+from pipeline.contracts.errors import RecipeError
 from stages.hf_tokenizer import HFTokenizer
 from stages.prompts import JsonlSource, ParquetSource, PromptsSection, SyntheticSource, build_prompts
 

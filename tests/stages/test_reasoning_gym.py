@@ -8,7 +8,7 @@ import anyio
 import pytest
 
 import pipeline
-from pipeline.errors import RecipeError
+from pipeline.contracts.errors import RecipeError
 from pipeline.metrics import read
 from stages.prompts import PromptsSection, ReasoningGymSource, build_prompts
 

@@ -16,12 +16,12 @@ import anyio
 import pytest
 from test_flow import drive, make_recipe, metrics
 
-from pipeline.errors import PipelineError, RecipeError, StageFailed
+from pipeline.contracts.errors import PipelineError, RecipeError, StageFailed
+from pipeline.shell.recipe import Recipe
+from pipeline.shell.run import run_program
 from pipeline.testing import FakeEngine, FakeTime, FakeTrainer, FaultInjector
 from pipeline.trace import Trace
 from stages.checkpoint import CheckpointError, committed
-from stages.program import run_program
-from stages.recipe import Recipe
 from stages.run_dir import RunDirLock
 
 

@@ -26,12 +26,12 @@ from backends.torch.errors import ModelLoadError
 from backends.torch.hf import CONFIG_FILE, load_pretrained, read_config, save_pretrained
 from backends.torch.model import Decoder
 from backends.torch.state_file import TRAINER_FILE, load_state
-from pipeline.errors import DamagedState, RecipeError
+from pipeline.contracts.errors import DamagedState, RecipeError
 from pipeline.recipe import convert
+from pipeline.shell.recipe import Recipe
 from stages.checkpoint import RECIPE_FILE
 from stages.hf_tokenizer import GENERATION_CONFIG_FILE, TOKENIZER_FILE, TOKENIZER_FILES, HFTokenizer
 from stages.prompts import build_tokenizer
-from stages.recipe import Recipe
 from stages.tokenizer import CHAR_TOKENIZER_FILE, CharTokenizer, Tokenizer
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pipeline.plot import headline, on_gpu, steady_top
+from pipeline.shell.plot import headline, on_gpu, steady_top
 
 
 def test_the_title_names_the_run_its_length_and_final_rewards() -> None:

@@ -12,10 +12,10 @@ import pytest
 import torch
 
 import pipeline
-from pipeline.cli import main
+from pipeline.shell.cli import main
 from stages.checkpoint import committed
 
-QUICKSTART = Path(__file__).parents[2] / "recipes" / "quickstart.yaml"
+QUICKSTART = Path(__file__).parents[3] / "recipes" / "quickstart.yaml"
 TINY = ["run.steps=1", "prompts.prompts_per_step=2", "rollout.samples_per_prompt=2", "eval.every_steps=0"]
 
 

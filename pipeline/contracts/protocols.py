@@ -9,9 +9,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
-from pipeline.messages import Completion, TrainGroup
+import msgspec
+
+from pipeline.contracts.messages import Completion, TrainGroup
 
 
 class Checkpointable(Protocol):
@@ -21,7 +23,7 @@ class Checkpointable(Protocol):
     (names of its choosing, none of the pipeline's: see `stages.checkpoint`; an object without
     state writes none) into a step directory that is then committed by an atomic rename; `load`
     reads them back on resume; `close` lets go of threads and devices at the run's end (closing
-    twice is harmless). `save` raises `NonFiniteState` (pipeline.errors) rather than write NaN
+    twice is harmless). `save` raises `NonFiniteState` (pipeline.contracts.errors) rather than write NaN
     or infinity; `load` raises `DamagedState` for files that are missing, torn or not finite,
     before it changes any state.
     """
@@ -39,12 +41,8 @@ class Engine(Checkpointable, Protocol):
     `blocks_training`: it shares the trainer's devices and must stand down for each train step.
     `wake_carries_weights`: waking it serves the newest weights, so no separate refit is needed.
 
-    Partial rollouts, an optional capability (`rollout.partial`; an engine without the
-    attribute has it off): an engine with `partial_rollouts` true freezes the `generate` calls
-    in flight at `stand_down` (their tokens so far kept, their device memory released) and
-    continues them after `wake` under the new weights; the calls return only when done. It
-    counts its `wake` calls in `wakes` and tags each stretch of a completion with that count
-    (`Completion.segments`), so every token's weights version is known.
+    Optional capabilities are protocols of their own below (`PartialRollouts`,
+    `SlotStatistics`), checked with `isinstance`.
     """
 
     blocks_training: bool
@@ -86,3 +84,45 @@ class Trainer(Checkpointable, Protocol):
         """A checksum per weight tensor of the weights it published with its last step (or
         loaded), in the engine's names; None: none taken."""
         ...
+
+
+@runtime_checkable
+class PartialRollouts(Protocol):
+    """An engine that can continue requests across a stand-down (`rollout.partial`): with
+    `partial_rollouts` true it freezes the `generate` calls in flight at `stand_down` (their
+    tokens so far kept, their device memory released) and continues them after `wake` under the
+    new weights; the calls return only when done. It counts its `wake` calls in `wakes` and tags
+    each stretch of a completion with that count (`Completion.segments`), so every token's
+    weights version is known. An engine without it has partial rollouts off."""
+
+    partial_rollouts: bool
+
+    @property
+    def wakes(self) -> int: ...
+
+
+class SlotStats(msgspec.Struct, frozen=True, kw_only=True):
+    """An engine's running totals since it was built. A slot is one row of a decode loop's
+    width for one decode step; it is busy while a row in it is generating."""
+
+    slot_steps: int
+    busy_slot_steps: int
+    frozen_rows: int  # rows frozen at a stand-down, in all
+    reprefilled_tokens: int  # tokens prefilled again to continue frozen rows (shared: once)
+    frozen_now: int  # rows frozen and not yet continued
+
+
+@runtime_checkable
+class SlotStatistics(Protocol):
+    """An engine that reports how busy its decode slots were (`rollout/idle_slot_fraction`)."""
+
+    def statistics(self) -> SlotStats: ...
+
+
+@runtime_checkable
+class Fingerprinted(Protocol):
+    """A part that takes weight fingerprints for the gate's handoff checks (`Engine` and
+    `Trainer` declare it; an engine or trainer an embedding application passes in may predate
+    it, and its run goes unchecked)."""
+
+    def fingerprint(self) -> Mapping[str, int] | None: ...

@@ -1,5 +1,5 @@
 """The command line: `python -m pipeline COMMAND ...`; the commands are the table `COMMANDS`
-(their grammar is `pipeline.arguments`), each handled by one function here.
+(their grammar is `pipeline.shell.arguments`), each handled by one function here.
 
 Exit codes: 0 success or clean stop, 1 a run error the user can act on, 2 a bad recipe or
 command line, 3 the run finished (or stopped cleanly) but a metric gate of its recipe failed
@@ -22,11 +22,11 @@ import anyio
 
 import pipeline
 from pipeline import logs
-from pipeline.arguments import Command, parse
 from pipeline.children import kill_descendants
-from pipeline.console import Console, ConsoleHandler
-from pipeline.errors import PipelineError, RecipeError, StageFailed
+from pipeline.contracts.errors import PipelineError, RecipeError, StageFailed
 from pipeline.runner import first_error
+from pipeline.shell.arguments import Command, parse
+from pipeline.shell.console import Console, ConsoleHandler
 
 GATES_FAILED = 3  # the exit code of a run (or `check`) whose metric gates failed
 
@@ -110,7 +110,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _validate(args: argparse.Namespace) -> int:
-    from stages.preflight import preflight
+    from pipeline.shell.preflight import preflight
 
     preflight(pipeline.load_recipe(args.recipe, args.overrides))
     print(f"{args.recipe}: ok")
@@ -170,7 +170,7 @@ def _inspect(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from stages.model_files import export
+    from pipeline.shell.model_files import export
 
     print(f"exported {args.checkpoint} to {export(args.checkpoint, args.out_dir)}")
     return 0
@@ -183,8 +183,8 @@ def _generate(args: argparse.Namespace) -> int:
 
     load()  # before anything imports torch: how its threads wait is read once
     from backends.torch.device import check_device
-    from stages.generate import check_sampling, generate
-    from stages.model_files import open_model
+    from pipeline.shell.generate import check_sampling, generate
+    from pipeline.shell.model_files import open_model
 
     check_sampling(args.max_new_tokens, args.temperature, args.top_p)
     check_device(args.device, "--device")
@@ -203,7 +203,7 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _plot(args: argparse.Namespace) -> int:
-    from pipeline.plot import write_report
+    from pipeline.shell.plot import write_report
 
     if args.out is None and len(args.run_dirs) > 1:
         raise RecipeError("plot: several runs need --out, e.g. --out compare.png")
@@ -213,7 +213,7 @@ def _plot(args: argparse.Namespace) -> int:
 
 
 def _timeline(args: argparse.Namespace) -> int:
-    from pipeline.timeline import write_timeline
+    from pipeline.shell.timeline import write_timeline
 
     first = last = None
     if args.steps:

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import msgspec
 
+from backends.megatron.rules import check_engine
 from backends.placement import LocalPlacement, Placement, check_placement
 from backends.torch.config import ModelConfig
 from backends.torch.section import ModelSection
-from pipeline.recipe import (
+from pipeline.contracts.sections import (
     AsyncRLSection,
     CheckpointSection,
     RunSection,
@@ -16,13 +17,13 @@ from pipeline.recipe import (
     WandbSection,
     WatchdogSection,
 )
+from pipeline.shell.metric_names import MetricNames, check_names
 from stages.evaluation import EvalSection
 from stages.faults import FaultsSection
-from stages.gates import GatesSection, check_names
-from stages.metric_names import MetricNames
+from stages.gates import GatesSection
 from stages.prompts import PromptsSection
 from stages.reward import RewardSection
-from stages.rollout import RolloutSection, check_engine
+from stages.rollout import RolloutSection
 from stages.train import TrainSection
 
 

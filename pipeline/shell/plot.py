@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from pipeline.errors import PipelineError
+from pipeline.contracts.errors import PipelineError
 from pipeline.metrics import EVAL_FILE, STEPS_FILE, read
 
 # The parts of a step's wall time, stacked in this order in a one-run report, with their labels.

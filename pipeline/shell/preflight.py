@@ -3,7 +3,8 @@
 `preflight` raises `RecipeError` for what would otherwise fail later in the run (or, for the
 model and device, with a traceback): a resume path that is not a checkpoint or a recipe that
 does not match it, a missing model directory or config.json, a device this machine lacks, data
-files that do not parse, a reward function that does not import, Ray missing where the recipe
+files that do not parse, a reward function that does not import, an RL algorithm whose parts do not resolve or
+combine, Ray missing where the recipe
 places the backend on it, what the chosen backend refuses (`backends.registry.check`), and
 prompts plus
 `rollout.max_new_tokens` past a learned position table. What it built on the way (the resume
@@ -17,11 +18,12 @@ from pathlib import Path
 
 from backends import registry
 from backends.placement import RayPlacement, check_ray
-from pipeline.errors import RecipeError
+from pipeline.algorithms.presets import algorithm_of
+from pipeline.contracts.errors import RecipeError
+from pipeline.rewards.scoring import RewardFn, resolve
+from pipeline.shell.recipe import Recipe
 from stages.checkpoint import open_resume
 from stages.prompts import PromptSet, build_prompts
-from stages.recipe import Recipe
-from stages.reward import RewardFn, resolve
 
 
 @dataclass(frozen=True)
@@ -38,6 +40,7 @@ def preflight(recipe: Recipe, *, model: bool = True, resume: bool = True) -> Che
         _check_resume(recipe)
     if model:
         registry.check(recipe)  # the backend's own refusals (megatron's unsupported train fields)
+    algorithm_of(recipe)  # the algorithm's parts resolve (a custom one imports) and combine
     position_limit = _check_model(recipe) if model else None
     prompts = build_prompts(recipe.prompts, recipe.run.seed, model_path=recipe.model.path)
     reward_fn = resolve(recipe.reward.function, source_reward=prompts.reward)

@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from backends.torch.grpo_loss import mismatch_metrics
+from pipeline.algorithms.losses import mismatch_metrics
 
 
 def test_mismatch_metrics_formulas_over_masked_tokens() -> None:

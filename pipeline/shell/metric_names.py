@@ -10,21 +10,25 @@ colocated, fails at the end with "no values"). Two families depend on the recipe
   built-in reward its own keys; for a `module:function` reward, whose keys are known only once it
   has run, any `reward/<key>` and `eval/<key>` (one path segment) is accepted.
 
-`tests/stages/test_metric_names.py` runs the pipeline and fails if it logs a name not known here
+`tests/pipeline/shell/test_metric_names.py` runs the pipeline and fails if it logs a name not known here
 (or if a name known here is never logged).
 """
 
 from __future__ import annotations
 
+import difflib
 from typing import TYPE_CHECKING
 
 import msgspec
 
 from backends.placement import RayPlacement
+from backends.ray.counters import PLACEMENT_COUNTERS
+from pipeline.algorithms.presets import knob
 from pipeline.metrics import REQUIRED_KEYS
 
 if TYPE_CHECKING:
-    from stages.recipe import Recipe
+    from pipeline.shell.recipe import Recipe
+    from stages.gates import GatesSection
 
 # What stages/train.py writes on each step besides the required keys.
 _TRAIN_STAGE = (
@@ -59,13 +63,6 @@ _COUNTERS = (
     "eval/skipped",  # evaluations skipped so far: a count on train steps, not an evaluation's figure
     "rollout/idle_slot_fraction",  # since the last step, from an engine with `statistics()`
 )
-# The Ray placement's running counts (backends/ray/place.py), with placement.backend: ray.
-PLACEMENT_COUNTERS = (
-    "placement/engine_restarts",  # engine actors that died and were replaced
-    "placement/redispatched_requests",  # requests sent again after their replica died
-    "placement/reward_worker_restarts",
-    "placement/rescored_groups",  # groups scored again after their reward worker died
-)
 # backends/torch/trainer.py's train_step (the mismatch figures are required keys); kl_ref with
 # train.kl_coef > 0, the offload figures with train.offload_optimizer.
 _TRAINER = (
@@ -79,8 +76,9 @@ _TRAINER = (
     "timing/optimizer_reload_s",
     "timing/optimizer_offload_s",
 )
+_DYNAMIC_SAMPLING = ("rollout/filtered_groups", "rollout/surplus_groups")  # stages/train.py's dynamic_sample
 _EVAL = ("step", "policy_version", "eval/reward", "timing/eval_s")  # stages/train.py's evaluations
-# The info keys of the built-in rewards (stages/reward.py, stages/math_reward.py).
+# The info keys of the built-in rewards (stages/reward.py, pipeline/rewards/math.py).
 _BUILTIN_INFO: dict[str, tuple[str, ...]] = {"positional": ("exact_match",), "math": ("has_answer",)}
 
 
@@ -103,6 +101,7 @@ class MetricNames(msgspec.Struct, frozen=True, kw_only=True):
             *_TRAINER,
             *(f"rollout/lag_hist/{k}" for k in range(lookahead + 1)),
             *(f"reward/{key}" for key in info),
+            *(_DYNAMIC_SAMPLING if knob(recipe.train, "dynamic_sampling") else ()),
         }
         evals = {*_EVAL, *(f"eval/{key}" for key in info)}
         return cls(steps=frozenset(steps), evals=frozenset(evals), open_info=":" in recipe.reward.function)
@@ -117,6 +116,13 @@ class MetricNames(msgspec.Struct, frozen=True, kw_only=True):
         return sorted(self.steps | self.evals)
 
 
-def per_evaluation(name: str) -> bool:
-    """Whether `name` is read from eval.jsonl (one value per evaluation), not metrics.jsonl."""
-    return (name.startswith("eval/") and name not in _COUNTERS) or name == "timing/eval_s"
+def check_names(gates: GatesSection, names: MetricNames) -> None:
+    """Raise ValueError naming the first gate whose metric no run of this recipe logs."""
+    for i, gate in enumerate(gates.checks):
+        if not names.known(gate.metric):
+            close = difflib.get_close_matches(gate.metric, names.all(), n=1, cutoff=0.75)
+            hint = f" (did you mean `{close[0]}`?)" if close else ""
+            raise ValueError(
+                f"gates.checks[{i}]: unknown metric `{gate.metric}`{hint}; "
+                "the names a run logs are listed in README.md, 'Watching a run'"
+            )

@@ -7,12 +7,12 @@ from pathlib import Path
 import anyio
 
 import pipeline
-from pipeline.metrics import read
+from pipeline.metrics import per_evaluation, read
 from pipeline.recipe import convert
+from pipeline.shell.metric_names import MetricNames
+from pipeline.shell.recipe import Recipe
+from pipeline.shell.run import run_program
 from pipeline.testing import FakeEngine, FakeTime, FakeTrainer
-from stages.metric_names import MetricNames, per_evaluation
-from stages.program import run_program
-from stages.recipe import Recipe
 
 # Names only some configurations write, which neither run below reaches.
 NOT_REACHED = {

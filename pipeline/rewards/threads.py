@@ -29,7 +29,7 @@ import anyio.lowlevel
 from pipeline.clock import MonotonicTime
 from pipeline.logs import warn_once
 
-log = logging.getLogger("stages.reward")
+log = logging.getLogger("pipeline.rewards")
 
 T = TypeVar("T")
 BLOCKING_S = 1.0  # a coroutine slice this long has blocked its loop

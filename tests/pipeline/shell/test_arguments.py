@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline.arguments import parse, version
-from pipeline.cli import COMMANDS
+from pipeline.shell.arguments import parse, version
+from pipeline.shell.cli import COMMANDS
 
 
 def parsed(*argv: str) -> dict[str, object]:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline.errors import RecipeError
-from pipeline.messages import Prompt
-from stages.reward import resolve
+from pipeline.contracts.errors import RecipeError
+from pipeline.contracts.messages import Prompt
+from pipeline.rewards.scoring import resolve
 
 
 def _prompt(answer: str) -> Prompt:
@@ -41,8 +41,10 @@ def test_reward_module_that_does_not_import_is_named() -> None:
 
 def test_reward_function_missing_from_module_is_named() -> None:
     with pytest.raises(RecipeError) as raised:
-        resolve("stages.reward:no_such_function")
-    assert str(raised.value) == "reward.function: module 'stages.reward' has no function 'no_such_function'"
+        resolve("pipeline.rewards.scoring:no_such_function")
+    assert str(raised.value) == (
+        "reward.function: module 'pipeline.rewards.scoring' has no function 'no_such_function'"
+    )
 
 
 def test_unknown_reward_name_lists_the_built_ins() -> None:
@@ -65,7 +67,7 @@ def test_reasoning_gym_reward_needs_its_source() -> None:
 
 async def test_an_unhashable_reward_callable_is_scored() -> None:
     """Built-ins are recognised by identity: a callable object without `__hash__` still works."""
-    from stages.reward import is_cheap, positional_reward, score_all
+    from pipeline.rewards.scoring import is_cheap, positional_reward, score_all
 
     class Scorer:
         __hash__ = None  # type: ignore[assignment]
@@ -84,7 +86,7 @@ def _exits(prompt: Prompt, completion: str) -> float:
 
 
 async def test_a_reward_that_calls_sys_exit_is_a_failure_of_that_sample() -> None:
-    from stages.reward import score_all
+    from pipeline.rewards.scoring import score_all
 
     (result,) = await score_all(_exits, [(_prompt("1"), "1")])
     assert isinstance(result, Exception)
@@ -93,8 +95,8 @@ async def test_a_reward_that_calls_sys_exit_is_a_failure_of_that_sample() -> Non
 
 ABANDON_SCRIPT = """
 import time, anyio
-from pipeline.messages import Prompt
-from stages.reward import score_all
+from pipeline.contracts.messages import Prompt
+from pipeline.rewards.scoring import score_all
 
 def forever(prompt, completion):
     time.sleep(3600)
@@ -129,7 +131,7 @@ async def test_an_async_reward_that_blocks_cannot_freeze_the_pipeline_and_is_rep
     import anyio
 
     from pipeline.logs import reset_warnings
-    from stages.reward import score_all
+    from pipeline.rewards.scoring import score_all
 
     reset_warnings()  # the warning is said once a run; each test is a run here
     ticks = 0
@@ -146,7 +148,7 @@ async def test_an_async_reward_that_blocks_cannot_freeze_the_pipeline_and_is_rep
         tg.cancel_scope.cancel()
     assert scored == [{"reward": 1.0}]
     assert ticks >= 10  # the pipeline's loop kept running for the 1.5 s
-    (message,) = [r.getMessage() for r in caplog.records if r.name == "stages.reward"]
+    (message,) = [r.getMessage() for r in caplog.records if r.name == "pipeline.rewards"]
     assert message.startswith("async reward function _blocks blocked its event loop for 1.")
     assert message.endswith(
         " s in one step: make it a plain def (it then runs in a worker thread) or await its slow work"
@@ -156,8 +158,8 @@ async def test_an_async_reward_that_blocks_cannot_freeze_the_pipeline_and_is_rep
 async def test_a_deadline_on_a_blocked_async_reward_fires_and_says_why() -> None:
     import anyio
 
-    from stages.reward import score_all
-    from stages.reward_threads import blocking_note
+    from pipeline.rewards.scoring import score_all
+    from pipeline.rewards.threads import blocking_note
 
     with anyio.move_on_after(1.2) as scope:
         await score_all(_blocks, [(_prompt("1"), "1")])

@@ -15,8 +15,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from pipeline.errors import RecipeError
-from pipeline.messages import Prompt
+from pipeline.contracts.errors import RecipeError
+from pipeline.contracts.messages import Prompt
 
 _verify: Any = None
 

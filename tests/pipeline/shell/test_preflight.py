@@ -11,10 +11,10 @@ import pytest
 import torch
 
 import pipeline
-from pipeline.errors import RecipeError
-from stages.preflight import preflight
+from pipeline.contracts.errors import RecipeError
+from pipeline.shell.preflight import preflight
 
-ROOT = Path(__file__).parents[2]
+ROOT = Path(__file__).parents[3]
 QUICKSTART = ROOT / "recipes" / "quickstart.yaml"
 GSM8K = ROOT / "recipes" / "gsm8k-qwen2.5-math-1.5b.yaml"
 CPU_BUILD = torch.version.cuda is None

@@ -11,7 +11,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from pipeline.plot import PlotError, new_figure
+from pipeline.shell.plot import PlotError, new_figure
 
 _COLOURS = {
     "generate": "#4c9be8",

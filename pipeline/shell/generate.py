@@ -14,10 +14,10 @@ import msgspec
 import torch
 
 from backends.torch.sampler import Sampler
-from pipeline.errors import RecipeError
-from stages.model_files import OpenedModel
+from pipeline.contracts.errors import RecipeError
+from pipeline.shell.model_files import OpenedModel
 
-log = logging.getLogger("stages.generate")
+log = logging.getLogger("pipeline.shell.generate")
 
 
 class Generation(msgspec.Struct, frozen=True, kw_only=True):

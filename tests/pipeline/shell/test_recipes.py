@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 
 import pipeline
-from pipeline.errors import RecipeError
-from stages.recipe import Recipe
+from pipeline.contracts.errors import RecipeError
+from pipeline.shell.recipe import Recipe
 
-RECIPES = sorted((Path(__file__).parents[2] / "recipes").glob("*.yaml"))
+RECIPES = sorted((Path(__file__).parents[3] / "recipes").glob("*.yaml"))
 
 
 def test_there_are_recipes() -> None:

@@ -1,0 +1,69 @@
+"""Where megatron's inference engine can serve: its cross-field rules against the rest of the
+recipe, checked by the shell's root recipe (so `validate` and `run` refuse alike)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from backends.placement import RayPlacement
+
+
+def check_engine(recipe: Any) -> None:
+    """Cross-field rules of `rollout.engine` against the rest of the recipe (ValueError naming
+    both). megatron's engine serves the megatron trainer's module where it lies: one process,
+    colocated, CUDA (its dynamic context allocates with CUDA only), bf16 (its attention runs
+    flash-attention kernels); its logprobs are those of the tempered distribution it samples
+    from, which matches ours only without a top-p cut."""
+    rollout = recipe.rollout
+    if rollout.engine == "torch":
+        if rollout.kv_cache_gb:
+            raise ValueError(
+                f"rollout.kv_cache_gb: {rollout.kv_cache_gb:g} sizes the KV cache of rollout.engine "
+                "megatron; the torch engine sizes its own for each decode loop: leave it at 0"
+            )
+        return
+    if recipe.train.backend != "megatron":
+        raise ValueError(
+            f"rollout.engine: megatron needs train.backend: megatron (it serves the megatron "
+            f"trainer's own model), got {recipe.train.backend}; set train.backend: megatron or "
+            "rollout.engine: torch"
+        )
+    if not recipe.colocated:
+        raise ValueError(
+            "rollout.engine: megatron needs colocated: true (it serves the trainer's model in place; "
+            "a separate engine would need a model of its own and a weight copy after each step); set "
+            "colocated: true or rollout.engine: torch"
+        )
+    if not recipe.model.device.startswith("cuda"):
+        raise ValueError(
+            f"rollout.engine: megatron needs model.device: cuda (megatron's dynamic inference context "
+            f"allocates its KV cache and bookkeeping on CUDA only), got {recipe.model.device}; set "
+            "rollout.engine: torch"
+        )
+    if recipe.model.dtype != "bfloat16":
+        raise ValueError(
+            f"rollout.engine: megatron needs model.dtype: bfloat16 (its attention runs flash-attention "
+            f"kernels, which take bf16), got {recipe.model.dtype}"
+        )
+    if isinstance(recipe.placement, RayPlacement):
+        raise ValueError(
+            "rollout.engine: megatron is not built for placement.backend ray yet: set "
+            "placement.backend: local or rollout.engine: torch"
+        )
+    if rollout.partial:
+        raise ValueError(
+            "rollout.partial: true needs rollout.engine: torch (the weights version of each token of "
+            "a continued request is the torch engine's bookkeeping); set rollout.partial: false"
+        )
+    if rollout.temperature == 0:
+        raise ValueError(
+            "rollout.temperature: 0 needs rollout.engine: torch (megatron's sampler divides the "
+            "logits by the temperature, and its greedy mode reports logprob 0 for every token): "
+            "set a temperature above 0"
+        )
+    if rollout.top_p < 1:
+        raise ValueError(
+            f"rollout.top_p: {rollout.top_p:g} needs rollout.engine: torch (megatron's engine reports "
+            "the logprobs of the nucleus it renormalised, the trainer those of the whole tempered "
+            "distribution): set rollout.top_p: 1.0"
+        )

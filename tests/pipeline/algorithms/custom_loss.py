@@ -1,0 +1,17 @@
+"""A user's own policy loss, named `tests.pipeline.algorithms.custom_loss:squared_advantage` in
+the tests (`train.policy_loss: module:function`)."""
+
+from __future__ import annotations
+
+import torch
+
+from pipeline.algorithms.config import LossConfig
+from pipeline.algorithms.losses import LossInputs, LossOutputs
+
+
+def squared_advantage(inputs: LossInputs, config: LossConfig) -> LossOutputs:
+    """-A |A| x (logprobs - old): a policy gradient that weighs strong advantages more."""
+    advantage = inputs.advantages.unsqueeze(-1)
+    per_token = -(advantage * advantage.abs()) * (inputs.logprobs - inputs.old)
+    zeros = torch.zeros_like(per_token)
+    return LossOutputs(per_token=per_token, clipped=zeros, kl=zeros)
