@@ -22,9 +22,9 @@ pytest.importorskip("megatron.core")
 from backends.megatron import serve  # noqa: E402
 from backends.megatron.build import build_backend  # noqa: E402
 from pipeline.clock import DeadlineClock, MonotonicTime  # noqa: E402
-from pipeline.errors import HandoffMismatch  # noqa: E402
+from pipeline.contracts.errors import HandoffMismatch  # noqa: E402
+from pipeline.contracts.messages import TrainGroup, TrainSample  # noqa: E402
 from pipeline.gate import EngineGate  # noqa: E402
-from pipeline.messages import TrainGroup, TrainSample  # noqa: E402
 from pipeline.testing import FakeDynamicEngine  # noqa: E402
 from tests.backends.test_megatron_serve import _on_cpu  # noqa: E402
 

@@ -24,9 +24,9 @@ from backends.ray import place as ray_place
 from backends.ray.actors import BackendPart
 from backends.ray.engines import WrongVersion
 from pipeline.clock import DeadlineClock, MonotonicTime
-from pipeline.errors import HandoffMismatch
+from pipeline.contracts.errors import HandoffMismatch
+from pipeline.contracts.messages import TrainGroup, TrainSample
 from pipeline.gate import EngineGate
-from pipeline.messages import TrainGroup, TrainSample
 
 # The actor class below travels to the workers by value (they need not import the tests).
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])

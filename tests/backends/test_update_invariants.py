@@ -22,10 +22,10 @@ from collections.abc import Callable, Sequence
 import pytest
 import torch
 
-from backends.torch.grpo_loss import LossConfig
 from backends.torch.model import Decoder, token_logprobs
 from backends.torch.trainer import TorchTrainer
-from pipeline.messages import TrainGroup, TrainSample
+from pipeline.algorithms.config import Algorithm, LossConfig
+from pipeline.contracts.messages import TrainGroup, TrainSample
 from tests.backends.megatron_cases import CONFIGS
 
 CONFIG = CONFIGS["llama"]
@@ -42,10 +42,17 @@ def _model() -> Decoder:
     return Decoder(CONFIG)
 
 
+def _algorithm(correction: str) -> Algorithm:
+    """GRPO's token loss and token-mean aggregation with this correction (the defaults')."""
+    return Algorithm(
+        loss=LossConfig(clip_low=0.2, clip_high=0.28, kl_coef=0.0, is_correction=correction, is_cap=CAP)
+    )
+
+
 def _torch_trainer(model: Decoder, correction: str, *, grad_clip: float = 1.0) -> TorchTrainer:
     return TorchTrainer(
         model,
-        loss=LossConfig(clip_low=0.2, clip_high=0.28, kl_coef=0.0, is_correction=correction, is_cap=CAP),
+        algorithm=_algorithm(correction),
         lr=LR,
         betas=(0.9, 0.999),
         weight_decay=0.0,
@@ -263,7 +270,7 @@ def megatron_trainer() -> Callable[..., object]:
             gpt,
             step,
             config=CONFIG,
-            loss=LossConfig(clip_low=0.2, clip_high=0.28, kl_coef=0.0, is_correction=correction, is_cap=CAP),
+            algorithm=_algorithm(correction),
             lr=LR,
             warmup_steps=0,
             schedule="constant",

@@ -320,7 +320,7 @@ async def test_a_failed_train_step_is_not_hidden_behind_a_handoff_mismatch() -> 
 async def test_handoff_check_names_a_tensor_the_engine_serves_that_the_trainer_does_not() -> None:
     """An engine serving a tensor the trainer never published (another model's layout, a stale
     extra layer) fails the check too, naming it."""
-    from pipeline.errors import HandoffMismatch
+    from pipeline.contracts.errors import HandoffMismatch
     from pipeline.testing import FakeTrainer
 
     fake = FakeTime()

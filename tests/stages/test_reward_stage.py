@@ -10,13 +10,14 @@ import anyio
 
 from pipeline.channel import Channel
 from pipeline.clock import DeadlineClock
-from pipeline.messages import Group, Prompt, Sample
+from pipeline.contracts.messages import Group, Prompt, Sample
 from pipeline.metrics import MetricsLog
+from pipeline.rewards.scoring import positional_reward
 from pipeline.testing import FakeTime
 from pipeline.trace import Trace
 from pipeline.watchdog import Watchdog
 from stages.context import RunContext
-from stages.reward import RewardSection, RewardStage, positional_reward
+from stages.reward import RewardSection, RewardStage
 from stages.timings import BatchTimings
 from stages.tokenizer import CharTokenizer
 

@@ -12,14 +12,12 @@ from pathlib import Path
 from statistics import fmean
 from typing import Any
 
-import anyio
 import pytest
 
 from pipeline.channel import Channel
-from pipeline.messages import Group, Sample, TrainGroup
+from pipeline.contracts.messages import Group, Sample, TrainGroup
 from pipeline.testing import FakeEngine, FakeTime, FakeTrainer
-from stages.program import run_program
-from tests.stages.test_flow import make_recipe, merge, metrics
+from tests.stages.test_flow import drive, make_recipe, merge, metrics
 
 
 @pytest.fixture
@@ -35,13 +33,6 @@ def scored(monkeypatch: pytest.MonkeyPatch) -> dict[str, Group]:
 
     monkeypatch.setattr(Channel, "send", spy)
     return sent
-
-
-async def _drive(recipe: Any, engine: FakeEngine, trainer: FakeTrainer, fake: FakeTime) -> None:
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(fake.autojump)
-        await run_program(recipe, engine=engine, trainer=trainer, time_source=fake)
-        tg.cancel_scope.cancel()
 
 
 CASES = {
@@ -85,7 +76,7 @@ async def test_each_lines_lag_is_the_gates_version_at_the_step_minus_each_sample
 
     recipe = make_recipe(tmp_path, steps=6, lookahead=spec["lookahead"], **merge(spec["sections"], {}))
     engine = FakeEngine(time=fake, response_len=4, **spec["engine"])
-    await _drive(recipe, engine, FakeTrainer(time=fake, latency=20.0, on_step=on_step), fake)
+    await drive(recipe, engine, FakeTrainer(time=fake, latency=20.0, on_step=on_step), fake)
     lines = metrics(recipe)
     assert len(lines) == len(trained) == 6
     all_lags = []
