@@ -128,32 +128,40 @@ class EngineGate:
         *,
         save: Callable[[], Awaitable[None]] | None = None,
     ) -> tuple[T, dict[str, float]]:
-        """Run one train step in the capability-driven order; returns its result and timings."""
+        """Run one train step in the capability-driven order; returns its result and timings.
+
+        Once the trainer starts, the step runs to its end (train, publish, save) even when the
+        caller is cancelled, and the cancellation lands after it: the trainer's weights and the
+        published version never disagree, so a cancelled run can save the steps it trained."""
         self._timings = {}
         if self.engine.blocks_training:
-            completed = False
             try:
-                # Inside the try: a stand-down that fails or is cancelled still resumes the
-                # clock and reopens the gate.
                 await self._stand_down()
+            except BaseException:
+                await self._wake(check=False)  # resumes the clock and reopens the gate
+                raise
+            with anyio.CancelScope(shield=True):
+                completed = False
+                try:
+                    result = await self._timed("train", train)
+                    self.engine_version += 1
+                    if save is not None:
+                        await self._timed("save", save)
+                    completed = True
+                finally:
+                    # After a failed step the trainer published nothing new: checking the
+                    # weights would only hide the step's own error behind a mismatch.
+                    await self._wake(check=completed)
+        else:
+            with anyio.CancelScope(shield=True):
                 result = await self._timed("train", train)
+                await self._timed("refit", self.engine.refit)
+                self._check_weights("refit", self.engine_version + 1)
+                # Only now does the engine serve the new weights; calls starting during the
+                # refit are tagged with the old version (conservative for the lag bound).
                 self.engine_version += 1
                 if save is not None:
                     await self._timed("save", save)
-                completed = True
-            finally:
-                # After a failed step the trainer published nothing new: checking the weights
-                # would only hide the step's own error behind a mismatch.
-                await self._wake(check=completed)
-        else:
-            result = await self._timed("train", train)
-            await self._timed("refit", self.engine.refit)
-            self._check_weights("refit", self.engine_version + 1)
-            # Only now does the engine serve the new weights; calls starting during the refit
-            # are tagged with the old version (conservative for the lag bound).
-            self.engine_version += 1
-            if save is not None:
-                await self._timed("save", save)
         self._steps += 1
         return result, dict(self._timings)
 

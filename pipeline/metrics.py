@@ -88,14 +88,14 @@ def finite(record: dict[str, Any]) -> dict[str, Any]:
 
 
 def read(path: Path) -> list[dict[str, Any]]:
-    """Every record of a JSONL metrics file (a line cut short by a kill is skipped)."""
+    """Every record of a JSONL metrics file (a line cut short by a kill, or garbled, is skipped)."""
     records = []
-    with path.open() as lines:
+    with path.open("rb") as lines:
         for line in lines:
             if line.strip():
                 try:
                     records.append(json.loads(line))
-                except json.JSONDecodeError:
+                except ValueError:  # not JSON, or not UTF-8
                     continue
     return records
 

@@ -14,6 +14,7 @@ The section types (the base and the engine's own sections) are contracts
 from __future__ import annotations
 
 import difflib
+import math
 import re
 from collections.abc import Sequence
 from pathlib import Path
@@ -24,6 +25,7 @@ import msgspec.inspect
 import yaml
 
 from pipeline.contracts.errors import RecipeError
+from pipeline.contracts.text import NotText, read_text
 
 R = TypeVar("R")
 
@@ -35,11 +37,13 @@ def load(path: str | Path, root: type[R], overrides: Sequence[str] = ()) -> R:
     """Read `path`, apply `overrides`, convert to `root`; raise `RecipeError` on any problem."""
     path = Path(path)
     try:
-        text = path.read_text()
+        text = read_text(path)
     except FileNotFoundError:
         raise RecipeError(f"{path}: recipe file not found") from None
     except OSError as error:
         raise RecipeError(f"{path}: cannot read recipe: {error.strerror}") from None
+    except NotText as error:
+        raise RecipeError(f"{error}; save it as UTF-8") from None
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as error:
@@ -54,10 +58,40 @@ def load(path: str | Path, root: type[R], overrides: Sequence[str] = ()) -> R:
 
 
 def convert(data: dict[str, Any], root: type[R], *, source: str, overrides: Sequence[str] = ()) -> R:
+    """`data` as `root`; every number in a recipe is finite (YAML reads `.inf` and `.nan` as
+    floats, which pass a bound such as `> 0`)."""
+    found = _non_finite(data)
+    if found is not None:
+        field, value = found
+        where = _attributed(source, field, overrides)
+        raise RecipeError(f"{where}: {field}: Expected a finite number, got {value!r}")
     try:
         return msgspec.convert(data, root, strict=True)
     except msgspec.ValidationError as error:
         raise RecipeError(_validation_message(str(error), data, source, root, overrides)) from None
+
+
+def _non_finite(data: Any, path: str = "") -> tuple[str, float] | None:
+    """The first field (dotted path) holding a non-finite float, and its value."""
+    if isinstance(data, float) and not math.isfinite(data):
+        return path, data
+    items = data.items() if isinstance(data, dict) else enumerate(data) if isinstance(data, list) else ()
+    for key, value in items:
+        inner = f"{path}[{key}]" if isinstance(key, int) else f"{path}.{key}" if path else str(key)
+        found = _non_finite(value, inner)
+        if found is not None:
+            return found
+    return None
+
+
+def _attributed(source: str, field: str, overrides: Sequence[str]) -> str:
+    """`source`, or `source: override 'x=y'` where an override set `field` (or a part of it)."""
+    for override in overrides:
+        key = override.partition("=")[0]
+        inside = field.startswith((key + ".", key + "["))
+        if field and (key == field or key.startswith(field + ".") or inside):
+            return f"{source}: override {override!r}"
+    return source
 
 
 def _validation_message(
@@ -94,11 +128,7 @@ def _validation_message(
     elif problem.startswith("Expected") and value is not None and not isinstance(value, (dict, list)):
         # msgspec names the expected type or bound; the user also needs to see what they wrote.
         problem += f" ({value!r})" if ", got `" in problem else f", got {value!r}"
-    for override in overrides:
-        key = override.partition("=")[0]
-        if field and (key == field or key.startswith(field + ".") or field.startswith(key + ".")):
-            source = f"{source}: override {override!r}"
-            break
+    source = _attributed(source, field, overrides)
     # A cross-section rule (a root `__post_init__`) names its own fields.
     return f"{source}: {field}: {problem}" if field else f"{source}: {problem}"
 

@@ -2,16 +2,21 @@
 
 - A stage is anything with a `name` and an async `run()`. A stage that raises cancels the
   others; the caller sees that stage's error (a `PipelineError` as it is, anything else wrapped
-  in `StageFailed` naming the stage).
+  in `StageFailed` naming the stage: a `KeyboardInterrupt`, or a cancellation that no cancel
+  scope of the run explains, too, so a stage can never end the run as if it had finished).
 - `StopRequest.request()` (first SIGINT/SIGTERM, or a host application) calls `on_stop` so the
   stages stop admitting work and drain; whatever has not finished `grace_s` later is cancelled.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
-from collections.abc import Callable, Sequence
-from typing import Protocol
+import math
+import signal
+import threading
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, Protocol
 
 import anyio
 
@@ -57,6 +62,7 @@ async def run_stages(
     grace_s: float,
 ) -> RunOutcome:
     outcome = RunOutcome()
+    cancelled = anyio.get_cancelled_exc_class()
 
     async def guard(stage: Stage) -> None:
         watchdog.register(stage.name)
@@ -67,7 +73,12 @@ async def run_stages(
                 raise first_error(group) from None
         except PipelineError:
             raise
-        except Exception as error:
+        except cancelled as error:
+            if _cancelled_here():
+                raise  # the run's own cancellation
+            # Nothing cancelled the stage: ending as cancelled would let the run look finished.
+            raise StageFailed(stage.name, error) from error
+        except BaseException as error:  # KeyboardInterrupt, SystemExit: never out of a task
             raise StageFailed(stage.name, error) from error
 
     async def stopper(stage_scope: anyio.CancelScope) -> None:
@@ -103,3 +114,49 @@ def first_error(group: BaseExceptionGroup) -> BaseException:
         if not isinstance(error, cancelled):
             return error
     return group
+
+
+def _cancelled_here() -> bool:
+    """Whether a cancel scope around the current task has been cancelled."""
+    return anyio.current_effective_deadline() == -math.inf
+
+
+class StrayCancellation(RuntimeError):
+    """A task raised the cancellation exception though no cancel scope around it was cancelled."""
+
+
+def strict(fn: Callable[..., Awaitable[None]]) -> Callable[..., Awaitable[None]]:
+    """`fn` as a task of a task group, with a cancellation nothing asked for raised as
+    `StrayCancellation`: anyio takes a task's own `CancelledError` for a cancellation of its whole
+    group, which then ends as if its work were done (a stage closing its channel early, a run
+    looking finished)."""
+
+    @functools.wraps(fn)
+    async def task(*args: Any) -> None:
+        try:
+            await fn(*args)
+        except anyio.get_cancelled_exc_class() as error:
+            if _cancelled_here():
+                raise
+            name = getattr(fn, "__qualname__", repr(fn))
+            raise StrayCancellation(f"{name} raised CancelledError though nothing cancelled it") from error
+
+    return task
+
+
+WATCHED_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def reclaim_signals() -> None:
+    """Put Python's handlers back in charge of SIGINT and SIGTERM, where Python installed one.
+
+    A library that starts native code may install its own handler underneath: Ray's driver
+    installs a failure handler for SIGTERM that reports the signal as a crash and ends the
+    process by SIGABRT after the run's clean stop has begun. Called after the backend starts,
+    on the main thread (elsewhere handlers cannot be set, and nothing is done)."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for signum in WATCHED_SIGNALS:
+        handler = signal.getsignal(signum)
+        if callable(handler):  # Python's own (a host's, or the CLI's signal receiver)
+            signal.signal(signum, handler)

@@ -10,6 +10,7 @@ run cannot rewind its steps), TensorBoard marks step N+1 so that readers drop th
 
 from __future__ import annotations
 
+import importlib.util
 import time
 import uuid
 from pathlib import Path
@@ -37,7 +38,7 @@ class WandbSink:
         try:
             import wandb
         except ImportError:
-            raise RecipeError("wandb.enabled: wandb is not installed (pip install wandb)") from None
+            raise RecipeError(NO_WANDB) from None
         name = section.name or run_dir.resolve().name
         options: dict[str, Any] = {
             "project": section.project,
@@ -65,6 +66,19 @@ class WandbSink:
         self.run.finish()
 
 
+NO_WANDB = "wandb.enabled: wandb is not installed (pip install wandb)"
+NO_TENSORBOARD = "tensorboard.enabled: the tensorboard package is not installed (pip install tensorboard)"
+
+
+def check_installed(*, wandb: bool, tensorboard: bool) -> None:
+    """The packages the enabled sinks import, found (`RecipeError` as the sink would raise it),
+    so `validate` says so and a run says so before it loads anything."""
+    if wandb and importlib.util.find_spec("wandb") is None:
+        raise RecipeError(NO_WANDB)
+    if tensorboard and importlib.util.find_spec("tensorboard") is None:
+        raise RecipeError(NO_TENSORBOARD)
+
+
 class TensorBoardSink:
     """Scalars in `run.dir/tensorboard`, one tag per metric key (the tensorboard package's own
     event writer: no torch here)."""
@@ -75,9 +89,7 @@ class TensorBoardSink:
             from tensorboard.compat.proto.summary_pb2 import Summary
             from tensorboard.summary.writer.event_file_writer import EventFileWriter
         except ImportError:
-            raise RecipeError(
-                "tensorboard.enabled: the tensorboard package is not installed (pip install tensorboard)"
-            ) from None
+            raise RecipeError(NO_TENSORBOARD) from None
         self._event, self._summary = Event, Summary
         self.writer = EventFileWriter(str(run_dir / "tensorboard"), flush_secs=10)
         if resume_step is not None:  # readers drop events at later steps from earlier files

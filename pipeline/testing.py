@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 
 from pipeline.contracts.errors import DamagedState, NonFiniteState, RequestRejected, RetryableEngineError
 from pipeline.contracts.messages import Completion, TrainGroup
@@ -203,10 +204,12 @@ class FakeEngine:
 
     async def stand_down(self) -> None:
         self.events.append("stand_down")
+        await anyio.lowlevel.checkpoint()  # a real engine's handoff calls yield to the loop
         self.down = True
 
     async def wake(self) -> None:
         self.events.append("wake")
+        await anyio.lowlevel.checkpoint()
         self.down = False
         self.wakes += 1
         self._woken.set()
@@ -214,6 +217,7 @@ class FakeEngine:
 
     async def refit(self) -> None:
         self.events.append("refit")
+        await anyio.lowlevel.checkpoint()
         self.version += 1
 
     def memory_in_use(self) -> int | None:

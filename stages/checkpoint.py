@@ -47,6 +47,7 @@ import yaml
 
 from pipeline.contracts.errors import DamagedState, NonFiniteState, PipelineError, RecipeError
 from pipeline.contracts.protocols import Checkpointable
+from pipeline.contracts.text import NotText, read_text
 from pipeline.metrics import EVAL_FILE, STEPS_FILE, finite, read
 from pipeline.recipe import dump, lookup
 from stages.run_dir import LOCK_FILE
@@ -225,12 +226,14 @@ class Saved(msgspec.Struct, frozen=True, kw_only=True):
 def read_saved(path: Path) -> Saved:
     """`path`'s marker-listed files present, its state and recipe decoded; `DamagedState` if not."""
     try:
-        listed = (path / MARKER).read_text().split()[1:]
+        listed = read_text(path / MARKER).split()[1:]
         for name in listed or (STATE_FILE, RECIPE_FILE):
             if not (path / name).is_file():
                 raise DamagedState(f"{name} is missing")
         state = msgspec.msgpack.decode((path / STATE_FILE).read_bytes(), type=PipelineState)
-        recipe = yaml.safe_load((path / RECIPE_FILE).read_text())
+        recipe = yaml.safe_load(read_text(path / RECIPE_FILE))
+    except NotText as error:
+        raise DamagedState(str(error)) from None
     except (OSError, msgspec.DecodeError, yaml.YAMLError) as error:
         raise DamagedState(f"{type(error).__name__}: {error}") from None
     if not isinstance(recipe, dict):
@@ -429,7 +432,11 @@ def describe(checkpoint: Path, against: dict[str, Any] | None = None) -> str:
     """What `python -m pipeline inspect` prints: step, version, files, recipe differences."""
     if not (checkpoint / MARKER).is_file():
         raise RecipeError(f"{checkpoint}: not a committed checkpoint (no {MARKER} file)")
-    state = msgspec.msgpack.decode((checkpoint / STATE_FILE).read_bytes(), type=PipelineState)
+    try:
+        saved = read_saved(checkpoint)
+    except DamagedState as error:
+        raise RecipeError(f"{checkpoint}: a damaged checkpoint: {error}") from None
+    state = saved.state
     lines = [
         f"checkpoint {checkpoint}",
         f"  step {state.step}, policy_version {state.policy_version}, next batch {state.next_batch}",
@@ -442,8 +449,7 @@ def describe(checkpoint: Path, against: dict[str, Any] | None = None) -> str:
     if counters:
         lines.append("  counters: " + ", ".join(f"{k}={v}" for k, v in sorted(counters.items())))
     if against is not None:
-        saved = yaml.safe_load((checkpoint / RECIPE_FILE).read_text())
-        diffs = list(_diff(saved, against, ""))
+        diffs = list(_diff(saved.recipe, against, ""))
         lines.append(
             "  recipe: same as given" if not diffs else "  recipe differences (checkpoint -> given):"
         )

@@ -23,6 +23,7 @@ from pipeline.contracts.messages import Prompt
 from pipeline.contracts.sections import NonNegativeInt, PositiveInt, Section
 from pipeline.gate import EngineGate
 from pipeline.rewards.scoring import RewardFn, score_all
+from pipeline.runner import strict
 from stages.rollout import GiveUp, RolloutSection, with_retries
 
 
@@ -84,7 +85,7 @@ class Evaluation:
 
         async with anyio.create_task_group() as tg:
             for i, prompt in enumerate(self.prompts):
-                tg.start_soon(one, i, prompt, tg.cancel_scope)
+                tg.start_soon(strict(one), i, prompt, tg.cancel_scope)
         if failures:
             self.counts["skipped"] += 1
             raise EvaluationSkipped(f"generation for {failures[0]}")

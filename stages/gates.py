@@ -11,9 +11,10 @@ before training), any other over train steps (`metrics.jsonl`).
 its `Verdict`; it runs nothing. Where a step has several records (a resumed run may repeat the
 steps logged after its checkpoint) the last one counts. A gate whose metric has no value in the
 selected steps fails with that reason; one whose steps all lie past the run's planned last step
-(`run.steps`, when given: a run shortened by an override) is skipped and says so, and counts as
-neither passed nor failed. `give_verdict` is what a run calls at its end (and on a
-clean stop): it evaluates, writes `run_dir/gates.json` and logs a line per gate.
+(`run.steps`, when given: a run shortened by an override), or past the step where a clean stop
+ended the run, is skipped and says so, and counts as neither passed nor failed (a stop whose
+steps pass their gates passes). `give_verdict` is what a run calls at its end (and on a clean
+stop): it evaluates, writes `run_dir/gates.json` and logs a line per gate.
 """
 
 from __future__ import annotations
@@ -122,7 +123,7 @@ class GateResult(msgspec.Struct, frozen=True, kw_only=True):
     passed: bool
     num_values: int  # the steps the statistic was taken over
     reason: str | None = None  # why a gate without a value failed, or was skipped
-    skipped: bool = False  # its steps lie past the run's planned last step
+    skipped: bool = False  # its steps lie past the run's planned last step, or its stop
 
 
 class Verdict(msgspec.Struct, frozen=True, kw_only=True):
@@ -144,22 +145,39 @@ def by_step(records: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
     return dict(sorted(last.items()))
 
 
-def evaluate_gates(run_dir: Path, gates: GatesSection, *, steps: int | None = None) -> Verdict:
+def evaluate_gates(
+    run_dir: Path, gates: GatesSection, *, steps: int | None = None, stopped_at: int | None = None
+) -> Verdict:
     """The verdict of `gates` on the records in `run_dir` (nothing is run); ``steps``: the run's
-    planned last step (`run.steps`)."""
+    planned last step (`run.steps`); ``stopped_at``: the last step of a run stopped before it (a
+    clean stop: its gates on later steps are skipped, as a shortened run's are)."""
     files = {name: run_dir / name for name in (STEPS_FILE, EVAL_FILE)}
     records = {name: by_step(read(path)) if path.exists() else {} for name, path in files.items()}
     healthy = {step for step, r in records[STEPS_FILE].items() if r.get(HEALTHY_KEY) == 0}
+    reach = _Reach(steps, stopped_at)
     results = []
     for gate in gates.checks:
         source = EVAL_FILE if per_evaluation(gate.metric) else STEPS_FILE
-        results.append(_evaluate(gate, records[source], healthy, steps))
+        results.append(_evaluate(gate, records[source], healthy, reach))
     return Verdict(passed=all(r.passed for r in results), results=tuple(results))
 
 
-def _evaluate(
-    gate: Gate, records: dict[int, dict[str, Any]], healthy: set[int], steps: int | None
-) -> GateResult:
+class _Reach(msgspec.Struct, frozen=True):
+    """The last step a run was to reach: planned (`run.steps`), or where a clean stop ended it."""
+
+    planned: int | None
+    stopped_at: int | None
+
+    def past(self, step: int) -> str | None:
+        """Why `step` lies past the run's last step, or None."""
+        if self.stopped_at is not None and step > self.stopped_at:
+            return f"step {step} is past step {self.stopped_at}, where the run stopped"
+        if self.planned is not None and step > self.planned:
+            return f"step {step} is past the run's last step {self.planned} (run.steps)"
+        return None
+
+
+def _evaluate(gate: Gate, records: dict[int, dict[str, Any]], healthy: set[int], reach: _Reach) -> GateResult:
     first = gate.step if gate.stat == "at" else gate.first_step
     last = gate.step if gate.stat == "at" else gate.last_step
     values = [
@@ -174,8 +192,9 @@ def _evaluate(
     symbol, compare = _BOUNDS[op]
     bound_text = f"{symbol} {bound:g}"
     result = partial(GateResult, gate=gate.name, metric=gate.metric, stat=gate.stat, bound=bound_text)
-    if steps is not None and first is not None and first > steps:
-        reason = f"step {first} is past the run's last step {steps} (run.steps)"
+    # Train steps count from 1, evaluations from 0 (the baseline before training).
+    reason = reach.past(first if first is not None else int(not per_evaluation(gate.metric)))
+    if reason is not None:
         return result(value=None, passed=True, num_values=0, reason=reason, skipped=True)
     if not values:
         return result(value=None, passed=False, num_values=0, reason=_no_values(gate))
@@ -205,12 +224,14 @@ def describe(result: GateResult) -> str:
     return f"gate {state}: {result.gate}{shown} (needs {result.bound})"
 
 
-def give_verdict(run_dir: Path, gates: GatesSection, steps: int | None = None) -> Verdict:
+def give_verdict(
+    run_dir: Path, gates: GatesSection, steps: int | None = None, stopped_at: int | None = None
+) -> Verdict:
     """Evaluate `gates` on the run, write `run_dir/gates.json` and log a line per gate.
 
     A recipe without gates gets a passing verdict and no file.
     """
-    verdict = evaluate_gates(run_dir, gates, steps=steps)
+    verdict = evaluate_gates(run_dir, gates, steps=steps, stopped_at=stopped_at)
     if gates.checks:
         (run_dir / VERDICT_FILE).write_text(json.dumps(msgspec.to_builtins(verdict), indent=2) + "\n")
         for result in verdict.results:

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.contracts.errors import RecipeError
+from pipeline.contracts.text import NotText, read_text
 
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
@@ -149,7 +150,10 @@ class HFTokenizer:
             return template
         jinja = self.path / CHAT_TEMPLATE_FILE
         if jinja.is_file():
-            return jinja.read_text()
+            try:
+                return read_text(jinja)
+            except NotText as error:
+                raise RecipeError(str(error)) from None
         raise RecipeError(
             f"prompts.chat_template: the model has no chat template: neither {jinja} exists nor "
             f"{self.path / TOKENIZER_CONFIG_FILE} has a chat_template"
@@ -160,7 +164,9 @@ def _read_json(path: Path) -> dict[str, Any]:
     if not path.is_file():
         return {}
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(read_text(path))
+    except NotText as error:
+        raise RecipeError(str(error)) from None
     except json.JSONDecodeError as error:
         raise RecipeError(f"{path}: not valid JSON: {error.msg} (line {error.lineno})") from None
     if not isinstance(data, dict):

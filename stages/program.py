@@ -37,7 +37,7 @@ from pipeline.logs import reset_warnings
 from pipeline.metrics import MetricsLog
 from pipeline.recipe import dump
 from pipeline.rewards.scoring import RewardFn
-from pipeline.runner import Stage, StopRequest, first_error, run_stages
+from pipeline.runner import Stage, StopRequest, first_error, reclaim_signals, run_stages
 from pipeline.sinks import open_sinks
 from pipeline.startup import start_up, thaws_after
 from pipeline.tickets import TicketBox
@@ -68,7 +68,7 @@ from stages.prompts import PromptSet
 from stages.reward import RewardStage
 from stages.rollout import RolloutStage
 from stages.run_dir import RunDirLock, keep_earlier_runs
-from stages.step_record import StepRecorder
+from stages.step_record import StepRecorder, lag_buckets
 from stages.timings import BatchTimings
 from stages.train import TrainStage
 
@@ -130,6 +130,7 @@ async def run_program(
     with start_up():
         resume = await anyio.to_thread.run_sync(open_resume, run_dir, recipe)
         checked, placed = await anyio.to_thread.run_sync(start, recipe, built)
+    reclaim_signals()  # from what the backend's native code installed (Ray's SIGTERM handler)
     prompts, reward_fn = checked.prompts, checked.reward_fn
     if placed is not None:
         engine, trainer = placed.engine, placed.trainer
@@ -254,6 +255,13 @@ async def _run_locked(
         failing = True
         with anyio.CancelScope(shield=True):
             await _never_masking(wired.final_save, "the save on cancellation")
+        # The embedding task's cancellation is a clean stop: said as the CLI says its stops.
+        log.warning(
+            "cancelled: stopped after %d steps (policy version %d); %s",
+            wired.progress.steps_done,
+            wired.gate.engine_version,
+            wired.saved_note(),
+        )
         raise
     except Exception as error:
         failing = True
@@ -272,7 +280,10 @@ async def _run_locked(
         # On a worker thread: closing the sinks (wandb) and writing the trace take a while.
         with anyio.CancelScope(shield=True):
             await anyio.to_thread.run_sync(lambda: _close_all(steps, failing=failing))
-    verdict = await anyio.to_thread.run_sync(give_verdict, run_dir, recipe.gates, recipe.run.steps)
+    stopped_at = wired.progress.steps_done if outcome.stopped else None
+    verdict = await anyio.to_thread.run_sync(
+        give_verdict, run_dir, recipe.gates, recipe.run.steps, stopped_at
+    )
     return RunSummary(
         run_dir=str(run_dir),
         steps_done=wired.progress.steps_done,
@@ -372,7 +383,12 @@ class _Pipeline:
             tickets=self.tickets,
             progress=self.progress,
             batches=self.assembler,
-            records=StepRecorder(context, max_lag=lookahead, counters=self.counters, queues=self.depths),
+            records=StepRecorder(
+                context,
+                max_lag=lag_buckets(recipe.async_rl.max_lookahead_versions, recipe.run.steps) - 1,
+                counters=self.counters,
+                queues=self.depths,
+            ),
             context=context,
             save=self.save,
             save_due=lambda step: bool(every) and step % every == 0,
@@ -463,14 +479,30 @@ class _Pipeline:
 
     async def final_save(self) -> None:
         """The save of a clean stop; in-step saves go through the gate (which traces them)."""
-        # A step cancelled after its worker thread finished has changed the weights without
-        # being published: saving then would label step k+1's weights as step k.
-        consistent = self.trainer.completed_steps == self.progress.steps_done
-        if self.progress.steps_done > self.checkpoints.last_step and consistent:
-            clock = self.context.clock
-            start = clock.source.now()
-            await self.save(self.progress.steps_done, self.assembler.next_batch, None)
-            self.context.trace.span("save", start, clock.source.now(), track="train")
+        # The gate finishes a step it has started even when cancelled, so the trainer and the
+        # recorded steps agree; were they to differ, saving would label step k+1's weights as k.
+        steps = self.progress.steps_done
+        if steps <= self.checkpoints.last_step:
+            return
+        if self.trainer.completed_steps != steps:
+            log.error(
+                "no checkpoint of step %d: the trainer has completed %d steps, the run recorded %d",
+                steps,
+                self.trainer.completed_steps,
+                steps,
+            )
+            return
+        clock = self.context.clock
+        start = clock.source.now()
+        await self.save(steps, self.assembler.next_batch, None)
+        self.context.trace.span("save", start, clock.source.now(), track="train")
+
+    def saved_note(self) -> str:
+        """Where the run's training is kept, for the line that ends a stopped run."""
+        last = self.checkpoints.last_step
+        if not last:
+            return "no checkpoint saved"
+        return f"checkpoint step {last} in {self.checkpoints.root}"
 
 
 async def _never_masking(action: Callable[[], Any], what: str) -> None:

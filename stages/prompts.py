@@ -28,12 +28,16 @@ import msgspec
 from pipeline.contracts.errors import RecipeError
 from pipeline.contracts.messages import Prompt
 from pipeline.contracts.sections import PositiveInt, Section
+from pipeline.contracts.text import NotText, decode
 from stages.tokenizer import CharTokenizer, Tokenizer
 
 NonNegativeInt = Annotated[int, msgspec.Meta(ge=0)]
 FILE_ALPHABET = "0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ +-*/=?.,:;()'\"!"
 # Printable ASCII and the newline: what procedurally generated questions are written in.
 PRINTABLE_ALPHABET = string.digits + string.ascii_letters + string.punctuation + " \n"
+
+
+MAX_HELDOUT = 100_000
 
 
 class SyntheticSource(Section, tag="synthetic", tag_field="kind", frozen=True):
@@ -50,6 +54,18 @@ class SyntheticSource(Section, tag="synthetic", tag_field="kind", frozen=True):
     def __post_init__(self) -> None:
         if self.min_digits > self.max_digits:
             raise ValueError(f"min_digits ({self.min_digits}) must be <= max_digits ({self.max_digits})")
+        # Held-out prompts are distinct strings, made up front: they must leave some to train on.
+        distinct = sum(10**d for d in range(self.min_digits, min(self.max_digits, 12) + 1))
+        if self.max_digits <= 12 and self.num_heldout >= distinct:
+            raise ValueError(
+                f"num_heldout ({self.num_heldout}) must be below the {distinct} distinct prompts of "
+                f"{self.min_digits}-{self.max_digits} digits (the others are trained on)"
+            )
+        if self.num_heldout > MAX_HELDOUT:
+            raise ValueError(
+                f"num_heldout ({self.num_heldout}) must be at most {MAX_HELDOUT} (held-out prompts are "
+                "made up front and kept in memory)"
+            )
 
 
 class FileSource(Section, frozen=True):
@@ -257,11 +273,15 @@ Row = tuple[str, str, dict[str, Any]]  # prompt id, where (for messages), the ro
 def _jsonl_rows(source: FileSource) -> list[Row]:
     path = _existing(source.path)
     rows: list[Row] = []
-    with path.open() as lines:
-        for number, line in enumerate(lines, start=1):
+    with path.open("rb") as lines:
+        for number, raw in enumerate(lines, start=1):
+            where = f"{path}:{number}"
+            try:
+                line = decode(raw, where)
+            except NotText as error:
+                raise RecipeError(f"{error}; save it as UTF-8") from None
             if not line.strip():
                 continue
-            where = f"{path}:{number}"
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as error:

@@ -11,11 +11,11 @@ else is given as `module:function`, importable from the working directory or the
 Up to `concurrency` groups are scored at once, each under `reward_s` of wall time (the gate
 does not block reward work); the cheap built-ins (`positional`, `exact_match`: microseconds a
 sample) are scored on the event loop as each group arrives, with no thread or deadline. A
-function that raises or returns a non-finite value, or a group that times out, is a counted data
-failure: those samples get no reward and are not trained on. More than `max_failures` failures
-stop the run.
+function that raises (an `Exception`, `SystemExit` or its own `CancelledError`) or returns a
+non-finite value, or a group that times out, is a counted data failure: those samples get no
+reward and are not trained on. More than `max_failures` failures stop the run. A function that
+raises any other `BaseException` (`KeyboardInterrupt`) stops the run at once (`RewardAborted`).
 """
-
 
 from __future__ import annotations
 
@@ -34,6 +34,7 @@ from pipeline.contracts.sections import NonNegativeInt, PositiveFloat, PositiveI
 from pipeline.logs import warn_once
 from pipeline.rewards.scoring import RewardFn, Scored, is_cheap, score_all, score_all_sync
 from pipeline.rewards.threads import blocking_note
+from pipeline.runner import strict
 from stages.context import RunContext
 from stages.tokenizer import Tokenizer
 
@@ -45,7 +46,6 @@ class RewardSection(Section, frozen=True):
     reward_s: PositiveFloat = 60.0
     max_failures: NonNegativeInt = 64
     concurrency: PositiveInt = 8  # groups scored at once (worker threads, or awaits of an async function)
-
 
 
 class RewardStage:
@@ -89,7 +89,7 @@ class RewardStage:
                             await self._score_and_send(item, None)
                         else:
                             await slots.acquire()
-                            scoring.start_soon(self._score_and_send, item, slots)
+                            scoring.start_soon(strict(self._score_and_send), item, slots)
         finally:
             self.out.close()
             self.watchdog.done(self.name)

@@ -41,6 +41,7 @@ from pipeline.contracts.sections import (
 )
 from pipeline.gate import EngineGate
 from pipeline.logs import warn_once
+from pipeline.runner import strict
 from stages.context import RunContext
 
 log = logging.getLogger("stages.rollout")
@@ -153,7 +154,7 @@ class RolloutStage:
             async with anyio.create_task_group() as batches:
                 with self.watchdog.waiting(self.name, "a batch from the prompt stage"):
                     async for batch in self.inp:
-                        batches.start_soon(self._run_batch, batch)
+                        batches.start_soon(strict(self._run_batch), batch)
         finally:
             self.out.close()
             self.watchdog.done(self.name)
@@ -164,7 +165,7 @@ class RolloutStage:
             with self.clock.fail_after(self.section.batch_s, f"batch {batch.batch}"):
                 async with anyio.create_task_group() as groups:
                     for group_id, prompt in pending.items():
-                        groups.start_soon(self._run_group, batch.batch, group_id, prompt, pending)
+                        groups.start_soon(strict(self._run_group), batch.batch, group_id, prompt, pending)
         except DeadlineExceeded:
             self.counts["timeouts"] += 1
             for group_id, prompt in list(pending.items()):

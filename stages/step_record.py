@@ -20,6 +20,12 @@ from pipeline.contracts.messages import Dropped, Group, Sample
 from stages.context import RunContext
 
 
+def lag_buckets(lookahead: int, steps: int) -> int:
+    """The buckets of `rollout/lag_hist/<k>`: lags 0 .. min(L, run.steps). A larger L admits no
+    more than run.steps batches, so a recipe's L never sizes anything past its run."""
+    return min(lookahead, steps) + 1
+
+
 class StepRecorder:
     def __init__(
         self,

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Protocol
 
 from pipeline.contracts.errors import RecipeError
+from pipeline.contracts.text import NotText, read_text
 
 
 class Tokenizer(Protocol):
@@ -65,7 +66,9 @@ class CharTokenizer:
     def load(cls, directory: Path) -> CharTokenizer:
         path = directory / CHAR_TOKENIZER_FILE
         try:
-            return cls(json.loads(path.read_text())["alphabet"])
+            return cls(json.loads(read_text(path))["alphabet"])
+        except NotText as error:
+            raise RecipeError(str(error)) from None
         except (json.JSONDecodeError, KeyError, TypeError):
             raise RecipeError(f'{path}: expected {{"alphabet": "..."}}') from None
 

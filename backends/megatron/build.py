@@ -16,6 +16,7 @@ Train options the torch trainer has and this one does not yet are refused by nam
 from __future__ import annotations
 
 import functools
+import importlib.util
 from collections.abc import Sequence
 from typing import Any
 
@@ -41,7 +42,9 @@ _NOT_YET = {
 
 
 def check(recipe: Any) -> None:
-    """Refuse, naming the field, what `train.backend: megatron` does not do."""
+    """Refuse, naming the field, what `train.backend: megatron` does not do, and a Python
+    environment it cannot run in."""
+    require_megatron()
     for field, (default, feature) in _NOT_YET.items():
         value = getattr(recipe.train, field)
         if value != default:
@@ -70,16 +73,30 @@ def check(recipe: Any) -> None:
         )
 
 
+# What megatron-core needs and does not declare (installed with --no-deps, it does not bring
+# them): `psutil` for dist_checkpointing's save workers (without it a run trains, then fails at
+# its first save), `tqdm` for its inference engines.
+_UNDECLARED = ("psutil", "tqdm")
+
+
 def require_megatron() -> None:
-    """Refuse `train.backend: megatron` where megatron-core does not import, saying how to install it."""
+    """Refuse `train.backend: megatron` where megatron-core, or what it needs without declaring
+    it, does not import, saying how to install it (`validate` and `run` check it before training)."""
     try:
         import megatron.core  # noqa: F401
     except ImportError as error:
         raise RecipeError(
             f"train.backend: megatron needs megatron-core, which does not import here ({error}); "
             "install it with: pip install --no-deps --ignore-requires-python megatron-core==0.19.2 "
-            "triton==3.6.0 (see README)"
+            "triton==3.6.0 && pip install psutil tqdm (see README)"
         ) from None
+    missing = [name for name in _UNDECLARED if importlib.util.find_spec(name) is None]
+    if missing:
+        raise RecipeError(
+            f"train.backend: megatron needs {' and '.join(missing)}, which megatron-core uses without "
+            f"declaring it; install with: pip install {' '.join(missing)} (or this project's extra: "
+            "pip install -e '.[megatron]')"
+        )
 
 
 def build_backend(recipe: Any, *, vocab_size: int, stop_ids: Sequence[int]) -> tuple[Any, Any]:

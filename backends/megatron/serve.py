@@ -75,11 +75,11 @@ def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
 
 def rows_in_flight(recipe: Any) -> int:
     """The most rows generating at once (megatron's `max_requests`): `rollout.max_rows`, else
-    L + 1 batches admitted, each of every sample."""
+    L + 1 batches admitted (at most run.steps), each of every sample."""
     return recipe.rollout.max_rows or (
         recipe.prompts.prompts_per_step
         * recipe.rollout.samples_per_prompt
-        * (recipe.async_rl.max_lookahead_versions + 1)
+        * min(recipe.async_rl.max_lookahead_versions + 1, recipe.run.steps)  # admitted batches
     )
 
 

@@ -36,10 +36,11 @@ from backends.ray.actors import BackendPart, RewardWorker
 from backends.ray.collective import Collective
 from backends.ray.counters import PLACEMENT_COUNTERS
 from backends.ray.engines import RayEngine, Replica
+from backends.ray.fits import check_fits, demands
 from backends.ray.rewards import RewardPool
 from backends.ray.trainer import RayTrainer
 from backends.ray.weights import Transport
-from pipeline.contracts.errors import PipelineError
+from pipeline.contracts.errors import PipelineError, RecipeError
 
 log = logging.getLogger("backends.ray.place")
 
@@ -57,7 +58,13 @@ def place_on_ray(recipe: Any, *, vocab_size: int, stop_ids: Sequence[int]) -> Pl
         os.environ.setdefault("RAY_worker_niceness", "0")
         # "local": a runtime of its own even where another runs (Ray would join the newest).
         address = section.address or "local"
-        ray.init(address=address, include_dashboard=False, logging_level=logging.WARNING)
+        try:
+            ray.init(address=address, include_dashboard=False, logging_level=logging.WARNING)
+        except ConnectionError as error:
+            raise RecipeError(
+                f"placement.address: {address}: {error}; start the cluster (ray start --head) or "
+                "leave placement.address unset for a runtime of this run's own"
+            ) from None
     cleanups: list[Callable[[], None]] = []
 
     def close() -> None:
@@ -83,6 +90,8 @@ def _place(
 ) -> Placed:
     counts: Counter[str] = Counter()
     build = {"vocab_size": vocab_size, "stop_ids": tuple(stop_ids)}
+    roles = {"engine": gpus(recipe, "engine"), "trainer": gpus(recipe, "trainer")}
+    check_fits(demands(recipe, gpus=roles), ray.nodes())
     trainer_options = _options(section.trainer_cpus, gpus(recipe, "trainer"), section.trainer_resources)
     engine_options = _options(section.engine_cpus, gpus(recipe, "engine"), section.engine_resources)
     weights = weights_transport(recipe)
@@ -91,8 +100,8 @@ def _place(
     if shares_gpu(recipe):
         cpus = section.engine_cpus + section.trainer_cpus
         group = placement_group([{"GPU": 1, **({"CPU": cpus} if cpus else {})}])
-        ray.get(group.ready())
         cleanups.append(lambda: remove_placement_group(group))
+        _started([group.ready()], section)  # a GPU taken by others: bounded, as the actors' start
         strategy = PlacementGroupSchedulingStrategy(placement_group=group, placement_group_bundle_index=0)
         trainer_options["scheduling_strategy"] = engine_options["scheduling_strategy"] = strategy
 

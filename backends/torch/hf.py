@@ -10,6 +10,7 @@ from safetensors.torch import save_file
 from backends.torch.config import ModelConfig
 from backends.torch.errors import ModelLoadError
 from backends.torch.model import Decoder
+from pipeline.contracts.text import NotText, read_text
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -26,7 +27,9 @@ def read_config(root: Path) -> ModelConfig:
     if not config_path.is_file():
         raise ModelLoadError(f"{root}: missing {CONFIG_FILE}")
     try:
-        raw = json.loads(config_path.read_text())
+        raw = json.loads(read_text(config_path))
+    except NotText as exc:
+        raise ModelLoadError(str(exc)) from None
     except json.JSONDecodeError as exc:
         raise ModelLoadError(f"{config_path}: invalid JSON ({exc})") from None
     return ModelConfig.from_hf_dict(raw, source=str(config_path))
@@ -115,7 +118,9 @@ def _weight_files(root: Path) -> list[Path]:
     if not index_path.is_file():
         raise ModelLoadError(f"{root}: missing {WEIGHTS_FILE} (and no {INDEX_FILE})")
     try:
-        weight_map = json.loads(index_path.read_text())["weight_map"]
+        weight_map = json.loads(read_text(index_path))["weight_map"]
+    except NotText as exc:
+        raise ModelLoadError(str(exc)) from None
     except (json.JSONDecodeError, KeyError, TypeError) as exc:
         raise ModelLoadError(f"{index_path}: not a safetensors index ({exc!r})") from None
     shards = [root / name for name in sorted(set(weight_map.values()))]

@@ -8,11 +8,15 @@ token. It may be a plain or an `async` function; plain ones run in a worker thre
 are named: `positional`, `exact_match`, `math` (math-verify equivalence of the final answer,
 `pipeline.rewards.math`) and `reasoning_gym` (the prompt source's own answer checker); anything
 else is given as `module:function`, importable from the working directory or the environment.
-`score_all` scores a group's pairs, returning a function's exception rather than raising it.
+`score_all` scores a group's pairs, returning a function's exception rather than raising it
+(an `Exception`, `SystemExit`, or a `CancelledError` nothing asked for: a counted failure); any
+other `BaseException` (`KeyboardInterrupt`) raises `RewardAborted`, which stops the run.
 The reward stage (`stages.reward`) and Ray's reward workers (`backends.ray.actors`) both use it.
 """
+
 from __future__ import annotations
 
+import asyncio
 import importlib
 import inspect
 import logging
@@ -20,7 +24,7 @@ import math
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from pipeline.contracts.errors import RecipeError
+from pipeline.contracts.errors import PipelineError, RecipeError
 from pipeline.contracts.messages import Prompt
 from pipeline.rewards.threads import run_abandonable, run_async
 
@@ -93,6 +97,11 @@ def resolve(name: str, *, source_reward: RewardFn | None = None) -> RewardFn:
         module = importlib.import_module(module_name)
     except ImportError as error:
         raise RecipeError(f"reward.function: cannot import module {module_name!r}: {error}") from None
+    except SyntaxError as error:  # its source does not parse (or is not UTF-8): where, in one line
+        where = f"{error.filename}, line {error.lineno}" if error.lineno else error.filename
+        raise RecipeError(
+            f"reward.function: cannot import module {module_name!r}: {error.msg} ({where})"
+        ) from None
     fn = getattr(module, attr, None)
     if not callable(fn):
         raise RecipeError(f"reward.function: module {module_name!r} has no function {attr!r}")
@@ -119,9 +128,26 @@ def _normalise(result: Any) -> dict[str, float]:
 Scored = dict[str, float] | Exception | None
 
 
-# `SystemExit` too: a reward function that calls sys.exit has failed on that sample; it must
-# not end the thread silently (nor the run).
-_REWARD_ERRORS = (Exception, SystemExit)
+# What a reward function raises is a counted failure of its sample, unless it asks to end the
+# process: `SystemExit` (sys.exit) and `CancelledError` (nobody cancelled it: the function's own)
+# are failures too, since either would otherwise end a worker thread or the reward stage silently
+# and the run would look finished. `KeyboardInterrupt` and other non-`Exception`s stop the run
+# (`RewardAborted`).
+_REWARD_ERRORS = (Exception, SystemExit, asyncio.CancelledError)
+
+
+class RewardAborted(PipelineError):
+    """The reward function raised a `BaseException` that is no data failure (`KeyboardInterrupt`,
+    `GeneratorExit`, ...): the run stops with this one line and saves what it trained."""
+
+
+def _aborted(fn: RewardFn, error: BaseException) -> RewardAborted:
+    name = getattr(fn, "__qualname__", repr(fn))
+    return RewardAborted(
+        f"reward.function: {name} raised {type(error).__name__}"
+        f"{f'({error})' if str(error) else ''}; a reward function returns a float or raises an "
+        "Exception (a counted failure): the run stops"
+    )
 
 
 def score_all_sync(fn: RewardFn, items: list[tuple[Prompt, str | None]]) -> list[Scored]:
@@ -134,6 +160,8 @@ def score_all_sync(fn: RewardFn, items: list[tuple[Prompt, str | None]]) -> list
             results.append(_normalise(fn(prompt, text)))
         except _REWARD_ERRORS as error:  # a reward bug is a counted data failure, not a crash
             results.append(_as_exception(error))
+        except BaseException as error:
+            raise _aborted(fn, error) from None
     return results
 
 
@@ -145,8 +173,15 @@ async def _score_all_async(fn: RewardFn, items: list[tuple[Prompt, str | None]])
             continue
         try:
             results.append(_normalise(await fn(prompt, text)))  # type: ignore[misc]
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():  # ours: a deadline or a stop
+                raise
+            results.append(RewardCancelled("the reward function raised CancelledError"))
         except _REWARD_ERRORS as error:
             results.append(_as_exception(error))
+        except BaseException as error:
+            raise _aborted(fn, error) from None
     return results
 
 
@@ -154,9 +189,16 @@ class RewardExited(Exception):
     """The reward function raised `SystemExit` (called sys.exit)."""
 
 
-def _as_exception(error: Exception | SystemExit) -> Exception:
+class RewardCancelled(Exception):
+    """The reward function raised `CancelledError` itself (nothing cancelled it)."""
+
+
+def _as_exception(error: BaseException) -> Exception:
     if isinstance(error, SystemExit):
         return RewardExited(f"the reward function called sys.exit({error.code!r})")
+    if isinstance(error, asyncio.CancelledError):
+        return RewardCancelled("the reward function raised CancelledError")
+    assert isinstance(error, Exception), error  # _REWARD_ERRORS
     return error
 
 

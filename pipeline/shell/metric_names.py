@@ -5,7 +5,8 @@ and of `eval.jsonl` (one per held-out evaluation). Fixed names are those some co
 this pipeline writes (a gate on one this recipe never writes, such as `timing/refit_s` when
 colocated, fails at the end with "no values"). Two families depend on the recipe:
 
-- `rollout/lag_hist/<k>` for k = 0 .. async_rl.max_lookahead_versions;
+- `rollout/lag_hist/<k>` for k = 0 .. async_rl.max_lookahead_versions (or run.steps, if fewer:
+  no sample lags more versions than the run has steps);
 - a reward's info keys, logged as `reward/<key>` on steps and `eval/<key>` on evaluations: for a
   built-in reward its own keys; for a `module:function` reward, whose keys are known only once it
   has run, any `reward/<key>` and `eval/<key>` (one path segment) is accepted.
@@ -25,6 +26,7 @@ from backends.placement import RayPlacement
 from backends.ray.counters import PLACEMENT_COUNTERS
 from pipeline.algorithms.presets import knob
 from pipeline.metrics import REQUIRED_KEYS
+from stages.step_record import lag_buckets
 
 if TYPE_CHECKING:
     from pipeline.shell.recipe import Recipe
@@ -89,7 +91,6 @@ class MetricNames(msgspec.Struct, frozen=True, kw_only=True):
 
     @classmethod
     def for_recipe(cls, recipe: Recipe) -> MetricNames:
-        lookahead = recipe.async_rl.max_lookahead_versions
         info = _BUILTIN_INFO.get(recipe.reward.function, ())
         steps = {
             *REQUIRED_KEYS,
@@ -99,7 +100,10 @@ class MetricNames(msgspec.Struct, frozen=True, kw_only=True):
             *_COUNTERS,
             *(PLACEMENT_COUNTERS if isinstance(recipe.placement, RayPlacement) else ()),
             *_TRAINER,
-            *(f"rollout/lag_hist/{k}" for k in range(lookahead + 1)),
+            *(
+                f"rollout/lag_hist/{k}"
+                for k in range(lag_buckets(recipe.async_rl.max_lookahead_versions, recipe.run.steps))
+            ),
             *(f"reward/{key}" for key in info),
             *(_DYNAMIC_SAMPLING if knob(recipe.train, "dynamic_sampling") else ()),
         }

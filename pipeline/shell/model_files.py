@@ -27,6 +27,7 @@ from backends.torch.hf import CONFIG_FILE, load_pretrained, read_config, save_pr
 from backends.torch.model import Decoder
 from backends.torch.state_file import TRAINER_FILE, load_state
 from pipeline.contracts.errors import DamagedState, RecipeError
+from pipeline.contracts.text import NotText, read_text
 from pipeline.recipe import convert
 from pipeline.shell.recipe import Recipe
 from stages.checkpoint import RECIPE_FILE
@@ -77,15 +78,19 @@ def _hf_tokenizer(path: Path) -> Tokenizer | None:
 def _trained_length(path: Path) -> int | None:
     """generation_config.json's `max_new_tokens` (export writes the run's), if any."""
     try:
-        value = json.loads((path / GENERATION_CONFIG_FILE).read_text()).get("max_new_tokens")
-    except (OSError, json.JSONDecodeError, AttributeError):
+        value = json.loads((path / GENERATION_CONFIG_FILE).read_bytes()).get("max_new_tokens")
+    except (OSError, ValueError, AttributeError):  # ValueError: not JSON, or not UTF-8
         return None
     return value if isinstance(value, int) and value > 0 else None
 
 
 def _open_checkpoint(path: Path, device: str) -> OpenedModel:
     recipe_path = path / RECIPE_FILE
-    recipe = convert(yaml.safe_load(recipe_path.read_text()) or {}, Recipe, source=str(recipe_path))
+    try:
+        text = read_text(recipe_path)
+    except NotText as error:
+        raise RecipeError(str(error)) from None
+    recipe = convert(yaml.safe_load(text) or {}, Recipe, source=str(recipe_path))
     section = recipe.model
     hf_dir = Path(section.path) if section.path is not None else None
     if hf_dir is not None:

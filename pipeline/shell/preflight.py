@@ -4,10 +4,10 @@
 model and device, with a traceback): a resume path that is not a checkpoint or a recipe that
 does not match it, a missing model directory or config.json, a device this machine lacks, data
 files that do not parse, a reward function that does not import, an RL algorithm whose parts do not resolve or
-combine, Ray missing where the recipe
+combine, the packages of the enabled metric sinks (wandb, tensorboard), Ray missing where the recipe
 places the backend on it, what the chosen backend refuses (`backends.registry.check`), and
-prompts plus
-`rollout.max_new_tokens` past a learned position table. What it built on the way (the resume
+prompts plus `rollout.max_new_tokens` past the model's positions (a learned table, or a rotary
+model's `max_position_embeddings`). What it built on the way (the resume
 prompts, the reward function) is what `run` goes on with.
 """
 
@@ -18,12 +18,14 @@ from pathlib import Path
 
 from backends import registry
 from backends.placement import RayPlacement, check_ray
+from backends.torch.config import ModelConfig
 from pipeline.algorithms.presets import algorithm_of
 from pipeline.contracts.errors import RecipeError
 from pipeline.rewards.scoring import RewardFn, resolve
 from pipeline.shell.recipe import Recipe
+from pipeline.sinks import check_installed
 from stages.checkpoint import open_resume
-from stages.prompts import PromptSet, build_prompts
+from stages.prompts import PromptSet, SyntheticSource, build_prompts
 
 
 @dataclass(frozen=True)
@@ -38,20 +40,41 @@ def preflight(recipe: Recipe, *, model: bool = True, resume: bool = True) -> Che
     loads and verifies it whole). Imports torch when `model`."""
     if resume:
         _check_resume(recipe)
+    check_installed(wandb=recipe.wandb.enabled, tensorboard=recipe.tensorboard.enabled)
     if model:
         registry.check(recipe)  # the backend's own refusals (megatron's unsupported train fields)
     algorithm_of(recipe)  # the algorithm's parts resolve (a custom one imports) and combine
-    position_limit = _check_model(recipe) if model else None
+    limit = _check_model(recipe) if model else None
+    source = recipe.prompts.source
+    if limit is not None and isinstance(source, SyntheticSource) and source.max_digits > limit.positions:
+        # Before the prompts are built: their strings are as long as the recipe says.
+        raise RecipeError(
+            f"prompts.source.max_digits: {source.max_digits} digits cannot fit "
+            f"model.config.max_position_embeddings {limit.positions} ({limit.why})"
+        )
     prompts = build_prompts(recipe.prompts, recipe.run.seed, model_path=recipe.model.path)
     reward_fn = resolve(recipe.reward.function, source_reward=prompts.reward)
-    if position_limit is not None and prompts.longest + recipe.rollout.max_new_tokens > position_limit:
+    if limit is not None and prompts.longest + recipe.rollout.max_new_tokens > limit.positions:
         raise RecipeError(
             f"rollout.max_new_tokens: {recipe.rollout.max_new_tokens} new tokens after the longest "
             f"prompt ({prompts.longest} tokens) exceed model.config.max_position_embeddings "
-            f"{position_limit} (learned position embeddings); set it to at most "
-            f"{max(position_limit - prompts.longest, 0)}"
+            f"{limit.positions} ({limit.why}); set it to at most {max(limit.positions - prompts.longest, 0)}"
         )
     return Checked(prompts, reward_fn)
+
+
+@dataclass(frozen=True)
+class _Positions:
+    positions: int  # the most positions a sequence may use: prompt and new tokens
+    why: str
+
+
+def _positions(config: ModelConfig) -> _Positions:
+    """A learned position table holds no more; a rotary model's context, which sizes its KV
+    cache, is as far as it was built for (past it a run would size caches by the recipe alone)."""
+    if config.position_limit is not None:
+        return _Positions(config.position_limit, "learned position embeddings")
+    return _Positions(config.max_position_embeddings, "the context the model is built for")
 
 
 def _check_resume(recipe: Recipe) -> None:
@@ -60,9 +83,8 @@ def _check_resume(recipe: Recipe) -> None:
         open_resume(Path(recipe.run.dir), recipe)
 
 
-def _check_model(recipe: Recipe) -> int | None:
-    """The model's learned position limit (None: rotary only), after checking that its files
-    and device are there."""
+def _check_model(recipe: Recipe) -> _Positions:
+    """How many positions the model holds, after checking that its files and device are there."""
     from backends.torch.runtime import load
 
     load()  # first: it sets how torch's threads wait, which torch reads once, as it loads
@@ -89,4 +111,4 @@ def _check_model(recipe: Recipe) -> int | None:
         check_ray()  # the device is the actors' to check, on the nodes they run on
     else:
         check_device(section.device, "model.device")
-    return config.position_limit
+    return _positions(config)

@@ -87,7 +87,24 @@ def test_without_megatron_core_the_backend_says_how_to_install_it(monkeypatch: p
     assert str(error.value) == (
         "train.backend: megatron needs megatron-core, which does not import here (import of "
         "megatron.core halted; None in sys.modules); install it with: pip install --no-deps "
-        "--ignore-requires-python megatron-core==0.19.2 triton==3.6.0 (see README)"
+        "--ignore-requires-python megatron-core==0.19.2 triton==3.6.0 && pip install psutil tqdm (see README)"
+    )
+
+
+@pytest.mark.parametrize("missing", ["psutil", "tqdm"])
+def test_what_megatron_core_needs_undeclared_is_checked_before_the_run(
+    monkeypatch: pytest.MonkeyPatch, missing: str
+) -> None:
+    """Without psutil a run trained, then failed at its first save with worker tracebacks, and
+    `validate` had said ok: the pre-flight checks (`registry.check`) refuse it now."""
+    from backends import registry
+
+    monkeypatch.setitem(sys.modules, missing, None)  # find_spec now finds nothing
+    with pytest.raises(RecipeError) as error:
+        registry.check(_recipe("train.backend=megatron"))
+    assert str(error.value) == (
+        f"train.backend: megatron needs {missing}, which megatron-core uses without declaring it; "
+        f"install with: pip install {missing} (or this project's extra: pip install -e '.[megatron]')"
     )
 
 

@@ -73,13 +73,17 @@ def read_until(process: subprocess.Popen[str], needle: str) -> list[str]:
             "run:\n  steps: [\n",
             "invalid YAML: line 3, column 1: expected the node content, but found '<stream end>'",
         ),
+        # "\udcff" is written as the byte 0xff (surrogateescape): a file in Latin-1, say.
+        ("run:\n  dir: caf\udcff\n", "not UTF-8 text: byte 0xff at line 2, column 11; save it as UTF-8"),
+        ("train:\n  lr: .inf\n", "train.lr: Expected a finite number, got inf"),
     ],
-    ids=["unknown-key", "yaml-syntax"],
+    ids=["unknown-key", "yaml-syntax", "not-utf8", "lr-inf"],
 )
-def test_validate_bad_recipe_exits_2_with_one_line(tmp_path: Path, text: str, message: str) -> None:
+@pytest.mark.parametrize("command", ["validate", "run"])
+def test_bad_recipe_exits_2_with_one_line(tmp_path: Path, command: str, text: str, message: str) -> None:
     path = tmp_path / "bad.yaml"
-    path.write_text(text)
-    result = cli("validate", str(path))
+    path.write_bytes(text.encode("utf-8", "surrogateescape"))
+    result = cli(command, str(path))
     assert result.returncode == 2
     assert result.stderr == f"error: {path}: {message}\n"
     assert "Traceback" not in result.stdout + result.stderr
@@ -251,8 +255,13 @@ def test_check_bad_input_exits_2(tmp_path: Path) -> None:
 
 def test_sigterm_stops_cleanly(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
+    # The second gate could never pass at step 900; a stop short of it skips it, so exit 0.
+    gates = (
+        "gates.checks=[{metric: rollout/max_lag, stat: max, le: 1}, "
+        "{metric: reward/mean, stat: at, step: 900, gt: 2}]"
+    )
     process = start(
-        "run", str(QUICKSTART), "run.steps=1000", f"run.dir={run_dir}", "run.stop_grace_s=120", *SMALL
+        "run", str(QUICKSTART), "run.steps=1000", f"run.dir={run_dir}", "run.stop_grace_s=120", *SMALL, gates
     )
     try:
         read_until(process, "step 1/1000")
@@ -262,11 +271,16 @@ def test_sigterm_stops_cleanly(tmp_path: Path) -> None:
         process.kill()
     assert process.returncode == 0, output
     assert "SIGTERM received: stopping admission" in output
-    last = output.strip().splitlines()[-1]
+    last, verdict = output.strip().splitlines()[-2:]
     assert last.startswith("stopped after ") and last.endswith(f"run dir {run_dir}"), output
+    assert verdict == f"gates: all 1 passed, 1 skipped (see {run_dir}/gates.json)"
     assert "Traceback" not in output
     # The stop saved a committed checkpoint at the step it stopped at.
     steps = int(last.split()[2])
+    assert (
+        f"gate skipped: at(reward/mean, step 900): step 900 is past step {steps}, where the run stopped"
+        in output
+    )
     assert [p.name for p in committed(run_dir / "checkpoints")] == [f"step-{steps:06d}"]
 
 

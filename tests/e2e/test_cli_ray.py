@@ -10,6 +10,8 @@ import sys
 import uuid
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).parents[2]
 
 
@@ -66,19 +68,25 @@ def read_until(process: subprocess.Popen[str], needle: str) -> str:
     raise AssertionError(f"{needle!r} never printed; output:\n{''.join(seen)}")
 
 
-def test_a_stop_on_ray_leaves_no_ray_process_behind(tmp_path: Path) -> None:
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_stop_on_ray_leaves_no_ray_process_behind(tmp_path: Path, signum: signal.Signals) -> None:
+    """Also by SIGTERM: Ray's driver handler for it reported a crash and ended the run by
+    SIGABRT after the save, without its last line or gates.json."""
     marker = uuid.uuid4().hex
-    with start(tmp_path, marker) as process:
+    gate = "gates.checks=[{metric: rollout/max_lag, stat: max, le: 1}]"
+    with start(tmp_path, marker, gate) as process:
         try:
             output = read_until(process, "step 1/1000")
             # The driver, Ray's own processes (GCS, raylet, agents) and the actor's worker.
             assert len(marked(marker)) > 3, output
-            process.send_signal(signal.SIGINT)
+            process.send_signal(signum)
             output += process.communicate(timeout=120)[0]
         finally:
             process.kill()
     assert process.returncode == 0, output
-    assert output.strip().splitlines()[-1].startswith("stopped after "), output
+    assert output.strip().splitlines()[-2].startswith("stopped after "), output
+    assert "SIGTERM received at time" not in output  # Ray's crash report
+    assert (tmp_path / "run" / "gates.json").is_file()
     assert marked(marker) == []
 
 

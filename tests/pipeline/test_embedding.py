@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import pytest
 
 import pipeline
 from pipeline.contracts.messages import TrainGroup
@@ -100,6 +101,40 @@ async def test_cancelling_the_awaiting_task_leaves_no_task_running(tmp_path: Pat
         tg.cancel_scope.cancel()
     assert asyncio.all_tasks() == before
     assert (tmp_path / "run" / "trace.json").is_file()
+
+
+@pytest.mark.parametrize("blocks_training", [True, False], ids=["colocated", "separate"])
+async def test_cancelling_mid_step_finishes_the_step_saves_it_and_says_so(
+    tmp_path: Path, blocks_training: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The host cancels while the trainer is inside its third step: the step is published and
+    recorded, then the run saves it (the default checkpoint.every_steps: 0 saves nothing else)."""
+    from stages.checkpoint import committed
+
+    fake = FakeTime()
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(fake.autojump)
+        async with anyio.create_task_group() as run_group:
+
+            def on_step(step: int, groups: Sequence[TrainGroup]) -> None:
+                if step == 2:
+                    run_group.cancel_scope.cancel()
+
+            run_group.start_soon(
+                lambda: pipeline.run(
+                    make_recipe(tmp_path, steps=1000),
+                    engine=FakeEngine(time=fake, latency=1.0, blocks_training=blocks_training),
+                    trainer=FakeTrainer(time=fake, latency=10.0, on_step=on_step),
+                    time_source=fake,
+                )
+            )
+        tg.cancel_scope.cancel()
+    assert [p.name for p in committed(tmp_path / "run" / "checkpoints")] == ["step-000003"]
+    assert len((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) == 3
+    assert [r.getMessage() for r in caplog.records if r.name == "stages.program"] == [
+        f"cancelled: stopped after 3 steps (policy version 3); checkpoint step 3 in "
+        f"{tmp_path / 'run' / 'checkpoints'}"
+    ]
 
 
 async def test_stop_request_stops_admission_and_drains(tmp_path: Path) -> None:

@@ -456,6 +456,55 @@ async def test_non_finite_rewards_over_the_budget_stop_the_run(tmp_path: Path, f
     )
 
 
+def cancels_on_train_6(prompt: Any, completion: str) -> float:
+    """`test_flow:cancels_on_train_6`: raises CancelledError itself (nothing cancelled it)."""
+    if prompt.prompt_id == "train-6":
+        raise asyncio.CancelledError()
+    return 1.0
+
+
+async def async_cancels_on_train_6(prompt: Any, completion: str) -> float:
+    return cancels_on_train_6(prompt, completion)
+
+
+def interrupts_on_train_6(prompt: Any, completion: str) -> float:
+    """`test_flow:interrupts_on_train_6`: raises KeyboardInterrupt on one prompt."""
+    if prompt.prompt_id == "train-6":
+        raise KeyboardInterrupt
+    return 1.0
+
+
+@pytest.mark.parametrize("function", ["cancels_on_train_6", "async_cancels_on_train_6"])
+async def test_a_reward_raising_cancelled_error_is_a_counted_failure_not_the_end_of_the_run(
+    tmp_path: Path, fake: FakeTime, function: str
+) -> None:
+    recipe = make_recipe(tmp_path, steps=6, reward={"function": f"test_flow:{function}"})
+    summary = await drive(
+        recipe, FakeEngine(time=fake, latency=1.0), FakeTrainer(time=fake, latency=5.0), fake
+    )
+    assert (summary.steps_done, summary.stopped) == (6, False)
+    assert metrics(recipe)[-1]["reward/failures"] == 2  # the prompt's two samples
+
+
+async def test_a_reward_raising_keyboard_interrupt_stops_the_run_with_one_line_and_saves(
+    tmp_path: Path, fake: FakeTime
+) -> None:
+    from pipeline.rewards.scoring import RewardAborted
+    from stages.checkpoint import committed
+
+    recipe = make_recipe(tmp_path, steps=6, reward={"function": "test_flow:interrupts_on_train_6"})
+    with pytest.raises(RewardAborted) as raised:
+        await drive(recipe, FakeEngine(time=fake, latency=1.0), FakeTrainer(time=fake, latency=5.0), fake)
+    assert str(raised.value) == (
+        "reward.function: interrupts_on_train_6 raised KeyboardInterrupt; a reward function returns a "
+        "float or raises an Exception (a counted failure): the run stops"
+    )
+    steps = len(metrics(recipe))
+    assert steps >= 1
+    saved = committed(Path(recipe.run.dir) / "checkpoints")
+    assert [p.name for p in saved] == [f"step-{steps:06d}"]
+
+
 async def test_batches_with_nothing_to_train_on_stop_the_run(tmp_path: Path, fake: FakeTime) -> None:
     recipe = make_recipe(tmp_path, steps=3, train={"max_consecutive_empty_batches": 2})
     engine = FakeEngine(time=fake, latency=1.0, nonfinite_calls=range(1000))  # every sample poisoned

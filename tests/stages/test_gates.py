@@ -222,7 +222,7 @@ def test_a_run_gives_its_verdict_on_a_clean_stop_and_at_its_end(tmp_path: Path) 
             "run.plot=false",
             "run.steps=4",
             "eval.every_steps=0",
-            "gates.checks=[{metric: step, stat: last, ge: 4}]",
+            "gates.checks=[{metric: step, stat: last, ge: 4}, {metric: step, stat: at, step: 4, ge: 4}]",
         ],
     )
     stop = StopRequest()
@@ -236,7 +236,11 @@ def test_a_run_gives_its_verdict_on_a_clean_stop_and_at_its_end(tmp_path: Path) 
     )
     assert stopped.stopped and stopped.steps_done < 4
     assert not stopped.passed
-    assert [(r.value, r.passed) for r in stopped.verdict.results] == [(stopped.steps_done, False)]
+    # A gate over every step fails on the steps it reached; the one on step 4 is skipped.
+    assert [(r.value, r.passed, r.skipped) for r in stopped.verdict.results] == [
+        (stopped.steps_done, False, False),
+        (None, True, True),
+    ]
     assert json.loads((tmp_path / "run" / "gates.json").read_text())["passed"] is False
 
     finished = anyio.run(lambda: run_program(recipe, engine=FakeEngine(), trainer=FakeTrainer()))
@@ -263,3 +267,23 @@ def test_a_gate_past_the_runs_planned_last_step_is_skipped_not_failed(tmp_path: 
     alone = evaluate_gates(run_dir, GatesSection(checks=(late,)), steps=5)
     assert alone.passed and alone.summary() == "gates: all 0 passed, 1 skipped"
     assert not evaluate_gates(run_dir, GatesSection(checks=(late,))).passed  # no planned length given
+
+
+def test_a_gate_past_the_step_where_the_run_stopped_is_skipped_not_failed(tmp_path: Path) -> None:
+    """A clean stop at step 5 (run.steps 100): gates on later steps are skipped, those on the
+    steps it ran are evaluated over them; a stop before any train step skips train-step gates."""
+    run_dir = write_run(tmp_path, STEPS)
+    late = gate(stat="at", step=80, metric="eval/reward", ge=0.9)
+    whole = gate(lt=1000.0)
+    verdict = evaluate_gates(run_dir, GatesSection(checks=(late, whole)), steps=100, stopped_at=5)
+    assert [(r.passed, r.skipped) for r in verdict.results] == [(True, True), (True, False)]
+    assert describe(verdict.results[0]) == (
+        "gate skipped: at(eval/reward, step 80): step 80 is past step 5, where the run stopped (needs >= 0.9)"
+    )
+    assert verdict.passed and verdict.summary() == "gates: all 1 passed, 1 skipped"
+    baseline = gate(metric="eval/reward", stat="min", gt=0.0)
+    at_once = evaluate_gates(
+        write_run(tmp_path / "none", [], EVALS[:1]), GatesSection(checks=(whole, baseline)), stopped_at=0
+    )
+    assert [(r.passed, r.skipped) for r in at_once.results] == [(True, True), (True, False)]
+    assert at_once.results[0].reason == "step 1 is past step 0, where the run stopped"

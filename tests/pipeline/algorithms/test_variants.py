@@ -101,6 +101,8 @@ def token_surrogate(a: float, log_ratio: float, config: LossConfig, off_policy: 
     weight = 1.0
     if config.is_correction == "tis":
         weight = min(math.exp(off_policy), config.is_cap)
+    elif config.is_correction == "icepop":
+        weight = math.exp(off_policy) if 1 / config.is_cap <= math.exp(off_policy) <= config.is_cap else 0.0
     loss = -min(r * a, clipped * a) * weight
     active = low <= r <= high or r * a < clipped * a  # the unclipped branch carries the gradient
     return loss, (-a * r * weight if active else 0.0)
@@ -253,3 +255,77 @@ def test_a_wrong_name_or_combination_is_one_recipe_error(section: TrainSection, 
 def test_dynamic_sampling_needs_groups() -> None:
     with pytest.raises(RecipeError, match=r"^train.dynamic_sampling needs rollout.samples_per_prompt >= 2"):
         resolve(TrainSection(algorithm="dapo"), max_new_tokens=MAX_NEW, samples_per_prompt=1)
+
+
+def test_the_clip_fraction_counts_the_tokens_whose_ratio_left_the_range() -> None:
+    """Ratios e^-0.5, e^0.4 and e^0.3 leave [0.8, 1.28]: 3 of the 6 tokens."""
+    backend = OneChunk()
+    algorithm = preset("grpo")
+    metrics, _ = run_update(
+        backend, [group(algorithm.advantages()(REWARDS))], algorithm=algorithm, updates_per_step=1
+    )
+    assert metrics["train/clip_fraction"] == 0.5
+
+
+def test_icepop_by_hand() -> None:
+    """icepop zeroes the tokens whose off-policy weight lies outside [1/cap, cap]."""
+    grpo = preset("grpo")
+    algorithm = replace(grpo, loss=replace(grpo.loss, is_correction="icepop"))
+    adv = algorithm.advantages()(REWARDS)
+    close(run(algorithm, adv), hand_token_level(algorithm, adv))
+
+
+REFERENCE = [[-0.6, -0.4, -0.9], [-0.3], [-1.0, -0.5]]
+
+
+class WithReference(OneChunk):
+    has_reference = True
+
+    def logprobs(self, chunk: Chunk, *, reference: bool = False) -> torch.Tensor:
+        if reference:
+            return torch.tensor([row + [0.0] * (3 - len(row)) for row in REFERENCE]) * chunk.mask
+        return super().logprobs(chunk)
+
+
+def test_the_reference_kl_by_hand() -> None:
+    """kl_coef x k3, k3 = exp(ref - lp) - (ref - lp) - 1, added to each token's loss; its token
+    mean is train/kl_ref."""
+    grpo = preset("grpo")
+    algorithm = replace(grpo, loss=replace(grpo.loss, kl_coef=0.1))
+    adv = algorithm.advantages()(REWARDS)
+    loss, grads = hand_token_level(algorithm, adv)
+    tokens = sum(LENGTHS)
+    kl_total = 0.0
+    for i, row in enumerate(grads):
+        for t in range(LENGTHS[i]):
+            d = REFERENCE[i][t] - LP[i][t]
+            kl_total += math.exp(d) - d - 1
+            loss += 0.1 * (math.exp(d) - d - 1) / tokens
+            row[t] += 0.1 * (1 - math.exp(d)) / tokens
+    backend = WithReference()
+    metrics, _ = run_update(backend, [group(adv)], algorithm=algorithm, updates_per_step=1)
+    assert backend.grad is not None
+    close(
+        (metrics["train/loss"], [backend.grad[i, :n].tolist() for i, n in enumerate(LENGTHS)]), (loss, grads)
+    )
+    assert metrics["train/kl_ref"] == pytest.approx(kl_total / tokens, abs=1e-12)
+
+
+class Poisoned(OneChunk):
+    """A forward that gives NaN: the loss is not finite."""
+
+    def logprobs(self, chunk: Chunk, *, reference: bool = False) -> torch.Tensor:
+        return super().logprobs(chunk) * math.nan
+
+    def apply(self, *, finite_loss: bool) -> float | None:
+        assert not finite_loss
+        return None
+
+
+def test_a_non_finite_loss_skips_the_update_and_counts_it() -> None:
+    algorithm = preset("grpo")
+    metrics, skipped = run_update(
+        Poisoned(), [group(algorithm.advantages()(REWARDS))], algorithm=algorithm, updates_per_step=1
+    )
+    assert skipped == 1 and metrics["train/applied_updates"] == 0.0
+    assert math.isnan(metrics["train/grad_norm"])

@@ -60,6 +60,80 @@ def test_new_tokens_past_a_learned_position_table_name_the_field() -> None:
     preflight(pipeline.load_recipe(QUICKSTART, ["rollout.max_new_tokens=25"]))  # exactly fits
 
 
+def test_new_tokens_past_a_rotary_models_context_name_the_field() -> None:
+    """A rotary model has no position table, but its context bounds what a run may size (a
+    billion new tokens made the engine ask for 65 TB)."""
+    rotary = ("model.config.learned_position_embeddings=false", "model.config.max_position_embeddings=64")
+    assert check(QUICKSTART, *rotary, "rollout.max_new_tokens=1000000000") == (
+        "rollout.max_new_tokens: 1000000000 new tokens after the longest prompt (7 tokens) exceed "
+        "model.config.max_position_embeddings 64 (the context the model is built for); set it to at most 57"
+    )
+    preflight(pipeline.load_recipe(QUICKSTART, [*rotary, "rollout.max_new_tokens=57"]))  # exactly fits
+
+
+def test_digits_past_the_model_are_refused_before_the_prompts_are_built() -> None:
+    assert check(QUICKSTART, "prompts.source.max_digits=1000000000") == (
+        "prompts.source.max_digits: 1000000000 digits cannot fit model.config.max_position_embeddings "
+        "32 (learned position embeddings)"
+    )
+
+
+def test_a_reward_module_with_a_syntax_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "broken_reward.py").write_text("def score(prompt, completion):\n    return 1 +\n")
+    (tmp_path / "latin_reward.py").write_bytes(b'NAME = "caf\xe9"\n')
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert check(QUICKSTART, "reward.function=broken_reward:score") == (
+        f"reward.function: cannot import module 'broken_reward': invalid syntax "
+        f"({tmp_path / 'broken_reward.py'}, line 2)"
+    )
+    assert check(QUICKSTART, "reward.function=latin_reward:score") == (
+        "reward.function: cannot import module 'latin_reward': (unicode error) 'utf-8' codec can't "
+        f"decode byte 0xe9 in position 3: unexpected end of data ({tmp_path / 'latin_reward.py'}, line 1)"
+    )
+
+
+def test_a_data_file_that_is_not_utf8(tmp_path: Path) -> None:
+    data = tmp_path / "rows.jsonl"
+    data.write_bytes(b'{"prompt": "1+1=", "answer": "2"}\n{"prompt": "caf\xe9", "answer": "3"}\n')
+    source = f"prompts.source={{kind: jsonl, path: {data}}}"
+    assert check(QUICKSTART, source, "eval.every_steps=0") == (
+        f"{data}:2: not UTF-8 text: byte 0xe9 at column 16; save it as UTF-8"
+    )
+
+
+def test_a_checkpoint_whose_recipe_is_not_utf8(tmp_path: Path) -> None:
+    import anyio
+
+    from pipeline.shell.run import run_program
+    from pipeline.testing import FakeEngine, FakeTrainer
+
+    run_dir = tmp_path / "run"
+    overrides = [
+        f"run.dir={run_dir}",
+        "run.steps=1",
+        "eval.every_steps=0",
+        "gates.checks=[]",
+        "run.plot=false",
+    ]
+    recipe = pipeline.load_recipe(QUICKSTART, overrides)
+    anyio.run(lambda: run_program(recipe, engine=FakeEngine(), trainer=FakeTrainer()))
+    saved = run_dir / "checkpoints" / "step-000001"
+    with (saved / "recipe.yaml").open("ab") as handle:
+        handle.write(b"# caf\xe9\n")
+    assert check(QUICKSTART, *overrides, f"checkpoint.resume={saved}").startswith(
+        f"checkpoint.resume: {saved} cannot be used: {saved / 'recipe.yaml'}: not UTF-8 text: "
+        "byte 0xe9 at line "
+    )
+    # `inspect` reads it too: one line, no traceback.
+    from stages.checkpoint import describe
+
+    with pytest.raises(RecipeError) as inspected:
+        describe(saved)
+    assert str(inspected.value).startswith(
+        f"{saved}: a damaged checkpoint: {saved / 'recipe.yaml'}: not UTF-8"
+    )
+
+
 def test_a_reward_that_does_not_import() -> None:
     assert check(QUICKSTART, "reward.function=no_such_module:score") == (
         "reward.function: cannot import module 'no_such_module': No module named 'no_such_module'"
@@ -117,3 +191,21 @@ def test_ray_placement_needs_ray_and_leaves_the_device_to_the_actors(monkeypatch
         "placement.backend: ray needs the ray package: pip install 'ray>=2.60' "
         "(or this project's extra: pip install -e '.[ray]')"
     )
+
+
+@pytest.mark.parametrize(
+    ("package", "override", "message"),
+    [
+        ("wandb", "wandb.enabled=true", "wandb.enabled: wandb is not installed (pip install wandb)"),
+        (
+            "tensorboard",
+            "tensorboard.enabled=true",
+            "tensorboard.enabled: the tensorboard package is not installed (pip install tensorboard)",
+        ),
+    ],
+)
+def test_a_sink_whose_package_is_missing_is_refused_before_the_run(
+    monkeypatch: pytest.MonkeyPatch, package: str, override: str, message: str
+) -> None:
+    monkeypatch.setitem(sys.modules, package, None)  # find_spec now finds nothing
+    assert check(QUICKSTART, override) == message

@@ -326,6 +326,34 @@ VALID_RUN_FIELDS = "dir, steps, seed, stop_grace_s, progress, log_every_steps, p
             "rollout.top_p: 1.0",
             id="megatron-engine-top-p",
         ),
+        pytest.param("train:\n  lr: .inf\n", "train.lr: Expected a finite number, got inf", id="lr-infinite"),
+        pytest.param(
+            "rollout:\n  temperature: .nan\n",
+            "rollout.temperature: Expected a finite number, got nan",
+            id="temperature-nan",
+        ),
+        pytest.param(
+            "gates:\n  checks:\n    - {metric: reward/mean, stat: max, lt: -.inf}\n",
+            "gates.checks[0].lt: Expected a finite number, got -inf",
+            id="gate-bound-infinite",
+        ),
+        pytest.param(
+            "run:\n  dir: runs/caf\udcff\n",
+            "not UTF-8 text: byte 0xff at line 2, column 16; save it as UTF-8",
+            id="not-utf8",
+        ),
+        pytest.param(
+            "prompts:\n  source:\n    kind: synthetic\n    min_digits: 1\n    max_digits: 1\n",
+            "prompts.source: num_heldout (256) must be below the 10 distinct prompts of 1-1 digits "
+            "(the others are trained on)",
+            id="heldout-more-than-the-task-has",
+        ),
+        pytest.param(
+            "prompts:\n  source:\n    kind: synthetic\n    max_digits: 12\n    num_heldout: 1000000000000\n",
+            "prompts.source: num_heldout (1000000000000) must be at most 100000 (held-out prompts are "
+            "made up front and kept in memory)",
+            id="heldout-huge",
+        ),
         pytest.param(
             "placement:\n  backend: ray\n  weights: nccl\n",
             "placement.weights: Invalid enum value 'nccl'; expected one of: auto, collective, cuda_ipc, "
@@ -336,7 +364,7 @@ VALID_RUN_FIELDS = "dir, steps, seed, stop_grace_s, progress, log_every_steps, p
 )
 def test_bad_recipe_message(tmp_path: Path, text: str, message: str) -> None:
     path = tmp_path / "bad.yaml"
-    path.write_text(text)
+    path.write_bytes(text.encode("utf-8", "surrogateescape"))  # "\udcff": the byte 0xff
     with pytest.raises(RecipeError) as raised:
         pipeline.load_recipe(path)
     assert str(raised.value) == f"{path}: {message}"
@@ -460,3 +488,16 @@ def test_megatron_inference_loads_where_it_can_run(tmp_path: Path) -> None:
     path.write_text(MEGATRON_ON_GPU + "  kv_cache_gb: 2.5\n  bench_lengths: {median_tokens: 4}\n")
     rollout = pipeline.load_recipe(path).rollout
     assert (rollout.engine, rollout.kv_cache_gb) == ("megatron", 2.5)
+
+
+def test_a_lookahead_past_the_run_sizes_nothing_past_the_run(tmp_path: Path) -> None:
+    """L above run.steps admits no more batches than the run has: the lag histogram's names stop
+    at run.steps (L = 10**12 made `validate` enumerate names without bound)."""
+    from pipeline.shell.metric_names import MetricNames
+
+    path = tmp_path / "recipe.yaml"
+    path.write_text("run:\n  steps: 3\nasync_rl:\n  max_lookahead_versions: 1000000\n")
+    names = MetricNames.for_recipe(pipeline.load_recipe(path)).steps
+    assert sorted(n for n in names if n.startswith("rollout/lag_hist/")) == [
+        f"rollout/lag_hist/{k}" for k in range(4)
+    ]
