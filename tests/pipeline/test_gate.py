@@ -315,3 +315,23 @@ async def test_a_failed_train_step_is_not_hidden_behind_a_handoff_mismatch() -> 
     with pytest.raises(RuntimeError, match="CUDA out of memory"):
         await gate.step(failing)
     assert gate.state is GateState.SERVING and not engine.down
+
+
+async def test_handoff_check_names_a_tensor_the_engine_serves_that_the_trainer_does_not() -> None:
+    """An engine serving a tensor the trainer never published (another model's layout, a stale
+    extra layer) fails the check too, naming it."""
+    from pipeline.contracts.errors import HandoffMismatch
+    from pipeline.testing import FakeTrainer
+
+    fake = FakeTime()
+    engine = FakeEngine(time=fake)
+    trainer = FakeTrainer()
+    gate = EngineGate(engine, DeadlineClock(source=fake), checks=trainer)
+    trainer.published = {"embed": 1}
+    engine.served = {"embed": 1, "layers.9.q": 5}
+    with pytest.raises(HandoffMismatch) as raised:
+        await gate.step(recorder([], "train"))
+    assert str(raised.value) == (
+        "after the wake to version 1 the engine serves weights other than the trainer's: "
+        "layers.9.q differs; its copy is stale or corrupted"
+    )

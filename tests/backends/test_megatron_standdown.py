@@ -1,0 +1,127 @@
+"""The megatron engine as the builder wires it (`rollout.engine: megatron`), through the real
+gate and trainer on the CPU, with megatron's dynamic engine replaced by a fake that holds a KV
+buffer where megatron's context does and, like megatron's inference, refuses to step a model in
+train mode (megatron's engine itself needs CUDA: tests/gpu/test_megatron_gpu.py runs it).
+
+- Eval mode: the engine serves the trainer's own module, which each train step puts in train
+  mode; every wake (and the build) puts it back in eval mode before the engine steps it.
+- Stand-down memory: with handoff checks the gate reads the engine's KV bytes after each
+  stand-down; a cache that was not let go fails the step.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("megatron.core")
+
+from backends.megatron import serve  # noqa: E402
+from backends.megatron.build import build_backend  # noqa: E402
+from pipeline.clock import DeadlineClock, MonotonicTime  # noqa: E402
+from pipeline.contracts.errors import HandoffMismatch  # noqa: E402
+from pipeline.contracts.messages import TrainGroup, TrainSample  # noqa: E402
+from pipeline.gate import EngineGate  # noqa: E402
+from pipeline.testing import FakeDynamicEngine  # noqa: E402
+from tests.backends.test_megatron_serve import _on_cpu  # noqa: E402
+
+KV_BYTES = 4096
+
+
+class ServingEngine(FakeDynamicEngine):
+    """A `FakeDynamicEngine` over the trainer's model: its KV buffer sits at
+    `context.memory_buffer` as megatron's does, let go at `suspend()` unless `keeps_cache`; a
+    step on a model in train mode fails as megatron's inference attention does."""
+
+    def __init__(self, model: Any, *, keeps_cache: bool) -> None:
+        super().__init__(length=3, vocab=16)
+        self.model = model
+        self.keeps_cache = keeps_cache
+        self.context = SimpleNamespace(memory_buffer=torch.empty(KV_BYTES, dtype=torch.uint8))
+        self.modes: list[bool] = []  # the model's `training` at each step
+
+    def step_modern(self) -> dict[str, Any]:
+        self.modes.append(self.model.training)
+        if self.model.training:
+            raise AssertionError("megatron's inference needs the model in eval mode")
+        return super().step_modern()
+
+    def suspend(self) -> None:
+        super().suspend()
+        if not self.keeps_cache:
+            self.context.memory_buffer = None
+
+    def resume(self) -> None:
+        super().resume()
+        self.context.memory_buffer = torch.empty(KV_BYTES, dtype=torch.uint8)
+
+
+def _backend(monkeypatch: pytest.MonkeyPatch, *, keeps_cache: bool = False) -> tuple[Any, Any, ServingEngine]:
+    made: list[ServingEngine] = []
+
+    def engine_on_cpu(model, inference, *, tokens, seed, device):
+        made.append(ServingEngine(model, keeps_cache=keeps_cache))
+        return made[-1]
+
+    monkeypatch.setattr(serve, "dynamic_engine", engine_on_cpu)
+    engine, trainer = build_backend(_on_cpu("async_rl.handoff_checks=true"), vocab_size=16, stop_ids=[1])
+    return engine, trainer, made[0]
+
+
+def _groups() -> list[TrainGroup]:
+    return [
+        TrainGroup(
+            group_id="0-0",
+            prompt_tokens=(2, 3, 4),
+            samples=tuple(
+                TrainSample(tokens=(5 + i, 6, 7), logprobs=(-2.0,) * 3, reward=0.0, advantage=advantage)
+                for i, advantage in enumerate([1.0, -1.0])
+            ),
+        )
+    ]
+
+
+async def test_the_engine_steps_the_trainers_model_in_eval_mode_after_each_train_step(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    engine, trainer, fake = _backend(monkeypatch)
+    gate = EngineGate(engine, DeadlineClock(MonotonicTime()), checks=trainer)
+    try:
+        assert not trainer.model.training  # the build leaves it serving
+        await engine.generate([3, 4], 2)
+        for _ in range(2):
+            await gate.step(lambda: trainer.train_step(_groups()))
+            assert not trainer.model.training
+            await engine.generate([3, 4], 2)
+        assert fake.modes and not any(fake.modes)
+        assert fake.events.count("resume") == 2
+    finally:
+        engine.close()
+        trainer.close()
+
+
+@pytest.mark.parametrize("keeps_cache", [False, True])
+async def test_a_stand_down_that_keeps_the_kv_cache_fails_the_handoff_check(
+    monkeypatch: pytest.MonkeyPatch, keeps_cache: bool
+) -> None:
+    engine, trainer, _ = _backend(monkeypatch, keeps_cache=keeps_cache)
+    gate = EngineGate(engine, DeadlineClock(MonotonicTime()), checks=trainer)
+    try:
+        assert engine.memory_in_use() == KV_BYTES  # serving: the cache is held
+        if keeps_cache:
+            with pytest.raises(HandoffMismatch) as raised:
+                await gate.step(lambda: trainer.train_step(_groups()))
+            assert str(raised.value) == (
+                f"the engine still holds {KV_BYTES} bytes after standing down (expected 0)"
+            )
+            assert trainer.completed_steps == 0  # nothing trained beside the held cache
+        else:
+            await gate.step(lambda: trainer.train_step(_groups()))
+            assert gate.statistics().engine_memory_after_stand_down == 0
+            assert trainer.completed_steps == 1
+    finally:
+        engine.close()
+        trainer.close()

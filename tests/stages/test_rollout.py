@@ -1,0 +1,91 @@
+"""The rollout stage on fake time: its retry loop (`with_retries`) retries a failed attempt
+after an exponential backoff (backoff_s, 2 x backoff_s, ...), each retry counted, and gives up
+with the last reason; a batch timeout drops only the groups still generating, not those
+already sent on (the whole pipeline on fakes, as tests/stages/test_flow.py runs it)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from pathlib import Path
+
+import anyio
+import pytest
+
+from pipeline.clock import DeadlineClock
+from pipeline.contracts.messages import TrainGroup
+from pipeline.testing import EngineCrash, FakeEngine, FakeTime, FakeTrainer
+from stages.rollout import GiveUp, RolloutSection, with_retries
+from tests.stages.test_flow import drive, make_recipe, metrics
+
+
+async def _attempts(failures: int, *, max_retries: int) -> tuple[list[float], Counter[str], object]:
+    """Run `with_retries` on an attempt that crashes `failures` times; the fake times at which
+    each attempt started, the counts and the result (or the `GiveUp`)."""
+    fake = FakeTime()
+    clock = DeadlineClock(source=fake)
+    section = RolloutSection(max_retries=max_retries, backoff_s=0.5, generation_s=100.0)
+    counts: Counter[str] = Counter()
+    started: list[float] = []
+
+    async def attempt(number: int) -> str:
+        started.append(fake.now())
+        if number < failures:
+            raise EngineCrash(f"crash {number}")
+        return "done"
+
+    outcome: object = None
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(fake.autojump)
+        tg.start_soon(clock.run)
+        await anyio.wait_all_tasks_blocked()  # the clock's timer is running
+        try:
+            outcome = await with_retries(attempt, section, clock, counts, "prompt 0")
+        except GiveUp as give_up:
+            outcome = give_up
+        tg.cancel_scope.cancel()
+    return started, counts, outcome
+
+
+async def test_a_failed_attempt_is_retried_after_an_exponential_backoff() -> None:
+    started, counts, outcome = await _attempts(3, max_retries=3)
+    assert outcome == "done"
+    assert started == pytest.approx([0.0, 0.5, 1.5, 3.5])
+    assert (counts["retries"], counts["engine_errors"]) == (3, 3)
+
+
+async def test_attempts_that_run_out_give_up_with_the_last_reason() -> None:
+    started, counts, outcome = await _attempts(5, max_retries=1)
+    assert isinstance(outcome, GiveUp)
+    assert outcome.reason == "engine_error: EngineCrash: crash 1"
+    assert started == pytest.approx([0.0, 0.5])
+    assert counts["retries"] == 1
+
+
+async def test_a_batch_timeout_drops_only_the_groups_still_generating(tmp_path: Path) -> None:
+    """Batch 0's first group is generated in 1 s and sent on; its second takes 50 s, past
+    `batch_s` 10: only that one is dropped, and the first is trained."""
+    fake = FakeTime()
+    recipe = make_recipe(
+        tmp_path,
+        steps=2,
+        lookahead=0,
+        rollout={
+            "samples_per_prompt": 2,
+            "batch_s": 10.0,
+            "sample_s": 100.0,
+            "generation_s": 100.0,
+            "max_retries": 0,
+        },
+    )
+    trained: list[set[str]] = []
+
+    def on_step(version: int, groups: Sequence[TrainGroup]) -> None:
+        trained.append({g.group_id for g in groups})
+
+    engine = FakeEngine(time=fake, latency=lambda call: 50.0 if call == 1 else 1.0)
+    summary = await drive(recipe, engine, FakeTrainer(time=fake, on_step=on_step), fake)
+    assert summary.steps_done == 2
+    assert summary.dropped_groups == 1
+    assert trained[0] == {"0-0"}
+    assert metrics(recipe)[0]["rollout/dropped_groups"] == 1

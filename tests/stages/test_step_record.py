@@ -1,0 +1,95 @@
+"""The step record's lag figures against the samples each step trained on: `rollout/max_lag`,
+`rollout/mean_lag` and `rollout/lag_hist/*` count, for every usable sample, the weights version
+the engine served when the step began (the gate's) minus the version of the sample's first
+token. Runs the real pipeline on fakes (a FakeEngine, a FakeTrainer, fake time), as
+tests/stages/test_flow.py does, and recomputes each line's figures from the scored groups.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from statistics import fmean
+from typing import Any
+
+import pytest
+
+from pipeline.channel import Channel
+from pipeline.contracts.messages import Group, Sample, TrainGroup
+from pipeline.testing import FakeEngine, FakeTime, FakeTrainer
+from tests.stages.test_flow import drive, make_recipe, merge, metrics
+
+
+@pytest.fixture
+def scored(monkeypatch: pytest.MonkeyPatch) -> dict[str, Group]:
+    """Every scored group sent to the train stage, by group id."""
+    sent: dict[str, Group] = {}
+    original_send = Channel.send
+
+    async def spy(self: Channel[Any], item: Any) -> None:
+        if self.name == "scored" and isinstance(item, Group):
+            sent[item.group_id] = item
+        await original_send(self, item)
+
+    monkeypatch.setattr(Channel, "send", spy)
+    return sent
+
+
+CASES = {
+    # Trains while the engine serves; requests of uneven latency, so a step's samples span lags.
+    "separate-L2": dict(
+        lookahead=2,
+        engine=dict(blocks_training=False, latency=lambda call: (1.0, 7.0, 3.0)[call % 3]),
+        sections={},
+    ),
+    "colocated-L1": dict(
+        lookahead=1,
+        engine=dict(blocks_training=True, latency=lambda call: (2.0, 9.0)[call % 2]),
+        sections={},
+    ),
+    # Partial rollouts: a continued sample's lag counts its first token's version.
+    "partial-L1": dict(
+        lookahead=1,
+        engine=dict(
+            blocks_training=True,
+            latency=lambda call: 40.0 if call // 2 % 2 else 8.0,
+            partial_rollouts=True,
+        ),
+        sections={"rollout": {"partial": True}},
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+async def test_each_lines_lag_is_the_gates_version_at_the_step_minus_each_samples_first_version(
+    tmp_path: Path, scored: dict[str, Group], case: str
+) -> None:
+    """Catches a lag taken against another version (the step's number, the version after the
+    step, a sample's last token's) or over other samples than the step's."""
+    spec = CASES[case]
+    fake = FakeTime()
+    trained: list[tuple[int, list[Sample]]] = []
+
+    def on_step(version: int, groups: Sequence[TrainGroup]) -> None:
+        # The FakeTrainer's count of steps before this one: the version the engine serves.
+        trained.append((version, [s for g in groups for s in scored[g.group_id].samples if s.usable]))
+
+    recipe = make_recipe(tmp_path, steps=6, lookahead=spec["lookahead"], **merge(spec["sections"], {}))
+    engine = FakeEngine(time=fake, response_len=4, **spec["engine"])
+    await drive(recipe, engine, FakeTrainer(time=fake, latency=20.0, on_step=on_step), fake)
+    lines = metrics(recipe)
+    assert len(lines) == len(trained) == 6
+    all_lags = []
+    for line, (version, samples) in zip(lines, trained, strict=True):
+        lags = [version - s.gen_version[0] for s in samples]
+        all_lags += lags
+        assert line["rollout/max_lag"] == max(lags), line["step"]
+        assert line["rollout/mean_lag"] == pytest.approx(fmean(lags)), line["step"]
+        hist = {int(k.rsplit("/", 1)[1]): v for k, v in line.items() if k.startswith("rollout/lag_hist/")}
+        assert hist == {
+            lag: pytest.approx(lags.count(lag) / len(lags)) for lag in range(spec["lookahead"] + 1)
+        }, line["step"]
+    # The runs exercise the figures: lags of more than one value, up to the bound.
+    assert len(set(all_lags)) > 1 and max(all_lags) == spec["lookahead"]
+    if case == "partial-L1":
+        assert engine.frozen > 0
