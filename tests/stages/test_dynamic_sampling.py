@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import itertools
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from pipeline.contracts.messages import Group, Prompt, TrainGroup, TrainSample
+from pipeline.channel import Channel
+from pipeline.contracts.messages import Batch, Group, Prompt, TrainGroup, TrainSample
 from pipeline.testing import FakeEngine, FakeTime, FakeTrainer
 from stages.train import dynamic_sample
 from tests.stages.test_flow import drive, make_recipe, metrics
@@ -69,3 +71,27 @@ async def test_without_dynamic_sampling_equal_rewards_are_trained(tmp_path: Path
     await drive(recipe, FakeEngine(time=fake), trainer, fake)
     assert [len(groups) for groups in trainer.steps] == [2, 2]
     assert "rollout/filtered_groups" not in metrics(recipe)[0]
+
+
+async def test_a_resume_draws_the_prompts_an_uninterrupted_run_draws(
+    tmp_path: Path, fake: FakeTime, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A step over-admits prompts_per_step x oversample prompts: a resume skips that many a
+    trained batch, so batches 2-3 are generated from the same prompts as without the stop."""
+    admitted: dict[str, dict[int, list[str]]] = {}
+    original = Channel.send
+
+    async def spy(self: Channel[Any], item: Any) -> None:
+        if isinstance(item, Batch):
+            admitted[run].setdefault(item.batch, []).extend(p.prompt_id for p in item.prompts)
+        await original(self, item)
+
+    monkeypatch.setattr(Channel, "send", spy)
+    sections: dict[str, Any] = {"train": {"algorithm": "dapo", "oversample": 3.0}}
+    for run, parts in (("whole", [4]), ("resumed", [2, 4])):
+        admitted[run] = {}
+        for steps in parts:
+            recipe = make_recipe(tmp_path / run, steps=steps, lookahead=0, **sections)
+            await drive(recipe, FakeEngine(time=fake), FakeTrainer(time=fake), fake)
+    assert admitted["resumed"][2] == admitted["whole"][2] and len(admitted["whole"][2]) == 6
+    assert admitted["resumed"][3] == admitted["whole"][3]
