@@ -19,6 +19,7 @@ import math
 import random
 from typing import Any
 
+from pipeline.contracts.backend_input import Sampling
 from pipeline.contracts.sections import BenchLengths
 
 
@@ -46,8 +47,8 @@ class LengthDraw:
         self.rng.setstate((version, tuple(internal), gauss))
 
 
-def length_draw(rollout: Any, *, seed: int) -> LengthDraw | None:
+def length_draw(sampling: Sampling, *, seed: int) -> LengthDraw | None:
     """An engine's draw of `rollout.bench_lengths` (None when it is off)."""
-    if rollout.bench_lengths is None:
+    if sampling.bench_lengths is None:
         return None
-    return LengthDraw(rollout.bench_lengths, max_new_tokens=rollout.max_new_tokens, seed=seed)
+    return LengthDraw(sampling.bench_lengths, max_new_tokens=sampling.max_new_tokens, seed=seed)

@@ -1,7 +1,7 @@
 """Where the backend runs: in this process (`local`, the default) or on a Ray cluster (`ray`).
 
 The recipe's `placement` section picks one; nothing else in a recipe changes between a laptop
-and a cluster. `backends.place.place(recipe, ...)` builds what the pipeline drives, on a worker
+and a cluster. `backends.place.place(spec, ...)` builds what the pipeline drives, on a worker
 thread:
 
 - `local`: the backend's engine and trainer in this process (today's wiring);
@@ -81,33 +81,35 @@ class Placed:
     counters: Callable[[], dict[str, float]] = field(default=dict)
 
 
-def gpus(recipe: Any, side: str) -> float:
-    """The GPUs the `side` ("engine" or "trainer") actor asks Ray for."""
-    asked = getattr(recipe.placement, f"{side}_gpus")
+def gpus(placement: Placement, device: str, side: str) -> float:
+    """The GPUs the `side` ("engine" or "trainer") actor asks Ray for (`device`: model.device)."""
+    asked = getattr(placement, f"{side}_gpus", None)
     if asked is None:
-        return 1.0 if recipe.model.device.startswith("cuda") else 0.0
+        return 1.0 if device.startswith("cuda") else 0.0
     return float(asked)
 
 
-def shares_gpu(recipe: Any) -> bool:
-    """One engine and the trainer (of one rank), apart, that fit on one GPU between them: Ray
-    puts them in one placement-group bundle (the same GPU)."""
-    engine, trainer = gpus(recipe, "engine"), gpus(recipe, "trainer")
+def shares_gpu(placement: Placement, *, colocated: bool, device: str, ranks: int) -> bool:
+    """One engine and the trainer (of one rank: `ranks` trainer ranks in all), apart, that fit
+    on one GPU between them: Ray puts them in one placement-group bundle (the same GPU)."""
+    engine, trainer = gpus(placement, device, "engine"), gpus(placement, device, "trainer")
     return (
-        not recipe.colocated
-        and recipe.placement.engines == 1
-        and recipe.train.tensor_parallel == 1
+        isinstance(placement, RayPlacement)
+        and not colocated
+        and placement.engines == 1
+        and ranks == 1
         and 0 < engine
         and 0 < trainer
         and engine + trainer <= 1
     )
 
 
-def weights_transport(recipe: Any) -> str:
+def weights_transport(placement: RayPlacement, *, colocated: bool, device: str, ranks: int) -> str:
     """`placement.weights` resolved: object_store, cuda_ipc or collective."""
-    asked: str = recipe.placement.weights
+    asked: str = placement.weights
     if asked == "auto":
-        return "cuda_ipc" if shares_gpu(recipe) else "object_store"
+        shared = shares_gpu(placement, colocated=colocated, device=device, ranks=ranks)
+        return "cuda_ipc" if shared else "object_store"
     return asked
 
 
@@ -120,58 +122,70 @@ def check_ray() -> None:
         )
 
 
-def check_placement(recipe: Any) -> None:
+def check_placement(
+    section: Placement,
+    *,
+    colocated: bool,
+    device: str,
+    tensor_parallel: int,
+    partial: bool,
+    reward_function: str,
+) -> None:
     """Cross-field rules of `placement` against the rest of the recipe (ValueError naming both)."""
-    section = recipe.placement
     if not isinstance(section, RayPlacement):
         return
-    if recipe.colocated and section.engines > 1:
+
+    def gpus_of(side: str) -> float:
+        return gpus(section, device, side)
+
+    if colocated and section.engines > 1:
         raise ValueError(
             f"placement.engines: {section.engines} needs colocated: false (colocated, the one "
             "engine shares the trainer's actor and weights)"
         )
-    if recipe.model.device.startswith("cuda"):
-        sides = ("trainer",) if recipe.colocated else ("trainer", "engine")
+    if device.startswith("cuda"):
+        sides = ("trainer",) if colocated else ("trainer", "engine")
         for side in sides:
-            if gpus(recipe, side) == 0:
+            if gpus_of(side) == 0:
                 raise ValueError(
-                    f"placement.{side}_gpus: 0, but model.device: {recipe.model.device}: Ray shows "
+                    f"placement.{side}_gpus: 0, but model.device: {device}: Ray shows "
                     f"an actor only the GPUs it asks for; leave it unset (a GPU of its own) or set "
                     "0.5 for the engine and the trainer each (the two share one GPU)"
                 )
-    ranks = recipe.train.tensor_parallel
-    if ranks > 1 and recipe.model.device.startswith("cuda") and gpus(recipe, "trainer") < 1:
+    ranks = tensor_parallel
+    if ranks > 1 and device.startswith("cuda") and gpus_of("trainer") < 1:
         raise ValueError(
-            f"train.tensor_parallel: {ranks} with placement.trainer_gpus: {gpus(recipe, 'trainer'):g}: "
+            f"train.tensor_parallel: {ranks} with placement.trainer_gpus: {gpus_of('trainer'):g}: "
             "NCCL takes one rank per GPU, so each trainer rank needs a GPU of its own: leave "
             "placement.trainer_gpus unset"
         )
     weights = section.weights
-    if weights != "auto" and recipe.colocated:
+    if weights != "auto" and colocated:
         raise ValueError(
             f"placement.weights: {weights} needs colocated: false (colocated, the engine shares the "
             "trainer's weights): set placement.weights: auto"
         )
-    if weights == "cuda_ipc" and not recipe.colocated and not shares_gpu(recipe):
+    shared = shares_gpu(section, colocated=colocated, device=device, ranks=ranks)
+    if weights == "cuda_ipc" and not colocated and not shared:
         raise ValueError(
             "placement.weights: cuda_ipc needs one engine and the trainer on one GPU (placement.engines: "
             "1, model.device: cuda, engine_gpus + trainer_gpus <= 1): set placement.weights: auto"
         )
-    if weights == "collective" and recipe.model.device.startswith("cuda"):
+    if weights == "collective" and device.startswith("cuda"):
         for side in ("trainer", "engine"):
-            if gpus(recipe, side) < 1:
+            if gpus_of(side) < 1:
                 raise ValueError(
-                    f"placement.weights: collective, but placement.{side}_gpus: {gpus(recipe, side):g}: "
+                    f"placement.weights: collective, but placement.{side}_gpus: {gpus_of(side):g}: "
                     "NCCL takes one rank per GPU, so each actor needs a GPU of its own: leave "
                     f"placement.{side}_gpus unset, or set placement.weights: auto"
                 )
-    if recipe.rollout.partial:
+    if partial:
         raise ValueError(
             "rollout.partial: true is not built for placement.backend ray yet (an engine actor "
             "does not freeze its rows at a stand-down): set rollout.partial: false or "
             "placement.backend: local"
         )
-    if section.reward_workers and recipe.reward.function == "reasoning_gym":
+    if section.reward_workers and reward_function == "reasoning_gym":
         raise ValueError(
             "placement.reward_workers: reward.function 'reasoning_gym' checks answers with the "
             "prompt source's own objects, which stay in the controller: set placement.reward_workers: 0"

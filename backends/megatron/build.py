@@ -1,5 +1,5 @@
-"""Builds the megatron backend for a recipe: a megatron-core trainer and the engine
-`rollout.engine` names.
+"""Builds the megatron backend from its typed input (`backends/input.py`): a megatron-core
+trainer and the engine `rollout.engine` names.
 
 The model section is the torch backend's (`model.config` from random weights, or `model.path`, a
 Hugging Face directory): the torch `Decoder` is built or loaded first and its weights are
@@ -17,58 +17,68 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from backends.bench_lengths import length_draw
+from backends.input import Input
 from backends.placement import RayPlacement
 from backends.torch.build import DTYPES, build_model
 from backends.torch.compute import ComputeThread
 from backends.torch.engine import TorchEngine
 from backends.torch.sampler import Sampler
-from pipeline.algorithms.presets import algorithm_of
 from pipeline.contracts.errors import RecipeError
 
-# train.<field>: (its default, what it would take)
-_NOT_YET = {
-    "kl_coef": (0.0, "a reference model"),
-    "micro_batch_tokens": (0, "token-budgeted micro-batches"),
-    "offload_optimizer": (False, "optimizer offload"),
-    "activation_checkpointing": (False, "activation recomputation"),
-    "master_weights": (True, "bf16 weights stepped without float32 masters"),
+# train.<field>: (its value in the input, its default, what it would take)
+_NOT_YET: dict[str, tuple[Callable[[Input], Any], Any, str]] = {
+    "kl_coef": (lambda spec: spec.algorithm.loss.kl_coef, 0.0, "a reference model"),
+    "micro_batch_tokens": (lambda spec: spec.batching.micro_batch_tokens, 0, "token-budgeted micro-batches"),
+    "offload_optimizer": (lambda spec: spec.options.offload_optimizer, False, "optimizer offload"),
+    "activation_checkpointing": (
+        lambda spec: spec.options.activation_checkpointing,
+        False,
+        "activation recomputation",
+    ),
+    "master_weights": (
+        lambda spec: spec.options.master_weights,
+        True,
+        "bf16 weights stepped without float32 masters",
+    ),
 }
 
 
-def check(recipe: Any) -> None:
+def check(spec: Input) -> None:
     """Refuse, naming the field, what `train.backend: megatron` does not do, and a Python
     environment it cannot run in."""
     require_megatron()
-    for field, (default, feature) in _NOT_YET.items():
-        value = getattr(recipe.train, field)
+    for field, (read, default, feature) in _NOT_YET.items():
+        value = read(spec)
         if value != default:
             raise RecipeError(
                 f"train.{field}: {value!r} needs {feature}, which train.backend megatron does not "
                 f"have yet; use train.backend: torch, or leave train.{field} at {default!r}"
             )
-    ray = isinstance(recipe.placement, RayPlacement)
-    if recipe.train.tensor_parallel > 1 and not ray:
+    ray = isinstance(spec.placement, RayPlacement)
+    size = spec.options.tensor_parallel
+    if size > 1 and not ray:
         raise RecipeError(
-            f"train.tensor_parallel: {recipe.train.tensor_parallel} needs placement.backend: ray (a "
+            f"train.tensor_parallel: {size} needs placement.backend: ray (a "
             "pipeline process is one rank: Ray starts one trainer actor a rank)"
         )
-    if ray and recipe.placement.weights == "collective":
+    if isinstance(spec.placement, RayPlacement) and spec.placement.weights == "collective":
         raise RecipeError(
             "placement.weights: collective is not built for train.backend megatron (its broadcast "
             "group would replace the process group megatron's trainer holds); set "
             "placement.weights: auto"
         )
-    if recipe.model.config is not None:  # a model.path's config is read when it is built
-        check_shape(recipe.model.config, recipe.train.tensor_parallel)
-    if recipe.model.dtype != "float32" and not recipe.model.device.startswith("cuda"):
+    model = spec.model
+    if model.config is not None:  # a model.path's config is read when it is built
+        check_shape(model.config, size)
+    if model.dtype != "float32" and not model.device.startswith("cuda"):
         raise RecipeError(
-            f"model.dtype: {recipe.model.dtype} with train.backend megatron needs model.device: cuda "
+            f"model.dtype: {model.dtype} with train.backend megatron needs model.device: cuda "
             "(on CPU it trains float32 only)"
         )
 
@@ -99,20 +109,20 @@ def require_megatron() -> None:
         )
 
 
-def build_backend(recipe: Any, *, vocab_size: int, stop_ids: Sequence[int]) -> tuple[Any, Any]:
+def build_backend(spec: Input, *, vocab_size: int, stop_ids: Sequence[int]) -> tuple[Any, Any]:
     """The engine `rollout.engine` names and the megatron trainer (this process's rank of it)."""
-    decoder, trainer = _build(recipe, vocab_size=vocab_size)
+    decoder, trainer = _build(spec, vocab_size=vocab_size)
     from backends.megatron import reshard
 
-    rollout = recipe.rollout
-    if rollout.engine == "megatron":
+    sampling = spec.sampling
+    if sampling.engine == "megatron":
         from backends.megatron.serve import build_inference
 
         del decoder  # copied into the trainer's model; the engine serves that model itself
         try:
             return (
                 build_inference(
-                    trainer.model, trainer.config, recipe, stop_ids=stop_ids, device=trainer.device
+                    trainer.model, trainer.config, spec, stop_ids=stop_ids, device=trainer.device
                 ),
                 trainer,
             )
@@ -120,7 +130,7 @@ def build_backend(recipe: Any, *, vocab_size: int, stop_ids: Sequence[int]) -> t
             trainer.close()
             raise
     refresh: Any = functools.partial(reshard.copy_into, decoder, trainer.model, trainer.config)
-    if recipe.train.tensor_parallel > 1:
+    if spec.options.tensor_parallel > 1:
         # A wake or refit on this rank alone cannot gather the other ranks' shards: every rank
         # gathers after each step and load, and this one copies the result in then.
         trainer.on_weights = functools.partial(_copy_served, decoder)
@@ -128,35 +138,35 @@ def build_backend(recipe: Any, *, vocab_size: int, stop_ids: Sequence[int]) -> t
         refresh = None
     engine = TorchEngine(
         # Engine kernels round as the trainer's megatron layers do (compiled or eager).
-        Sampler(decoder, graphs=recipe.model.cuda_graphs, eager_rounding=not recipe.train.compile),
-        shared=recipe.colocated,
+        Sampler(decoder, graphs=spec.model.cuda_graphs, eager_rounding=not spec.options.compile),
+        shared=spec.colocated,
         source=decoder,
-        max_new_tokens=rollout.max_new_tokens,
-        temperature=rollout.temperature,
-        top_p=rollout.top_p,
+        max_new_tokens=sampling.max_new_tokens,
+        temperature=sampling.temperature,
+        top_p=sampling.top_p,
         stop_token_ids=tuple(stop_ids),
-        seed=recipe.run.seed + 1,
-        compute=trainer.compute if recipe.colocated else ComputeThread("engine"),
-        fingerprints=recipe.async_rl.handoff_checks,
+        seed=spec.seed + 1,
+        compute=trainer.compute if spec.colocated else ComputeThread("engine"),
+        fingerprints=spec.handoff_checks,
         refresh_weights=refresh,
-        partial=rollout.partial,
-        max_rows=rollout.max_rows,
-        lengths=length_draw(rollout, seed=recipe.run.seed),
+        partial=sampling.partial,
+        max_rows=sampling.max_rows,
+        lengths=length_draw(sampling, seed=spec.seed),
     )
     return engine, trainer
 
 
-def build_engine_alone(recipe: Any, *, vocab_size: int, stop_ids: Sequence[int], replica: int = 0) -> Any:
+def build_engine_alone(spec: Input, *, vocab_size: int, stop_ids: Sequence[int], replica: int = 0) -> Any:
     """An engine replica apart from the megatron trainer: our torch engine, refreshed from the
     trainer's weights as the engine's `Decoder` holds them (`reshard.served`). Importing this
     module set megatron's warning filters: the trainer's weights arrive pickled through
     megatron's `safe_load_from_bytes`, which the unpickling imports."""
     from backends.torch.build import build_engine_alone as torch_engine
 
-    return torch_engine(recipe, vocab_size=vocab_size, stop_ids=stop_ids, replica=replica)
+    return torch_engine(spec, vocab_size=vocab_size, stop_ids=stop_ids, replica=replica)
 
 
-def build_trainer_alone(recipe: Any, *, vocab_size: int) -> Any:
+def build_trainer_alone(spec: Input, *, vocab_size: int) -> Any:
     """This process's rank of the megatron trainer alone (a Ray trainer actor, whose engines are
     elsewhere). Rank 0 keeps the served weights after each step (`served_parameters`), which it
     publishes: the last two versions stay alive, as a CUDA IPC package handed to a replaced
@@ -165,7 +175,7 @@ def build_trainer_alone(recipe: Any, *, vocab_size: int) -> Any:
     gathered from every rank then, the one point where all ranks run together."""
     import torch.distributed as dist
 
-    _, trainer = _build(recipe, vocab_size=vocab_size)
+    _, trainer = _build(spec, vocab_size=vocab_size)
     if dist.get_rank() == 0:
         trainer.keep_served()
     trainer.weights_changed()  # every rank, once built: rank 0 keeps the first weights
@@ -179,9 +189,9 @@ def _copy_served(decoder: Any, served: list[tuple[str, Any]]) -> None:
         target.copy_(weights[name])
 
 
-def _build(recipe: Any, *, vocab_size: int) -> tuple[Any, Any]:
+def _build(spec: Input, *, vocab_size: int) -> tuple[Any, Any]:
     """(the torch `Decoder` the model section gives, the trainer of this rank's megatron copy of it)."""
-    check(recipe)
+    check(spec)
     require_megatron()
     # Imported once megatron is known to import (each of these imports it).
     from megatron.core import parallel_state
@@ -191,11 +201,11 @@ def _build(recipe: Any, *, vocab_size: int) -> tuple[Any, Any]:
     from backends.megatron.optimizer import MegatronAdam, TorchAdamW
     from backends.megatron.trainer import MegatronTrainer
 
-    section, train = recipe.model, recipe.train
-    seed = recipe.run.seed
+    section, optimizer = spec.model, spec.optimizer
+    seed = spec.seed
     decoder = build_model(section, vocab_size=vocab_size, seed=seed)
     config = decoder.config
-    size = train.tensor_parallel
+    size = spec.options.tensor_parallel
     if section.config is None:  # `check` did it for a config in the recipe
         check_shape(config, size)
     device = next(decoder.parameters()).device
@@ -204,32 +214,27 @@ def _build(recipe: Any, *, vocab_size: int) -> tuple[Any, Any]:
     layout.load_hf(
         model, decoder.state_dict(), config, rank=parallel_state.get_tensor_model_parallel_rank(), size=size
     )
-    if train.compile:
+    if spec.options.compile:
         compile_layers(model)
     step = (MegatronAdam if device.type == "cuda" else TorchAdamW)(
         model,
-        lr=train.lr,
-        betas=(train.beta1, train.beta2),
-        weight_decay=train.weight_decay,
-        grad_clip=train.grad_clip,
+        lr=optimizer.lr,
+        betas=optimizer.betas,
+        weight_decay=optimizer.weight_decay,
+        grad_clip=optimizer.grad_clip,
     )
     trainer = MegatronTrainer(
         model,
         step,
         config=config,
-        algorithm=algorithm_of(recipe),
-        lr=train.lr,
-        warmup_steps=train.warmup_steps,
-        schedule=train.schedule,
-        min_lr_ratio=train.min_lr_ratio,
-        total_steps=recipe.run.steps,
-        micro_batch_samples=train.micro_batch_samples,
-        updates_per_step=train.updates_per_step,
-        temperature=recipe.rollout.temperature,
+        algorithm=spec.algorithm,
+        optimizer=optimizer,
+        batching=spec.batching,
+        temperature=spec.sampling.temperature,
         seed=seed + 2,
         # Colocated, engine and trainer never run at once: one thread (one OpenMP team) for both.
         compute=ComputeThread("trainer"),
-        fingerprints=recipe.async_rl.handoff_checks,
+        fingerprints=spec.handoff_checks,
     )
     return decoder, trainer
 

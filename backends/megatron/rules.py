@@ -3,18 +3,19 @@ recipe, checked by the shell's root recipe (so `validate` and `run` refuse alike
 
 from __future__ import annotations
 
-from typing import Any
+from backends.placement import Placement, RayPlacement
+from backends.torch.section import ModelSection
+from pipeline.contracts.backend_input import Sampling
 
-from backends.placement import RayPlacement
 
-
-def check_engine(recipe: Any) -> None:
+def check_engine(
+    rollout: Sampling, *, backend: str, colocated: bool, model: ModelSection, placement: Placement
+) -> None:
     """Cross-field rules of `rollout.engine` against the rest of the recipe (ValueError naming
     both). megatron's engine serves the megatron trainer's module where it lies: one process,
     colocated, CUDA (its dynamic context allocates with CUDA only), bf16 (its attention runs
     flash-attention kernels); its logprobs are those of the tempered distribution it samples
     from, which matches ours only without a top-p cut."""
-    rollout = recipe.rollout
     if rollout.engine == "torch":
         if rollout.kv_cache_gb:
             raise ValueError(
@@ -22,30 +23,30 @@ def check_engine(recipe: Any) -> None:
                 "megatron; the torch engine sizes its own for each decode loop: leave it at 0"
             )
         return
-    if recipe.train.backend != "megatron":
+    if backend != "megatron":
         raise ValueError(
             f"rollout.engine: megatron needs train.backend: megatron (it serves the megatron "
-            f"trainer's own model), got {recipe.train.backend}; set train.backend: megatron or "
+            f"trainer's own model), got {backend}; set train.backend: megatron or "
             "rollout.engine: torch"
         )
-    if not recipe.colocated:
+    if not colocated:
         raise ValueError(
             "rollout.engine: megatron needs colocated: true (it serves the trainer's model in place; "
             "a separate engine would need a model of its own and a weight copy after each step); set "
             "colocated: true or rollout.engine: torch"
         )
-    if not recipe.model.device.startswith("cuda"):
+    if not model.device.startswith("cuda"):
         raise ValueError(
             f"rollout.engine: megatron needs model.device: cuda (megatron's dynamic inference context "
-            f"allocates its KV cache and bookkeeping on CUDA only), got {recipe.model.device}; set "
+            f"allocates its KV cache and bookkeeping on CUDA only), got {model.device}; set "
             "rollout.engine: torch"
         )
-    if recipe.model.dtype != "bfloat16":
+    if model.dtype != "bfloat16":
         raise ValueError(
             f"rollout.engine: megatron needs model.dtype: bfloat16 (its attention runs flash-attention "
-            f"kernels, which take bf16), got {recipe.model.dtype}"
+            f"kernels, which take bf16), got {model.dtype}"
         )
-    if isinstance(recipe.placement, RayPlacement):
+    if isinstance(placement, RayPlacement):
         raise ValueError(
             "rollout.engine: megatron is not built for placement.backend ray yet: set "
             "placement.backend: local or rollout.engine: torch"

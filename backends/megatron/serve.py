@@ -59,9 +59,11 @@ from megatron.core.inference.text_generation_controllers.text_generation_control
 from megatron.core.transformer import cuda_graphs
 
 from backends.bench_lengths import length_draw
+from backends.input import Input
 from backends.megatron import flash_adapter
 from backends.megatron.inference import MegatronInference
 from backends.torch.config import ModelConfig
+from pipeline.contracts.backend_input import Sampling
 from pipeline.contracts.errors import RecipeError
 
 BLOCK_TOKENS = 256  # megatron's default KV block
@@ -73,22 +75,18 @@ def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
     return 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * dtype.itemsize
 
 
-def rows_in_flight(recipe: Any) -> int:
+def rows_in_flight(sampling: Sampling) -> int:
     """The most rows generating at once (megatron's `max_requests`): `rollout.max_rows`, else
     L + 1 batches admitted (at most run.steps), each of every sample."""
-    return recipe.rollout.max_rows or (
-        recipe.prompts.prompts_per_step
-        * recipe.rollout.samples_per_prompt
-        * min(recipe.async_rl.max_lookahead_versions + 1, recipe.run.steps)  # admitted batches
-    )
+    return sampling.max_rows or sampling.rows_admitted
 
 
-def kv_cache_bytes(recipe: Any, config: ModelConfig, dtype: torch.dtype) -> int:
+def kv_cache_bytes(sampling: Sampling, config: ModelConfig, dtype: torch.dtype) -> int:
     """The KV cache's size (module docstring); with megatron's one reserved block."""
-    if recipe.rollout.kv_cache_gb:
-        return int(recipe.rollout.kv_cache_gb * 2**30)
-    tokens = min(2 * recipe.rollout.max_new_tokens, config.max_position_embeddings)
-    blocks = rows_in_flight(recipe) * math.ceil(tokens / BLOCK_TOKENS) + 1
+    if sampling.kv_cache_gb:
+        return int(sampling.kv_cache_gb * 2**30)
+    tokens = min(2 * sampling.max_new_tokens, config.max_position_embeddings)
+    blocks = rows_in_flight(sampling) * math.ceil(tokens / BLOCK_TOKENS) + 1
     return blocks * BLOCK_TOKENS * kv_bytes_per_token(config, dtype)
 
 
@@ -140,10 +138,10 @@ def _kv_cache_in_use(engine: Any) -> int:
     return 0 if buffer is None else buffer.numel() * buffer.element_size()
 
 
-def inference_config(recipe: Any, config: ModelConfig, dtype: torch.dtype) -> InferenceConfig:
+def inference_config(sampling: Sampling, config: ModelConfig, dtype: torch.dtype) -> InferenceConfig:
     """The engine's configuration for this recipe's batches (module docstring)."""
-    rollout = recipe.rollout
-    cache = kv_cache_bytes(recipe, config, dtype)
+    rollout = sampling
+    cache = kv_cache_bytes(sampling, config, dtype)
     block_bytes = BLOCK_TOKENS * kv_bytes_per_token(config, dtype)
     max_sequence_length = min(config.max_position_embeddings, (cache // block_bytes - 1) * BLOCK_TOKENS)
     if max_sequence_length <= rollout.max_new_tokens:
@@ -152,7 +150,7 @@ def inference_config(recipe: Any, config: ModelConfig, dtype: torch.dtype) -> In
             f"of this model, not one prompt and rollout.max_new_tokens {rollout.max_new_tokens}: "
             "raise it, or leave it at 0 (derived from the batch)"
         )
-    rows = rows_in_flight(recipe)
+    rows = rows_in_flight(sampling)
     return InferenceConfig(
         block_size_tokens=BLOCK_TOKENS,
         buffer_size_gb=cache / 2**30,
@@ -195,21 +193,21 @@ def dynamic_engine(
 
 
 def build_inference(
-    model: Any, config: ModelConfig, recipe: Any, *, stop_ids: Sequence[int], device: torch.device
+    model: Any, config: ModelConfig, spec: Input, *, stop_ids: Sequence[int], device: torch.device
 ) -> MegatronInference:
     """`MegatronInference` over a `DynamicInferenceEngine` serving `model` in place."""
-    rollout = recipe.rollout
+    rollout = spec.sampling
     termination = termination_id(stop_ids)
-    inference = inference_config(recipe, config, model.config.params_dtype)
+    inference = inference_config(rollout, config, model.config.params_dtype)
     tokens = _Tokens(termination, config.vocab_size)
-    seed = recipe.run.seed + 1  # the torch engine's
+    seed = spec.seed + 1  # the torch engine's
     return MegatronInference(
         lambda: dynamic_engine(model, inference, tokens=tokens, seed=seed, device=device),
         sampling=functools.partial(sampling_params, temperature=rollout.temperature, termination=termination),
         stop_token_ids=stop_ids,
         max_new_tokens=rollout.max_new_tokens,
         max_sequence_length=inference.max_sequence_length,
-        lengths=length_draw(rollout, seed=recipe.run.seed),
+        lengths=length_draw(rollout, seed=spec.seed),
         memory_in_use=_kv_cache_in_use,
         generator=lambda engine: engine.controller.sampling_rng,
         # megatron's inference attention asserts eval mode; the trainer's step sets train mode

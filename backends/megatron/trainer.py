@@ -51,6 +51,7 @@ from backends.torch.schedule import lr_factor
 from backends.torch.state_file import load_state, save_state
 from pipeline.algorithms.config import Algorithm
 from pipeline.algorithms.update import Chunk, run_update
+from pipeline.contracts.backend_input import Batching, Optimizer
 from pipeline.contracts.messages import TrainGroup, TrainSample
 from pipeline.contracts.protocols import Snapshot
 
@@ -107,19 +108,16 @@ class MegatronTrainer:
         *,
         config: ModelConfig,
         algorithm: Algorithm,
-        lr: float,
-        warmup_steps: int,
-        schedule: str,
-        min_lr_ratio: float,
-        total_steps: int,
-        micro_batch_samples: int,
-        updates_per_step: int,
+        optimizer: Optimizer,
+        batching: Batching,
         temperature: float,
         seed: int,
         compute: ComputeThread | None = None,
         fingerprints: bool = False,
         on_weights: Callable[[list[tuple[str, torch.Tensor]]], None] | None = None,
     ) -> None:
+        """`optimizer` (its learning rate and schedule: `step` applies the rest) and `batching`:
+        the backend input's (`backends/input.py`)."""
         self.model = model  # the GPTModel (its parameters: what `reshard` reads)
         self.config = config
         self.fingerprints = fingerprints
@@ -129,12 +127,13 @@ class MegatronTrainer:
         self._previous: list[tuple[str, torch.Tensor]] | None = None
         self.optimizer = step
         self.algorithm = algorithm
-        self.base_lr = lr
-        self.warmup_updates = warmup_steps * updates_per_step
-        self.total_updates = max(1, total_steps * updates_per_step)
-        self.schedule = schedule
-        self.min_lr_ratio = min_lr_ratio
-        self.micro_batch_samples = micro_batch_samples
+        updates_per_step = batching.updates_per_step
+        self.base_lr = optimizer.lr
+        self.warmup_updates = optimizer.warmup_steps * updates_per_step
+        self.total_updates = max(1, optimizer.total_steps * updates_per_step)
+        self.schedule = optimizer.schedule
+        self.min_lr_ratio = optimizer.min_lr_ratio
+        self.micro_batch_samples = batching.micro_batch_samples
         self.updates_per_step = updates_per_step
         # Greedy generation reports temperature-1 logprobs, so recompute at 1 then as well.
         self.temperature = temperature if temperature > 0 else 1.0

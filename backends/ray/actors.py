@@ -20,6 +20,7 @@ import anyio
 from pipeline.contracts.protocols import Snapshotting
 
 if TYPE_CHECKING:  # importing torch here would load it before `runtime.load` could set it up
+    from backends.input import Input
     from backends.ray.weights import Package, Transport
     from backends.ray.world import World
 
@@ -29,7 +30,8 @@ Request = tuple[int, tuple[int, ...], int, bool]
 
 
 class BackendPart:
-    """One actor's part of the backend, built from the recipe where the actor runs.
+    """One actor's part of the backend, built where the actor runs from the backend's typed
+    input (`backends/input.py`, pickled to it).
 
     `both`: the colocated pair sharing one model, as the recipe's backend builds it in one
     process (stand-down and wake instead of weight packages). Apart: `engine`, a replica of the
@@ -43,7 +45,7 @@ class BackendPart:
 
     def __init__(
         self,
-        recipe: Any,
+        spec: Input,
         *,
         role: Role,
         vocab_size: int,
@@ -71,13 +73,11 @@ class BackendPart:
         self.kept: Any = None  # the trainer's last broadcast (backends/ray/broadcast.py)
         self._snapshots: dict[str, Any] = {}  # a checkpoint's part taken, not yet written
         if role == "both":
-            self.engine, self.trainer = build_backend(recipe, vocab_size=vocab_size, stop_ids=stop_ids)
+            self.engine, self.trainer = build_backend(spec, vocab_size=vocab_size, stop_ids=stop_ids)
         elif role == "trainer":
-            self.trainer = build_trainer_alone(recipe, vocab_size=vocab_size)
+            self.trainer = build_trainer_alone(spec, vocab_size=vocab_size)
         else:
-            self.engine = build_engine_alone(
-                recipe, vocab_size=vocab_size, stop_ids=stop_ids, replica=replica
-            )
+            self.engine = build_engine_alone(spec, vocab_size=vocab_size, stop_ids=stop_ids, replica=replica)
 
     def where(self) -> dict[str, Any]:
         import ray

@@ -7,23 +7,26 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from backends.placement import RayPlacement
 from pipeline.contracts.errors import RecipeError
 
 # Ray's resource names as the recipe's placement fields ask for them.
 _KEYS = {"CPU": "cpus", "GPU": "gpus"}
 
 
-def demands(recipe: Any, *, gpus: Mapping[str, float]) -> list[tuple[str, dict[str, float]]]:
-    """(role, what one actor of it asks Ray for), one entry an actor; `gpus` by role."""
-    section = recipe.placement
+def demands(
+    section: RayPlacement, *, colocated: bool, ranks: int, gpus: Mapping[str, float]
+) -> list[tuple[str, dict[str, float]]]:
+    """(role, what one actor of it asks Ray for), one entry an actor (`ranks` trainer actors);
+    `gpus` by role."""
 
     def ask(role: str, cpus: float, custom: Mapping[str, float]) -> dict[str, float]:
         wanted = {"CPU": cpus, "GPU": gpus.get(role, 0.0), **custom}
         return {name: amount for name, amount in wanted.items() if amount}
 
     trainer = ask("trainer", section.trainer_cpus, section.trainer_resources)
-    actors = [("trainer", trainer)] * recipe.train.tensor_parallel
-    if not recipe.colocated:
+    actors = [("trainer", trainer)] * ranks
+    if not colocated:
         actors += [("engine", ask("engine", section.engine_cpus, section.engine_resources))] * section.engines
     actors += [("reward", ask("reward", section.reward_cpus, {}))] * section.reward_workers
     return actors

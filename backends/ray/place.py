@@ -31,6 +31,7 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from backends.input import Input
 from backends.placement import Placed, RayPlacement, gpus, shares_gpu, weights_transport
 from backends.ray.actors import BackendPart, RewardWorker
 from backends.ray.collective import Collective
@@ -50,8 +51,9 @@ _Part = ray.remote(BackendPart)
 _Rewards = ray.remote(RewardWorker)
 
 
-def place_on_ray(recipe: Any, *, vocab_size: int, stop_ids: Sequence[int]) -> Placed:
-    section: RayPlacement = recipe.placement
+def place_on_ray(spec: Input, *, vocab_size: int, stop_ids: Sequence[int]) -> Placed:
+    section = spec.placement
+    assert isinstance(section, RayPlacement)  # backends.place's choice
     owned = not ray.is_initialized()
     if owned:
         # Ray runs its workers at niceness 15; here they do the run's compute: beside other busy
@@ -79,14 +81,14 @@ def place_on_ray(recipe: Any, *, vocab_size: int, stop_ids: Sequence[int]) -> Pl
     if owned:
         cleanups.append(ray.shutdown)
     try:
-        return _place(recipe, section, vocab_size, stop_ids, cleanups, close)
+        return _place(spec, section, vocab_size, stop_ids, cleanups, close)
     except BaseException:
         close()
         raise
 
 
 def _place(
-    recipe: Any,
+    spec: Input,
     section: RayPlacement,
     vocab_size: int,
     stop_ids: Sequence[int],
@@ -96,14 +98,15 @@ def _place(
     _say("starting the actors (each loads torch and builds its part of the model)")
     counts: Counter[str] = Counter()
     build = {"vocab_size": vocab_size, "stop_ids": tuple(stop_ids)}
-    roles = {"engine": gpus(recipe, "engine"), "trainer": gpus(recipe, "trainer")}
-    check_fits(demands(recipe, gpus=roles), ray.nodes())
-    trainer_options = _options(section.trainer_cpus, gpus(recipe, "trainer"), section.trainer_resources)
-    engine_options = _options(section.engine_cpus, gpus(recipe, "engine"), section.engine_resources)
-    weights = weights_transport(recipe)
+    device, ranks = spec.model.device, spec.options.tensor_parallel
+    roles = {side: gpus(section, device, side) for side in ("engine", "trainer")}
+    check_fits(demands(section, colocated=spec.colocated, ranks=ranks, gpus=roles), ray.nodes())
+    trainer_options = _options(section.trainer_cpus, roles["trainer"], section.trainer_resources)
+    engine_options = _options(section.engine_cpus, roles["engine"], section.engine_resources)
+    weights = weights_transport(section, colocated=spec.colocated, device=device, ranks=ranks)
     # A broadcast's group loads the replicas' first weights and restarted ones' by package.
     transport: Transport = "cuda_ipc" if weights == "cuda_ipc" else "object_store"
-    if shares_gpu(recipe):
+    if shares_gpu(section, colocated=spec.colocated, device=device, ranks=ranks):
         cpus = section.engine_cpus + section.trainer_cpus
         group = placement_group([{"GPU": 1, **({"CPU": cpus} if cpus else {})}])
         cleanups.append(lambda: remove_placement_group(group))
@@ -112,16 +115,15 @@ def _place(
         trainer_options["scheduling_strategy"] = engine_options["scheduling_strategy"] = strategy
 
     world = None
-    if recipe.train.tensor_parallel > 1:
+    if ranks > 1:
         from backends.ray.world import rendezvous
 
-        cuda = recipe.model.device.startswith("cuda")
-        world, store = rendezvous(recipe.train.tensor_parallel, "nccl" if cuda else "gloo", START_S)
+        world, store = rendezvous(ranks, "nccl" if device.startswith("cuda") else "gloo", START_S)
         cleanups.append(lambda: store)  # holds the ranks' rendezvous until the run closes
 
     def start(options: dict[str, Any], role: str, replica: int = 0, rank: int | None = None) -> Any:
         ranked = {} if rank is None else {"world": world, "rank": rank}
-        actor = _Part.options(**options).remote(recipe, role=role, replica=replica, **ranked, **build)
+        actor = _Part.options(**options).remote(spec, role=role, replica=replica, **ranked, **build)
         # ray's remote() is typed ActorHandle | type[T] (the latter for its method stubs), its
         # kill() takes only an ActorHandle.
         cleanups.append(lambda: ray.kill(actor))  # type: ignore[arg-type]
@@ -132,12 +134,12 @@ def _place(
         ranked = world is not None
         actors = [
             start(trainer_options, first if rank == 0 else "trainer", rank=rank if ranked else None)
-            for rank in range(recipe.train.tensor_parallel)
+            for rank in range(ranks)
         ]
         wheres = _started([a.where.remote() for a in actors], section)
         return RayTrainer(list(zip(actors, wheres, strict=True)), transport=transport)
 
-    if recipe.colocated:
+    if spec.colocated:
         trainer = start_trainer("both")
         actor, where = trainer.ranks[0]
         engine = RayEngine(
@@ -167,7 +169,7 @@ def _place(
             counts=counts,
             collective=Collective(
                 trainer,
-                "nccl" if recipe.model.device.startswith("cuda") else "gloo",
+                "nccl" if device.startswith("cuda") else "gloo",
                 section.collective_timeout_s,
             )
             if weights == "collective"
@@ -187,7 +189,7 @@ def _place(
         reward_options = {"num_cpus": section.reward_cpus, "max_concurrency": section.reward_concurrency}
 
         def spawn_reward() -> tuple[Any, int]:
-            actor = _Rewards.options(**reward_options).remote(recipe.reward.function)
+            actor = _Rewards.options(**reward_options).remote(spec.reward_function)
             cleanups.append(lambda: ray.kill(actor))  # type: ignore[arg-type]  # as in start()
             # ray types an undecorated actor method as the plain function, without .remote
             [pid] = _started([actor.pid.remote()], section)  # type: ignore[attr-defined]

@@ -1,12 +1,12 @@
-"""The torch backend (`train.backend: torch`): builds its engine and trainer for a recipe,
-colocated (one model, one compute thread) or not."""
+"""The torch backend (`train.backend: torch`): builds its engine and trainer from the backend's
+typed input (`backends/input.py`), colocated (one model, one compute thread) or not."""
 
 from __future__ import annotations
 
 import copy
 import logging
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -19,8 +19,10 @@ from backends.torch.model import Decoder
 from backends.torch.sampler import Sampler
 from backends.torch.section import ModelSection
 from backends.torch.trainer import TorchTrainer
-from pipeline.algorithms.presets import algorithm_of
 from pipeline.contracts.errors import RecipeError
+
+if TYPE_CHECKING:  # its alias names this package's sections: only the types are read here
+    from backends.input import Input
 
 log = logging.getLogger(__name__)
 _told_spinning = False
@@ -28,11 +30,11 @@ _told_spinning = False
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-def check(recipe: Any) -> None:
+def check(spec: Input) -> None:
     """Refuse, naming the field, what `train.backend: torch` does not do."""
-    if recipe.train.tensor_parallel > 1:
+    if spec.options.tensor_parallel > 1:
         raise RecipeError(
-            f"train.tensor_parallel: {recipe.train.tensor_parallel} needs train.backend: megatron "
+            f"train.tensor_parallel: {spec.options.tensor_parallel} needs train.backend: megatron "
             "(the torch trainer holds the whole model on one device)"
         )
 
@@ -79,34 +81,34 @@ def build_model(section: ModelSection, *, vocab_size: int, seed: int) -> Decoder
 
 
 def build_backend(
-    recipe: Any, *, vocab_size: int, stop_ids: Sequence[int]
+    spec: Input, *, vocab_size: int, stop_ids: Sequence[int]
 ) -> tuple[TorchEngine, TorchTrainer]:
-    """(engine, trainer) sharing one model when `recipe.colocated`, else two copies."""
-    model = build_model(recipe.model, vocab_size=vocab_size, seed=recipe.run.seed)
-    engine_model = model if recipe.colocated else copy.deepcopy(model)
+    """(engine, trainer) sharing one model when `spec.colocated`, else two copies."""
+    model = build_model(spec.model, vocab_size=vocab_size, seed=spec.seed)
+    engine_model = model if spec.colocated else copy.deepcopy(model)
     # Colocated, engine and trainer never run at once: one thread (one OpenMP team) for both.
     trainer_thread = ComputeThread("trainer")
-    engine_thread = trainer_thread if recipe.colocated else ComputeThread("engine")
+    engine_thread = trainer_thread if spec.colocated else ComputeThread("engine")
     engine = build_engine(
-        recipe, engine_model, shared=recipe.colocated, source=model, stop_ids=stop_ids, compute=engine_thread
+        spec, engine_model, shared=spec.colocated, source=model, stop_ids=stop_ids, compute=engine_thread
     )
-    return engine, build_trainer(recipe, model, compute=trainer_thread)
+    return engine, build_trainer(spec, model, compute=trainer_thread)
 
 
-def build_trainer_alone(recipe: Any, *, vocab_size: int) -> TorchTrainer:
+def build_trainer_alone(spec: Input, *, vocab_size: int) -> TorchTrainer:
     """The trainer alone, on a model of its own (a Ray trainer actor, whose engines are elsewhere)."""
-    model = build_model(recipe.model, vocab_size=vocab_size, seed=recipe.run.seed)
-    return build_trainer(recipe, model, compute=ComputeThread("trainer"))
+    model = build_model(spec.model, vocab_size=vocab_size, seed=spec.seed)
+    return build_trainer(spec, model, compute=ComputeThread("trainer"))
 
 
 def build_engine_alone(
-    recipe: Any, *, vocab_size: int, stop_ids: Sequence[int], replica: int = 0
+    spec: Input, *, vocab_size: int, stop_ids: Sequence[int], replica: int = 0
 ) -> TorchEngine:
     """Engine replica `replica` on a model of its own (a Ray engine actor, apart from the
     trainer), which `load_weights` refreshes."""
-    model = build_model(recipe.model, vocab_size=vocab_size, seed=recipe.run.seed)
+    model = build_model(spec.model, vocab_size=vocab_size, seed=spec.seed)
     return build_engine(
-        recipe,
+        spec,
         model,
         shared=False,
         source=model,
@@ -117,7 +119,7 @@ def build_engine_alone(
 
 
 def build_engine(
-    recipe: Any,
+    spec: Input,
     model: Decoder,
     *,
     shared: bool,
@@ -128,53 +130,40 @@ def build_engine(
 ) -> TorchEngine:
     """The engine sampling from `model`: the trainer's own when `shared` (colocated), else a
     copy that `refit` refreshes from `source`. Each replica of several samples its own draws."""
-    rollout, train = recipe.rollout, recipe.train
+    sampling = spec.sampling
     return TorchEngine(
         # Engine kernels round as the trainer's do (compiled or eager): closer logprobs.
-        Sampler(model, graphs=recipe.model.cuda_graphs, eager_rounding=not train.compile),
+        Sampler(model, graphs=spec.model.cuda_graphs, eager_rounding=not spec.options.compile),
         shared=shared,
         source=source,
-        max_new_tokens=rollout.max_new_tokens,
-        temperature=rollout.temperature,
-        top_p=rollout.top_p,
+        max_new_tokens=sampling.max_new_tokens,
+        temperature=sampling.temperature,
+        top_p=sampling.top_p,
         stop_token_ids=tuple(stop_ids),
-        seed=recipe.run.seed + 1 + 1000 * replica,
+        seed=spec.seed + 1 + 1000 * replica,
         compute=compute,
-        fingerprints=recipe.async_rl.handoff_checks,
-        partial=rollout.partial,
-        max_rows=rollout.max_rows,
-        lengths=length_draw(rollout, seed=recipe.run.seed + 1000 * replica),
+        fingerprints=spec.handoff_checks,
+        partial=sampling.partial,
+        max_rows=sampling.max_rows,
+        lengths=length_draw(sampling, seed=spec.seed + 1000 * replica),
     )
 
 
-def build_trainer(recipe: Any, model: Decoder, *, compute: ComputeThread) -> TorchTrainer:
+def build_trainer(spec: Input, model: Decoder, *, compute: ComputeThread) -> TorchTrainer:
     """The AdamW GRPO trainer of `model` (and its frozen reference copy when train.kl_coef > 0)."""
-    rollout, train = recipe.rollout, recipe.train
     reference = None
-    if train.kl_coef > 0:
+    if spec.algorithm.loss.kl_coef > 0:
         reference = copy.deepcopy(model).eval()
         reference.requires_grad_(False)
     return TorchTrainer(
         model,
-        algorithm=algorithm_of(recipe),
-        lr=train.lr,
-        betas=(train.beta1, train.beta2),
-        weight_decay=train.weight_decay,
-        warmup_steps=train.warmup_steps,
-        schedule=train.schedule,
-        min_lr_ratio=train.min_lr_ratio,
-        total_steps=recipe.run.steps,
-        grad_clip=train.grad_clip,
-        micro_batch_samples=train.micro_batch_samples,
-        micro_batch_tokens=train.micro_batch_tokens,
-        updates_per_step=train.updates_per_step,
-        temperature=rollout.temperature,
-        seed=recipe.run.seed + 2,
+        algorithm=spec.algorithm,
+        optimizer=spec.optimizer,
+        batching=spec.batching,
+        options=spec.options,
+        temperature=spec.sampling.temperature,
+        seed=spec.seed + 2,
         reference=reference,
-        master_weights=train.master_weights,
-        offload_optimizer=train.offload_optimizer,
-        compiled=train.compile,
-        checkpointed=train.activation_checkpointing,
         compute=compute,
-        fingerprints=recipe.async_rl.handoff_checks,
+        fingerprints=spec.handoff_checks,
     )

@@ -31,3 +31,20 @@ class ModelSection(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
     def __post_init__(self) -> None:
         if (self.config is None) == (self.path is None):
             raise ValueError("give exactly one of model.config and model.path")
+
+
+class TrainerOptions(msgspec.Struct, kw_only=True, frozen=True):
+    """The trainers' own knobs (the torch and megatron backends'; megatron refuses some), taken
+    from the recipe's `train` section, where they keep their names (`train.compile`, ...).
+
+    `master_weights`: bf16 models step float32 master copies. `offload_optimizer`: masters and
+    moments in pinned host memory between steps. `compile`: torch.compile each layer's
+    position-wise parts. `activation_checkpointing`: recompute each layer in the backward pass.
+    `tensor_parallel`: megatron's tensor-parallel ranks (one Ray actor each).
+    """
+
+    master_weights: bool = True
+    offload_optimizer: bool = False
+    compile: bool = False
+    activation_checkpointing: bool = False
+    tensor_parallel: int = 1

@@ -26,9 +26,11 @@ from backends.torch.host_copy import HostCopier
 from backends.torch.model import Decoder
 from backends.torch.precision import MasterWeights, StreamedParking
 from backends.torch.schedule import lr_factor
+from backends.torch.section import TrainerOptions
 from backends.torch.state_file import TRAINER_FILE, StateSnapshot, load_state, save_state
 from pipeline.algorithms.config import Algorithm
 from pipeline.algorithms.update import Chunk, run_update
+from pipeline.contracts.backend_input import Batching, Optimizer
 from pipeline.contracts.errors import RecipeError
 from pipeline.contracts.messages import TrainGroup, TrainSample
 
@@ -49,39 +51,30 @@ class TorchTrainer:
         model: Decoder,
         *,
         algorithm: Algorithm,
-        lr: float,
-        betas: tuple[float, float],
-        weight_decay: float,
-        warmup_steps: int,
-        schedule: str,
-        min_lr_ratio: float,
-        total_steps: int,
-        grad_clip: float,
-        micro_batch_samples: int,
-        micro_batch_tokens: int = 0,
-        updates_per_step: int,
+        optimizer: Optimizer,
+        batching: Batching,
+        options: TrainerOptions | None = None,
         temperature: float,
         seed: int,
         reference: Decoder | None = None,
-        master_weights: bool = True,
-        offload_optimizer: bool = False,
-        compiled: bool = False,
-        checkpointed: bool = False,
         compute: ComputeThread | None = None,
         fingerprints: bool = False,
     ) -> None:
+        """`optimizer`, `batching`, `options`: the backend input's (`backends/input.py`)."""
+        options = options or TrainerOptions()
+        updates_per_step = batching.updates_per_step
         self.model = model
         # What `fingerprint` returns: the weights published by the last step (or load).
         probes = parameter_probes(model.named_parameters()) if fingerprints else None
         self._fingerprinter = Fingerprinter(probes) if probes is not None else None
         self._published: dict[str, int] | None = None
-        self.compiled = compiled
-        self.checkpointed = checkpointed
+        self.compiled = options.compile
+        self.checkpointed = options.activation_checkpointing
         self.compute = compute or ComputeThread("trainer")
         self.algorithm = algorithm
-        self.grad_clip = grad_clip
-        self.micro_batch_samples = micro_batch_samples
-        self.micro_batch_tokens = micro_batch_tokens
+        self.grad_clip = optimizer.grad_clip
+        self.micro_batch_samples = batching.micro_batch_samples
+        self.micro_batch_tokens = batching.micro_batch_tokens
         self.updates_per_step = updates_per_step
         # Greedy generation reports temperature-1 logprobs, so recompute at 1 then as well.
         self.temperature = temperature if temperature > 0 else 1.0
@@ -89,29 +82,31 @@ class TorchTrainer:
         self.device = next(model.parameters()).device
         low_precision = any(p.dtype != torch.float32 for p in model.parameters())
         # bf16 weights step through float32 masters (see backends/torch/precision.py).
-        self.master = MasterWeights(model.parameters()) if master_weights and low_precision else None
+        self.master = MasterWeights(model.parameters()) if options.master_weights and low_precision else None
         params = self.master.master if self.master is not None else list(model.parameters())
         # The fused kernel on CPU too: one call a parameter instead of a dozen ops (0.2 vs 1 ms a
         # step for the CPU quickstart's model).
-        self.optimizer = torch.optim.AdamW(params, lr=lr, betas=betas, weight_decay=weight_decay, fused=True)
+        self.optimizer = torch.optim.AdamW(
+            params, lr=optimizer.lr, betas=optimizer.betas, weight_decay=optimizer.weight_decay, fused=True
+        )
         # Off the device between steps (colocated: while the engine generates) and streamed
         # through it chunk by chunk during the optimizer step, when asked; parked from the
         # start, so the first generation has the room too.
         self.parking: StreamedParking | None = None
-        if offload_optimizer:
+        if options.offload_optimizer:
             self.parking = StreamedParking(self._param_chunks(), self._optimizer_tensors)
             self.parking.park_all()
             self.parking.take_seconds()  # not the first step's copies
-        total_updates = max(1, total_steps * updates_per_step)
-        warmup_updates = warmup_steps * updates_per_step
+        total_updates = max(1, optimizer.total_steps * updates_per_step)
+        warmup_updates = optimizer.warmup_steps * updates_per_step
 
         def factor(update: int) -> float:
             return lr_factor(
                 update,
                 warmup_updates=warmup_updates,
                 total_updates=total_updates,
-                schedule=schedule,
-                min_lr_ratio=min_lr_ratio,
+                schedule=optimizer.schedule,
+                min_lr_ratio=optimizer.min_lr_ratio,
             )
 
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, factor)

@@ -19,9 +19,11 @@ from pathlib import Path
 from backends import registry
 from backends.placement import RayPlacement, check_ray
 from backends.torch.config import ModelConfig
+from pipeline.algorithms.config import Algorithm
 from pipeline.algorithms.presets import algorithm_of
 from pipeline.contracts.errors import RecipeError
 from pipeline.rewards.scoring import RewardFn, resolve
+from pipeline.shell.backend_input import backend_input
 from pipeline.shell.recipe import Recipe
 from pipeline.sinks import check_installed
 from stages.checkpoint import open_resume
@@ -32,6 +34,7 @@ from stages.prompts import PromptSet, SyntheticSource, build_prompts
 class Checked:
     prompts: PromptSet
     reward_fn: RewardFn
+    algorithm: Algorithm
 
 
 def preflight(recipe: Recipe, *, model: bool = True, resume: bool = True) -> Checked:
@@ -42,8 +45,14 @@ def preflight(recipe: Recipe, *, model: bool = True, resume: bool = True) -> Che
         _check_resume(recipe)
     check_installed(wandb=recipe.wandb.enabled, tensorboard=recipe.tensorboard.enabled)
     if model:
-        registry.check(recipe)  # the backend's own refusals (megatron's unsupported train fields)
-    algorithm_of(recipe)  # the algorithm's parts resolve (a custom one imports) and combine
+        from backends.torch.runtime import load
+
+        load()  # before the algorithm's losses import torch: it sets how torch's threads wait
+    algorithm = algorithm_of(recipe)  # the algorithm's parts resolve (a custom one imports) and combine
+    if model:
+        # The backend's own refusals (megatron's unsupported train fields), on the one input it
+        # is built from.
+        registry.check(backend_input(recipe, algorithm))
     limit = _check_model(recipe) if model else None
     source = recipe.prompts.source
     if limit is not None and isinstance(source, SyntheticSource) and source.max_digits > limit.positions:
@@ -60,7 +69,7 @@ def preflight(recipe: Recipe, *, model: bool = True, resume: bool = True) -> Che
             f"prompt ({prompts.longest} tokens) exceed model.config.max_position_embeddings "
             f"{limit.positions} ({limit.why}); set it to at most {max(limit.positions - prompts.longest, 0)}"
         )
-    return Checked(prompts, reward_fn)
+    return Checked(prompts, reward_fn, algorithm)
 
 
 @dataclass(frozen=True)

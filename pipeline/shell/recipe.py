@@ -17,6 +17,7 @@ from pipeline.contracts.sections import (
     WandbSection,
     WatchdogSection,
 )
+from pipeline.shell.backend_input import sampling_of
 from pipeline.shell.metric_names import MetricNames, check_names
 from stages.evaluation import EvalSection
 from stages.faults import FaultsSection
@@ -66,6 +67,19 @@ class Recipe(Section, frozen=True):
                 "eval.every_steps needs held-out prompts: set prompts.source.num_heldout > 0 "
                 "or eval.every_steps: 0"
             )
-        check_placement(self)
-        check_engine(self)
+        check_placement(
+            self.placement,
+            colocated=self.colocated,
+            device=self.model.device,
+            tensor_parallel=self.train.tensor_parallel,
+            partial=self.rollout.partial,
+            reward_function=self.reward.function,
+        )
+        check_engine(
+            sampling_of(self),
+            backend=self.train.backend,
+            colocated=self.colocated,
+            model=self.model,
+            placement=self.placement,
+        )
         check_names(self.gates, MetricNames.for_recipe(self))

@@ -9,6 +9,7 @@ from typing import Any
 
 from backends.place import place
 from backends.placement import Placed
+from pipeline.shell.backend_input import backend_input
 from pipeline.shell.plot import draw_apart
 from pipeline.shell.preflight import Checked, preflight
 from pipeline.shell.recipe import Recipe
@@ -34,4 +35,5 @@ def start_backend(recipe: Recipe, build: bool) -> tuple[Checked, Placed | None]:
     if not build:
         return checked, None
     tokenizer = checked.prompts.tokenizer
-    return checked, place(recipe, vocab_size=tokenizer.vocab_size, stop_ids=tokenizer.stop_ids)
+    spec = backend_input(recipe, checked.algorithm)  # the backend's one input: never the recipe
+    return checked, place(spec, vocab_size=tokenizer.vocab_size, stop_ids=tokenizer.stop_ids)

@@ -10,6 +10,7 @@ from backends.megatron.optimizer import TorchAdamW
 from backends.megatron.trainer import MegatronTrainer
 from pipeline.algorithms.config import Algorithm, LossConfig
 from tests.backends.megatron_cases import CONFIGS
+from tests.backends.trainer_inputs import batching, optimizer
 
 CONFIG = CONFIGS["qwen2-bias"]  # GQA, biases: every sharded layout
 
@@ -24,13 +25,8 @@ def trainer(hf: dict, *, rank: int, size: int) -> MegatronTrainer:
         algorithm=Algorithm(
             loss=LossConfig(clip_low=0.2, clip_high=0.28, kl_coef=0.0, is_correction="tis", is_cap=2.0)
         ),
-        lr=1e-3,
-        warmup_steps=0,
-        schedule="constant",
-        min_lr_ratio=0.1,
-        total_steps=10,
-        micro_batch_samples=6,
-        updates_per_step=1,
+        optimizer=optimizer(grad_clip=0.5),
+        batching=batching(micro_batch_samples=6),
         temperature=1.0,
         seed=3,
     )

@@ -14,11 +14,12 @@ import pipeline  # noqa: E402
 from backends.megatron import layout  # noqa: E402
 from backends.megatron.build import build_backend  # noqa: E402
 from pipeline.contracts.errors import RecipeError  # noqa: E402
+from pipeline.shell.backend_input import backend_input  # noqa: E402
 from tests.backends.megatron_cases import groups  # noqa: E402
 
 
 def _recipe(*overrides: str):
-    return pipeline.load_recipe("recipes/quickstart.yaml", ["run.progress=false", *overrides])
+    return backend_input(pipeline.load_recipe("recipes/quickstart.yaml", ["run.progress=false", *overrides]))
 
 
 def _served(engine) -> dict:

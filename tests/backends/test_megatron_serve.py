@@ -23,6 +23,7 @@ from backends.megatron.inference import MegatronInference  # noqa: E402
 from backends.megatron.model import compile_layers  # noqa: E402
 from backends.torch.sampling import draw  # noqa: E402
 from pipeline.contracts.errors import RecipeError  # noqa: E402
+from pipeline.shell.backend_input import backend_input  # noqa: E402
 from pipeline.testing import FakeDynamicEngine  # noqa: E402
 
 
@@ -68,17 +69,21 @@ def test_a_request_asks_for_its_limit_and_logprobs_and_greedy_ones_take_the_top_
 
 
 def _bench(*overrides: str):
-    return pipeline.load_recipe(
-        "recipes/bench-h200-colocated.yaml", ["train.backend=megatron", "rollout.engine=megatron", *overrides]
+    return backend_input(
+        pipeline.load_recipe(
+            "recipes/bench-h200-colocated.yaml",
+            ["train.backend=megatron", "rollout.engine=megatron", *overrides],
+        )
     )
 
 
 def test_the_kv_cache_holds_a_batchs_rows_at_twice_max_new_tokens() -> None:
     recipe = _bench()
     config = recipe.model.config
+    assert config is not None
     per_token = 2 * 28 * 2 * 128 * 2  # keys and values, layers, kv heads, head_dim, bf16 bytes
     assert serve.kv_bytes_per_token(config, torch.bfloat16) == per_token
-    inference = serve.inference_config(recipe, config, torch.bfloat16)
+    inference = serve.inference_config(recipe.sampling, config, torch.bfloat16)
     # 32 prompts x 8 samples at L = 0, 1024 tokens each in 256-token blocks, and megatron's
     # reserved block: 7.0 GiB.
     assert inference.buffer_size_gb * 2**30 == (256 * 4 + 1) * 256 * per_token
@@ -87,16 +92,16 @@ def test_the_kv_cache_holds_a_batchs_rows_at_twice_max_new_tokens() -> None:
     assert inference.kv_cache_management_mode is KVCacheManagementMode.RECOMPUTE
     assert inference.logprobs_mode == "processed_logprobs"
     assert inference.materialize_only_last_token_logits
-    set_by_hand = serve.inference_config(_bench("rollout.kv_cache_gb=2.5"), config, torch.bfloat16)
+    set_by_hand = serve.inference_config(_bench("rollout.kv_cache_gb=2.5").sampling, config, torch.bfloat16)
     assert set_by_hand.buffer_size_gb == 2.5
-    capped = serve.inference_config(_bench("rollout.max_rows=64"), config, torch.bfloat16)
+    capped = serve.inference_config(_bench("rollout.max_rows=64").sampling, config, torch.bfloat16)
     assert capped.max_requests == 64 and capped.buffer_size_gb * 2**30 == (64 * 4 + 1) * 256 * per_token
 
 
 def test_a_kv_cache_too_small_for_one_row_is_refused() -> None:
     recipe = _bench("rollout.kv_cache_gb=0.01")  # 1.4 blocks of this model
     with pytest.raises(RecipeError) as raised:
-        serve.inference_config(recipe, recipe.model.config, torch.bfloat16)
+        serve.inference_config(recipe.sampling, recipe.model.config, torch.bfloat16)
     assert str(raised.value) == (
         "rollout.kv_cache_gb: 0.01 holds 0 tokens of this model, not one prompt and "
         "rollout.max_new_tokens 512: raise it, or leave it at 0 (derived from the batch)"
@@ -104,15 +109,14 @@ def test_a_kv_cache_too_small_for_one_row_is_refused() -> None:
 
 
 def _on_cpu(*overrides: str):
-    """The quickstart with train.backend megatron and rollout.engine megatron, as the builder
-    would see it on a GPU, here on the CPU: the recipe refuses the CPU for this engine, so its
-    fields are taken past that check."""
+    """The quickstart's backend input with train.backend megatron and rollout.engine megatron,
+    as the builder would see it on a GPU, here on the CPU: the recipe refuses the CPU for this
+    engine, so its input is changed past that check."""
     recipe = pipeline.load_recipe(
         "recipes/quickstart.yaml", ["run.progress=false", "train.backend=megatron", *overrides]
     )
-    fields = {name: getattr(recipe, name) for name in recipe.__struct_fields__}
-    fields["rollout"] = msgspec.structs.replace(recipe.rollout, engine="megatron")
-    return SimpleNamespace(**fields)
+    spec = backend_input(recipe)
+    return msgspec.structs.replace(spec, sampling=msgspec.structs.replace(spec.sampling, engine="megatron"))
 
 
 async def test_the_builder_hands_the_trainers_own_model_to_megatrons_engine(monkeypatch) -> None:

@@ -20,6 +20,7 @@ from backends.torch.trainer import TorchTrainer  # noqa: E402
 from pipeline.algorithms.config import Algorithm, LossConfig  # noqa: E402
 from pipeline.contracts.errors import DamagedState, NonFiniteState  # noqa: E402
 from tests.backends.megatron_cases import CONFIGS, groups  # noqa: E402
+from tests.backends.trainer_inputs import batching, optimizer  # noqa: E402
 
 CPU = torch.device("cpu")
 LOSS = Algorithm(loss=LossConfig(clip_low=0.2, clip_high=0.28, kl_coef=0.0, is_correction="tis", is_cap=2.0))
@@ -30,7 +31,7 @@ VARIANTS = {
     "gspo": replace(LOSS, policy_loss="sequence", loss_aggregation="sequence_mean"),
     "custom": replace(LOSS, policy_loss="tests.pipeline.algorithms.custom_loss:squared_advantage"),
 }
-SCHEDULE = dict(warmup_steps=2, schedule="cosine", min_lr_ratio=0.1, total_steps=10, temperature=0.7)
+OPTIMIZER = optimizer(weight_decay=0.01, grad_clip=0.5, warmup_steps=2, schedule="cosine")
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -49,11 +50,10 @@ def megatron_trainer(
         step,
         config=config,
         algorithm=algorithm,
-        lr=1e-3,
-        micro_batch_samples=micro_batch_samples,
-        updates_per_step=updates_per_step,
+        optimizer=OPTIMIZER,
+        batching=batching(micro_batch_samples=micro_batch_samples, updates_per_step=updates_per_step),
+        temperature=0.7,
         seed=3,
-        **SCHEDULE,
     )
 
 
@@ -71,14 +71,10 @@ async def test_same_loss_metrics_and_gradients_as_the_torch_trainer(name: str, v
     theirs = TorchTrainer(
         decoder,
         algorithm=VARIANTS[variant],
-        lr=1e-3,
-        betas=(0.9, 0.999),
-        weight_decay=0.01,
-        grad_clip=0.5,
-        micro_batch_samples=7,
-        updates_per_step=1,
+        optimizer=OPTIMIZER,
+        batching=batching(micro_batch_samples=7),
+        temperature=0.7,
         seed=3,
-        **SCHEDULE,
     )
     batch = groups()
     got, expected = await ours.train_step(batch), await theirs.train_step(batch)

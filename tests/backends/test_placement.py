@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 import pipeline
-from backends.placement import weights_transport
+from backends.placement import RayPlacement, weights_transport
 
 SEPARATE = ["colocated=false", "placement.backend=ray"]
 SHARED_GPU = ["model.device=cuda", "placement.engine_gpus=0.5", "placement.trainer_gpus=0.5"]
@@ -25,4 +25,6 @@ SHARED_GPU = ["model.device=cuda", "placement.engine_gpus=0.5", "placement.train
 )
 def test_weights_transport(overrides: list[str], transport: str) -> None:
     recipe = pipeline.load_recipe("recipes/quickstart.yaml", [*SEPARATE, *overrides])
-    assert weights_transport(recipe) == transport
+    assert isinstance(recipe.placement, RayPlacement)
+    where = {"colocated": recipe.colocated, "device": recipe.model.device, "ranks": 1}
+    assert weights_transport(recipe.placement, **where) == transport

@@ -11,9 +11,11 @@ import torch
 from backends.torch.config import ModelConfig
 from backends.torch.model import Decoder
 from backends.torch.precision import HostParking, StreamedParking
+from backends.torch.section import TrainerOptions
 from backends.torch.trainer import TorchTrainer
 from pipeline.algorithms.config import Algorithm, LossConfig
 from pipeline.contracts.messages import TrainGroup, TrainSample
+from tests.backends.trainer_inputs import batching, optimizer
 
 
 def _model(dtype: torch.dtype = torch.bfloat16) -> Decoder:
@@ -27,19 +29,11 @@ def _trainer(model: Decoder, *, lr: float = 1e-6, **options: bool) -> TorchTrain
         algorithm=Algorithm(
             loss=LossConfig(clip_low=0.2, clip_high=0.28, kl_coef=0.0, is_correction="none", is_cap=2.0)
         ),
-        lr=lr,
-        betas=(0.9, 0.999),
-        weight_decay=0.0,
-        warmup_steps=0,
-        schedule="constant",
-        min_lr_ratio=0.1,
-        total_steps=10,
-        grad_clip=1.0,
-        micro_batch_samples=64,
-        updates_per_step=1,
+        optimizer=optimizer(lr=lr),
+        batching=batching(micro_batch_samples=64),
+        options=TrainerOptions(**options),
         temperature=1.0,
         seed=0,
-        **options,
     )
 
 

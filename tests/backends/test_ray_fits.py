@@ -8,8 +8,10 @@ from typing import Any
 import pytest
 
 import pipeline
+from backends.placement import RayPlacement
 from backends.ray.fits import check_fits, demands
 from pipeline.contracts.errors import RecipeError
+from pipeline.shell.backend_input import backend_input
 
 QUICKSTART = "recipes/quickstart.yaml"
 
@@ -20,7 +22,10 @@ def node(alive: bool = True, **resources: float) -> dict[str, Any]:
 
 def actors(*overrides: str) -> list[tuple[str, dict[str, float]]]:
     recipe = pipeline.load_recipe(QUICKSTART, ["placement.backend=ray", *overrides])
-    return demands(recipe, gpus={"engine": 0.0, "trainer": 0.0})
+    assert isinstance(recipe.placement, RayPlacement)
+    ranks = recipe.train.tensor_parallel
+    gpus = {"engine": 0.0, "trainer": 0.0}
+    return demands(recipe.placement, colocated=recipe.colocated, ranks=ranks, gpus=gpus)
 
 
 @pytest.mark.parametrize(
@@ -84,7 +89,7 @@ def test_placing_on_ray_refuses_it_before_starting_an_actor(ray_cluster: Any) ->
         QUICKSTART, ["placement.backend=ray", "placement.trainer_resources={node_c: 1}"]
     )
     with pytest.raises(RecipeError) as raised:
-        place_on_ray(recipe, vocab_size=16, stop_ids=[1])
+        place_on_ray(backend_input(recipe), vocab_size=16, stop_ids=[1])
     assert str(raised.value).startswith(
         "placement.trainer_resources: a trainer actor asks Ray for 1 node_c, but no node of the cluster has"
     )

@@ -27,6 +27,7 @@ from pipeline.clock import DeadlineClock, MonotonicTime
 from pipeline.contracts.errors import HandoffMismatch
 from pipeline.contracts.messages import TrainGroup, TrainSample
 from pipeline.gate import EngineGate
+from pipeline.shell.backend_input import backend_input
 
 # The actor class below travels to the workers by value (they need not import the tests).
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -79,7 +80,7 @@ def placed(ray_cluster: Any) -> Iterator[Placed]:
     monkeypatch = pytest.MonkeyPatch()
     monkeypatch.setattr(ray_place, "_Part", ray.remote(FaultyPart))
     try:
-        backend = ray_place.place_on_ray(recipe, vocab_size=VOCAB, stop_ids=[1])
+        backend = ray_place.place_on_ray(backend_input(recipe), vocab_size=VOCAB, stop_ids=[1])
     finally:
         monkeypatch.undo()
     yield backend

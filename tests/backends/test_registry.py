@@ -16,6 +16,7 @@ from backends.torch.engine import TorchEngine
 from backends.torch.section import ModelSection
 from backends.torch.trainer import TorchTrainer
 from pipeline.contracts.errors import RecipeError
+from pipeline.shell.backend_input import backend_input
 from pipeline.shell.recipe import Recipe
 
 ROOT = Path(__file__).parents[2]
@@ -23,7 +24,7 @@ ROOT = Path(__file__).parents[2]
 
 def test_the_default_backend_builds_the_torch_engine_and_trainer_sharing_one_model() -> None:
     """Catches a registry that maps `torch` to the wrong module or drops the recipe's options."""
-    engine, trainer = build_backend(Recipe(), vocab_size=16, stop_ids=(1,))
+    engine, trainer = build_backend(backend_input(Recipe()), vocab_size=16, stop_ids=(1,))
     try:
         assert isinstance(engine, TorchEngine) and isinstance(trainer, TorchTrainer)
         assert engine.source is trainer.model  # colocated: one set of weights
@@ -36,7 +37,7 @@ def test_a_model_directory_the_backend_cannot_load_is_a_model_path_error(tmp_pat
     (tmp_path / "config.json").write_text(json.dumps(ModelConfig(vocab_size=16).to_hf_dict()))
     recipe = Recipe(model=ModelSection(path=str(tmp_path)))
     with pytest.raises(RecipeError) as raised:
-        build_backend(recipe, vocab_size=16, stop_ids=(1,))
+        build_backend(backend_input(recipe), vocab_size=16, stop_ids=(1,))
     assert str(raised.value) == (
         f"model.path: {tmp_path}: missing model.safetensors (and no model.safetensors.index.json)"
     )
@@ -49,7 +50,8 @@ def test_a_backend_module_is_imported_only_after_torch_came_up_prepared() -> Non
     and `run` ask of the registry."""
     program = (
         "import os, sys; import pipeline; from backends import registry; "
-        "registry.check(pipeline.load_recipe('recipes/quickstart.yaml')); "
+        "from pipeline.shell.backend_input import backend_input; "
+        "registry.check(backend_input(pipeline.load_recipe('recipes/quickstart.yaml'))); "
         "print(os.environ.get('GOMP_SPINCOUNT'), 'torch' in sys.modules)"
     )
     env = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
@@ -64,10 +66,11 @@ def test_a_host_that_imported_torch_with_default_spinning_is_told_how_to_fix_it(
     be fixed from here, so the build says what to do (once), for a CPU model of several threads."""
     program = (
         "import torch, msgspec; from backends.registry import build_backend; "
-        "from pipeline.shell.recipe import Recipe; recipe = Recipe(); "
+        "from pipeline.shell.recipe import Recipe; from pipeline.shell.backend_input import backend_input; "
+        "recipe = Recipe(); "
         "model = msgspec.structs.replace(recipe.model, threads=2); "
         "recipe = msgspec.structs.replace(recipe, model=model); "
-        "build_backend(recipe, vocab_size=16, stop_ids=(1,))[1].close()"
+        "build_backend(backend_input(recipe), vocab_size=16, stop_ids=(1,))[1].close()"
     )
     env = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
     done = subprocess.run(

@@ -319,12 +319,13 @@ def test_the_recipe_wires_bench_lengths_and_partial_rollouts_into_the_engine() -
     torch backend builds."""
     import pipeline
     from backends.torch.build import build_backend
+    from pipeline.shell.backend_input import backend_input
 
     recipe = pipeline.load_recipe(
         "recipes/quickstart.yaml",
         ["rollout.partial=true", "rollout.bench_lengths={median_tokens: 2}", "rollout.max_rows=16"],
     )
-    engine, trainer = build_backend(recipe, vocab_size=16, stop_ids=())
+    engine, trainer = build_backend(backend_input(recipe), vocab_size=16, stop_ids=())
     try:
         assert engine.partial_rollouts and engine.max_rows == 16
         assert engine.lengths is not None and set(engine.lengths.draw(50)) <= set(range(1, 6))

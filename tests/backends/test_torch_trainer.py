@@ -15,6 +15,7 @@ from backends.torch.model import Decoder
 from backends.torch.trainer import TorchTrainer
 from pipeline.algorithms.config import Algorithm, LossConfig
 from pipeline.contracts.messages import TrainGroup, TrainSample
+from tests.backends.trainer_inputs import batching, optimizer
 
 PINNED = json.loads((Path(__file__).parent / "trainer_steps.json").read_text())
 OPTIONS = {
@@ -34,17 +35,10 @@ def _trainer(*, vocab_size: int = 16, **options: int) -> TorchTrainer:
         algorithm=Algorithm(
             loss=LossConfig(clip_low=0.2, clip_high=0.28, kl_coef=0.0, is_correction="tis", is_cap=2.0)
         ),
-        lr=1e-3,
-        betas=(0.9, 0.999),
-        weight_decay=0.0,
-        warmup_steps=0,
-        schedule="constant",
-        min_lr_ratio=0.1,
-        total_steps=10,
-        grad_clip=1.0,
+        optimizer=optimizer(),
+        batching=batching(**options),
         temperature=1.0,
         seed=3,
-        **options,  # type: ignore[arg-type]
     )
 
 

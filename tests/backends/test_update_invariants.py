@@ -27,6 +27,7 @@ from backends.torch.trainer import TorchTrainer
 from pipeline.algorithms.config import Algorithm, LossConfig
 from pipeline.contracts.messages import TrainGroup, TrainSample
 from tests.backends.megatron_cases import CONFIGS
+from tests.backends.trainer_inputs import batching, optimizer
 
 CONFIG = CONFIGS["llama"]
 CAP = 2.0
@@ -53,16 +54,8 @@ def _torch_trainer(model: Decoder, correction: str, *, grad_clip: float = 1.0) -
     return TorchTrainer(
         model,
         algorithm=_algorithm(correction),
-        lr=LR,
-        betas=(0.9, 0.999),
-        weight_decay=0.0,
-        warmup_steps=0,
-        schedule="constant",
-        min_lr_ratio=0.1,
-        total_steps=10,
-        grad_clip=grad_clip,
-        micro_batch_samples=256,
-        updates_per_step=1,
+        optimizer=optimizer(lr=LR, grad_clip=grad_clip),
+        batching=batching(),
         temperature=1.0,
         seed=3,
     )
@@ -271,13 +264,8 @@ def megatron_trainer() -> Callable[..., object]:
             step,
             config=CONFIG,
             algorithm=_algorithm(correction),
-            lr=LR,
-            warmup_steps=0,
-            schedule="constant",
-            min_lr_ratio=0.1,
-            total_steps=10,
-            micro_batch_samples=256,
-            updates_per_step=1,
+            optimizer=optimizer(lr=LR, grad_clip=grad_clip),
+            batching=batching(),
             temperature=1.0,
             seed=3,
         )

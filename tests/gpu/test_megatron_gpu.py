@@ -17,6 +17,7 @@ pytest.importorskip("megatron.core")
 import pipeline  # noqa: E402
 from backends.megatron.build import build_backend  # noqa: E402
 from pipeline.metrics import read  # noqa: E402
+from pipeline.shell.backend_input import backend_input  # noqa: E402
 from tests.backends.megatron_cases import groups  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -33,7 +34,7 @@ async def test_bf16_steps_through_float32_masters_and_the_engine_serves_them(col
             f"colocated={str(colocated).lower()}",
         ],
     )
-    engine, trainer = build_backend(recipe, vocab_size=16, stop_ids=[1])
+    engine, trainer = build_backend(backend_input(recipe), vocab_size=16, stop_ids=[1])
     try:
         before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
         for _ in range(2):
@@ -59,7 +60,7 @@ async def test_a_saved_step_loads_into_a_fresh_backend_and_trains_on_alike(tmp_p
         "recipes/quickstart.yaml",
         ["run.progress=false", "model.device=cuda", "model.dtype=bfloat16", "colocated=false"],
     )
-    engine, trainer = build_backend(recipe, vocab_size=16, stop_ids=[1])
+    engine, trainer = build_backend(backend_input(recipe), vocab_size=16, stop_ids=[1])
     try:
         await trainer.train_step(groups(vocab=16))
         trainer.save(tmp_path)
@@ -68,7 +69,7 @@ async def test_a_saved_step_loads_into_a_fresh_backend_and_trains_on_alike(tmp_p
     finally:
         engine.close()
         trainer.close()
-    engine, trainer = build_backend(recipe, vocab_size=16, stop_ids=[1])
+    engine, trainer = build_backend(backend_input(recipe), vocab_size=16, stop_ids=[1])
     try:
         trainer.load(tmp_path)
         assert trainer.fingerprint() == saved
