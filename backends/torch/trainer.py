@@ -1,5 +1,5 @@
 """The torch trainer: AdamW with float32 masters, warmup + cosine/constant schedule, clipping,
-micro-batching, optimizer offload.
+micro-batching, optimizer offload, data parallelism (`backends/torch/data_parallel.py`).
 
 `train_step(groups)` runs one pipeline step on the trainer's compute thread through the shared
 update loop (`pipeline.algorithms.update.run_update`: minibatches, the recipe's algorithm, the
@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from backends.torch.compute import ComputeThread
+from backends.torch.data_parallel import RankGroup, grad_norm, owners, share_owned, sum_gradients
 from backends.torch.fingerprint import Fingerprinter, parameter_probes
 from backends.torch.grouped import response_logprobs
 from backends.torch.host_copy import HostCopier
@@ -59,8 +60,10 @@ class TorchTrainer:
         reference: Decoder | None = None,
         compute: ComputeThread | None = None,
         fingerprints: bool = False,
+        ranks: RankGroup | None = None,
     ) -> None:
-        """`optimizer`, `batching`, `options`: the backend input's (`backends/input.py`)."""
+        """`optimizer`, `batching`, `options`: the backend input's (`backends/input.py`);
+        `ranks`: this trainer's data-parallel ranks (None: it is the only one)."""
         options = options or TrainerOptions()
         updates_per_step = batching.updates_per_step
         self.model = model
@@ -81,9 +84,17 @@ class TorchTrainer:
         self.reference = reference
         self.device = next(model.parameters()).device
         low_precision = any(p.dtype != torch.float32 for p in model.parameters())
+        # Under data parallelism each rank steps (and keeps the optimizer state of) the
+        # parameters it owns; the others arrive from their owners after each update.
+        self.ranks = ranks
+        self.owner: list[int] | None = None
+        owned = list(model.parameters())
+        if ranks is not None:
+            self.owner = owners(owned, ranks.size)
+            owned = [p for p, owner in zip(owned, self.owner, strict=True) if owner == ranks.rank]
         # bf16 weights step through float32 masters (see backends/torch/precision.py).
-        self.master = MasterWeights(model.parameters()) if options.master_weights and low_precision else None
-        params = self.master.master if self.master is not None else list(model.parameters())
+        self.master = MasterWeights(owned) if options.master_weights and low_precision else None
+        params = self.master.master if self.master is not None else owned
         # The fused kernel on CPU too: one call a parameter instead of a dozen ops (0.2 vs 1 ms a
         # step for the CPU quickstart's model).
         self.optimizer = torch.optim.AdamW(
@@ -192,7 +203,11 @@ class TorchTrainer:
     def _train_step(self, groups: list[TrainGroup]) -> dict[str, float]:
         self.model.train()
         metrics, skipped = run_update(
-            self, groups, algorithm=self.algorithm, updates_per_step=self.updates_per_step
+            self,
+            groups,
+            algorithm=self.algorithm,
+            updates_per_step=self.updates_per_step,
+            parallel=self.ranks.for_update() if self.ranks is not None else None,
         )
         self.skipped_steps += skipped
         metrics["train/skipped_steps"] = float(self.skipped_steps)
@@ -225,10 +240,17 @@ class TorchTrainer:
             self.scheduler.step()
 
     def _apply(self, finite_loss: bool) -> float | None:
+        if self.ranks is not None:
+            sum_gradients(list(self.model.parameters()), self.ranks)  # the whole minibatch's
         if self.master is None:
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip))
-        else:
-            grad_norm = self.master.grad_norm()
+            norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip))
+        elif self.ranks is None:
+            norm = self.master.grad_norm()
+        else:  # the masters hold this rank's parameters only: the norm is of them all
+            norm = grad_norm(list(self.model.parameters()))
+        return self._step(finite_loss, norm)
+
+    def _step(self, finite_loss: bool, grad_norm: float) -> float | None:
         if not (finite_loss and math.isfinite(grad_norm)):
             self.model.zero_grad(set_to_none=True)
             return None
@@ -245,6 +267,9 @@ class TorchTrainer:
                 self.master.publish(chunk)
             if self.parking is not None:
                 self.parking.park(index)
+        if self.ranks is not None:
+            assert self.owner is not None  # set with ranks
+            share_owned(list(self.model.parameters()), self.owner, self.ranks)
         return grad_norm
 
     def _param_chunks(self) -> list[list[int]]:
@@ -270,8 +295,15 @@ class TorchTrainer:
         """Stop the compute thread (after its current call)."""
         self.compute.close()
 
+    @property
+    def state_file(self) -> str:
+        """This rank's file of a checkpoint: `trainer.pt` (the model, read by `export`, and rank
+        0's optimizer shard), `trainer.rank<r>.pt` for data-parallel rank r > 0."""
+        rank = self.ranks.rank if self.ranks is not None else 0
+        return TRAINER_FILE if rank == 0 else f"trainer.rank{rank}.pt"
+
     def save(self, directory: Path) -> None:
-        save_state(directory / TRAINER_FILE, self.state())
+        save_state(directory / self.state_file, self.state())
 
     def snapshot(self, directory: Path) -> StateSnapshot:
         """`save`'s state copied to host memory now, on the compute thread (between steps: the
@@ -279,14 +311,14 @@ class TorchTrainer:
         later (`pipeline.protocols.Snapshotting`). The host buffer is reused by every snapshot
         (pinned memory on GPU)."""
         copied = self.compute.call(lambda: self._host.copy(self.state()))
-        return StateSnapshot(directory / TRAINER_FILE, copied)
+        return StateSnapshot(directory / self.state_file, copied)
 
     @functools.cached_property
     def _host(self) -> HostCopier:
         return HostCopier()
 
     def load(self, directory: Path) -> None:
-        state = load_state(directory / TRAINER_FILE)
+        state = load_state(directory / self.state_file)
         saved = sum(len(group["params"]) for group in state["optimizer"]["param_groups"])
         if saved != len(self.optimizer.param_groups[0]["params"]):
             # Written before q/k/v and gate/up became one parameter each (or for another model).

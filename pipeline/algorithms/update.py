@@ -11,12 +11,19 @@ computed first (later updates compare against the pre-step policy); with one the
 detached logprobs of the same forward. The aggregation's weights come from the whole
 minibatch's counts, so the micro-batch split does not change the update. A non-finite loss or
 gradient norm skips that update (the backend drops its gradients), so no NaN reaches the weights.
+
+Data parallel (`DataParallel`): every rank is given the step's same groups and shuffles them
+alike; of each minibatch it trains its own share (`shares`: whole groups, balanced by tokens),
+with the aggregation's weights from the whole minibatch's counts, so the ranks' gradients summed
+(the backend's `apply` sums them) are one rank's gradient on every group. The minibatch's loss
+is summed over the ranks before the skip decision (every rank skips alike), and the `train/*`
+metrics are those of the whole step, the same on every rank.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -54,6 +61,35 @@ class Chunk:
         )
 
 
+@dataclass(frozen=True)
+class DataParallel:
+    """This trainer's rank among `size` data-parallel ranks; `all_sum(t)` sums the tensor `t`
+    over the ranks in place (a collective: every rank calls it at the same point)."""
+
+    rank: int
+    size: int
+    all_sum: Callable[[torch.Tensor], None]
+
+
+def group_tokens(group: TrainGroup) -> int:
+    """The tokens a group costs a forward: its prompt once and every response."""
+    return len(group.prompt_tokens) + sum(len(s.tokens) for s in group.samples)
+
+
+def shares(groups: Sequence[TrainGroup], size: int) -> list[list[int]]:
+    """The indices of `groups` each of `size` ranks trains: whole groups, balanced by tokens
+    (the largest group first, to the rank with the fewest tokens so far; ties to the lowest
+    rank), each rank's in the given order. The same on every rank for the same groups."""
+    load = [0] * size
+    owned: list[list[int]] = [[] for _ in range(size)]
+    by_size = sorted(range(len(groups)), key=lambda i: -group_tokens(groups[i]))  # stable
+    for index in by_size:
+        rank = min(range(size), key=lambda r: (load[r], r))
+        owned[rank].append(index)
+        load[rank] += group_tokens(groups[index])
+    return [sorted(indices) for indices in owned]
+
+
 class UpdateBackend(Protocol):
     """What a trainer gives the loop."""
 
@@ -79,16 +115,34 @@ class UpdateBackend(Protocol):
 
 
 def run_update(
-    backend: UpdateBackend, groups: Sequence[TrainGroup], *, algorithm: Algorithm, updates_per_step: int
+    backend: UpdateBackend,
+    groups: Sequence[TrainGroup],
+    *,
+    algorithm: Algorithm,
+    updates_per_step: int,
+    parallel: DataParallel | None = None,
 ) -> tuple[dict[str, float], int]:
-    """One step's updates on `groups`; (the step's `train/*` metrics, updates skipped)."""
+    """One step's updates on `groups` (with `parallel`, this rank's share of them: module
+    docstring); (the step's `train/*` metrics, updates skipped)."""
     loss_fn, aggregation = LOSSES.get(algorithm.policy_loss), AGGREGATIONS.get(algorithm.loss_aggregation)
     groups = list(groups)
     order = torch.randperm(len(groups), generator=backend.generator).tolist()
-    minibatches = [
-        backend.micro_batches([groups[g] for g in part.tolist()])
+    parts = [
+        [groups[g] for g in part.tolist()]
         for part in torch.tensor(order).tensor_split(min(updates_per_step, len(groups)))
     ]
+    # Each minibatch's counts are the whole minibatch's, whichever rank trains which group.
+    all_counts = [
+        Counts(
+            tokens=float(sum(len(s.tokens) for g in part for s in g.samples)),
+            sequences=float(sum(len(g.samples) for g in part)),
+            max_new_tokens=algorithm.max_new_tokens,
+        )
+        for part in parts
+    ]
+    if parallel is not None:
+        parts = [[part[i] for i in shares(part, parallel.size)[parallel.rank]] for part in parts]
+    minibatches = [backend.micro_batches(part) if part else [] for part in parts]
     chunks = [c for minibatch in minibatches for c in minibatch]
     with torch.no_grad():
         if updates_per_step > 1:
@@ -100,12 +154,7 @@ def run_update(
     loss_total = clipped = kl_total = tokens_total = 0.0
     grad_norms: list[float] = []
     skipped = 0
-    for minibatch in minibatches:
-        counts = Counts(
-            tokens=float(sum(c.mask.sum() for c in minibatch)),
-            sequences=float(sum(c.mask.shape[0] for c in minibatch)),
-            max_new_tokens=algorithm.max_new_tokens,
-        )
+    for minibatch, counts in zip(minibatches, all_counts, strict=True):
         backend.zero_grad()
         loss = torch.zeros((), device=backend.device)
         for chunk in minibatch:
@@ -128,6 +177,8 @@ def run_update(
             loss += part.detach()
             clipped += float((out.clipped * chunk.mask).sum())
             kl_total += float((out.kl * chunk.mask).sum())
+        if parallel is not None:
+            parallel.all_sum(loss)
         loss_value = float(loss)
         grad_norm = backend.apply(finite_loss=math.isfinite(loss_value))
         if grad_norm is None:
@@ -137,11 +188,14 @@ def run_update(
         loss_total += loss_value * counts.tokens
         tokens_total += counts.tokens
     masks = [c.mask.bool() for c in chunks]
-    metrics = mismatch_metrics(
-        torch.cat([c.old[m] for c, m in zip(chunks, masks, strict=True) if c.old is not None]),
-        torch.cat([c.gen[m] for c, m in zip(chunks, masks, strict=True)]),
-        torch.ones(int(sum(m.sum() for m in masks)), device=backend.device),
-    )
+    if parallel is None:
+        metrics = mismatch_metrics(
+            torch.cat([c.old[m] for c, m in zip(chunks, masks, strict=True) if c.old is not None]),
+            torch.cat([c.gen[m] for c, m in zip(chunks, masks, strict=True)]),
+            torch.ones(int(sum(m.sum() for m in masks)), device=backend.device),
+        )
+    else:
+        metrics, clipped, kl_total = _whole_step(chunks, masks, clipped, kl_total, parallel, backend.device)
     tokens = max(1.0, tokens_total)
     metrics.update(
         {
@@ -156,3 +210,30 @@ def run_update(
     if backend.has_reference:
         metrics["train/kl_ref"] = kl_total / tokens
     return metrics, skipped
+
+
+def _whole_step(
+    chunks: list[Chunk],
+    masks: list[torch.Tensor],
+    clipped: float,
+    kl_total: float,
+    parallel: DataParallel,
+    device: torch.device,
+) -> tuple[dict[str, float], float, float]:
+    """The mismatch metrics over every rank's tokens, and the clipped and KL totals summed over
+    the ranks (a rank may have trained no group of a small step)."""
+    sums = torch.zeros(5, dtype=torch.float64, device=device)
+    for chunk, mask in zip(chunks, masks, strict=True):
+        assert chunk.old is not None  # every trained chunk's pre-step logprobs
+        r = chunk.old[mask] - chunk.gen[mask]
+        sums[0] += torch.exp(r.abs()).sum().double()
+        sums[1] += (torch.exp(r) - 1.0 - r).sum().double()
+        sums[2] += mask.sum().double()
+    sums[3], sums[4] = clipped, kl_total
+    parallel.all_sum(sums)
+    tokens = max(float(sums[2]), 1.0)
+    metrics = {
+        "train/token_mult_prob_error": float(sums[0]) / tokens,
+        "train/gen_kl_error": float(sums[1]) / tokens,
+    }
+    return metrics, float(sums[3]), float(sums[4])
