@@ -130,9 +130,15 @@ def check_placement(
     tensor_parallel: int,
     partial: bool,
     reward_function: str,
+    data_parallel: int = 1,
 ) -> None:
     """Cross-field rules of `placement` against the rest of the recipe (ValueError naming both)."""
     if not isinstance(section, RayPlacement):
+        if data_parallel > 1:
+            raise ValueError(
+                f"train.data_parallel: {data_parallel} needs placement.backend: ray (a pipeline "
+                "process is one rank: Ray starts one trainer actor a rank)"
+            )
         return
 
     def gpus_of(side: str) -> float:
@@ -152,10 +158,12 @@ def check_placement(
                     f"an actor only the GPUs it asks for; leave it unset (a GPU of its own) or set "
                     "0.5 for the engine and the trainer each (the two share one GPU)"
                 )
-    ranks = tensor_parallel
+    ranks = tensor_parallel * data_parallel
     if ranks > 1 and device.startswith("cuda") and gpus_of("trainer") < 1:
+        field = "train.tensor_parallel" if tensor_parallel > 1 else "train.data_parallel"
+        size = tensor_parallel if tensor_parallel > 1 else data_parallel
         raise ValueError(
-            f"train.tensor_parallel: {ranks} with placement.trainer_gpus: {gpus_of('trainer'):g}: "
+            f"{field}: {size} with placement.trainer_gpus: {gpus_of('trainer'):g}: "
             "NCCL takes one rank per GPU, so each trainer rank needs a GPU of its own: leave "
             "placement.trainer_gpus unset"
         )

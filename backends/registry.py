@@ -71,11 +71,14 @@ def build_trainer_alone(spec: Input, *, vocab_size: int) -> Trainer:
     return trainer
 
 
-def build_backend(spec: Input, *, vocab_size: int, stop_ids: Sequence[int]) -> tuple[Engine, Trainer]:
-    """The (engine, trainer) pair of the backend `spec.backend` names."""
+def build_backend(
+    spec: Input, *, vocab_size: int, stop_ids: Sequence[int], replica: int = 0
+) -> tuple[Engine, Trainer]:
+    """The (engine, trainer) pair of the backend `spec.backend` names; `replica`: the engine's
+    index where every data-parallel rank holds one (colocated)."""
     module = _module(spec.backend)
     _say("building the model (train.backend %s, model.device %s)", spec.backend, spec.model.device)
-    engine, trainer = module.build_backend(spec, vocab_size=vocab_size, stop_ids=stop_ids)
+    engine, trainer = module.build_backend(spec, vocab_size=vocab_size, stop_ids=stop_ids, replica=replica)
     return engine, trainer
 
 

@@ -473,6 +473,8 @@ BINDING_FIELDS = (
     "train.weight_decay",
     "train.beta1",
     "train.beta2",
+    # Each data-parallel rank's checkpoint file holds its own shard of the optimizer state.
+    "train.data_parallel",
 )
 
 

@@ -98,6 +98,10 @@ class TrainSection(Section, frozen=True):
     # Tensor-parallel ranks of the trainer (train.backend megatron, placement.backend ray: one
     # trainer actor a rank, each with placement.trainer_gpus).
     tensor_parallel: PositiveInt = 1
+    # Data-parallel ranks of the trainer (placement.backend ray: one trainer actor a rank, with
+    # train.tensor_parallel ranks each): every step's groups are split over them, whole groups
+    # balanced by tokens, and they compute the update one rank would on all of them.
+    data_parallel: PositiveInt = 1
     # Stop the run when this many batches in a row have nothing to train on (every group
     # dropped, poisoned or unscored), or this many steps in a row apply no optimizer update
     # (non-finite loss or gradient norm).

@@ -73,6 +73,12 @@ def check(spec: Input) -> None:
             "group would replace the process group megatron's trainer holds); set "
             "placement.weights: auto"
         )
+    if spec.options.data_parallel > 1:
+        raise RecipeError(
+            f"train.data_parallel: {spec.options.data_parallel} is not built for train.backend megatron "
+            "yet (its DDP and distributed optimizer over the data-parallel group): use train.backend: "
+            "torch, or train.data_parallel: 1"
+        )
     model = spec.model
     if model.config is not None:  # a model.path's config is read when it is built
         check_shape(model.config, size)
@@ -109,8 +115,12 @@ def require_megatron() -> None:
         )
 
 
-def build_backend(spec: Input, *, vocab_size: int, stop_ids: Sequence[int]) -> tuple[Any, Any]:
-    """The engine `rollout.engine` names and the megatron trainer (this process's rank of it)."""
+def build_backend(
+    spec: Input, *, vocab_size: int, stop_ids: Sequence[int], replica: int = 0
+) -> tuple[Any, Any]:
+    """The engine `rollout.engine` names and the megatron trainer (this process's rank of it);
+    `replica`, the colocated engine's index among data-parallel ranks, is 0: `check` refuses
+    data parallelism here."""
     decoder, trainer = _build(spec, vocab_size=vocab_size)
     from backends.megatron import reshard
 

@@ -39,8 +39,9 @@ class BackendPart:
     of the weights, refreshed by `set_weights`;
     `trainer`, the recipe's backend's trainer alone, which publishes its weights as the
     engine's `Decoder` holds them (`served_parameters`) with `publish`. Under tensor
-    parallelism (`world`) the actor joins the ranks' world as rank `rank` before it builds
-    anything; rank 0 is the `both` or publishing one.
+    or data parallelism (`world`) the actor joins the ranks' world as rank `rank` before it
+    builds anything; rank 0 is the publishing one, and colocated, the first rank of each
+    tensor-parallel group is a `both`, its engine replica `replica`.
     """
 
     def __init__(
@@ -73,7 +74,9 @@ class BackendPart:
         self.kept: Any = None  # the trainer's last broadcast (backends/ray/broadcast.py)
         self._snapshots: dict[str, Any] = {}  # a checkpoint's part taken, not yet written
         if role == "both":
-            self.engine, self.trainer = build_backend(spec, vocab_size=vocab_size, stop_ids=stop_ids)
+            self.engine, self.trainer = build_backend(
+                spec, vocab_size=vocab_size, stop_ids=stop_ids, replica=replica
+            )
         elif role == "trainer":
             self.trainer = build_trainer_alone(spec, vocab_size=vocab_size)
         else:

@@ -18,8 +18,11 @@ each answer says which versions the replica served, and one outside what was ann
 between the request's dispatch and its answer fails the run (a replica serving weights it was
 never sent).
 
-Colocated, the one replica is the trainer's own actor: stand-down and wake are forwarded, the
-wake carries the weights, and the actor cannot be replaced (its death is the trainer's).
+Colocated, each replica is a trainer rank's own actor (one a data-parallel rank): stand-down and
+wake go to every replica at once, the wake carries the weights, and an actor cannot be replaced
+(its death is the trainer's): a stand-down or wake that fails on one fails the step, naming it.
+The replicas' reports are combined: the memory they hold after a stand-down summed, their
+fingerprints agreed (`_agreed`: a tensor on which they differ never matches the trainer's).
 """
 
 from __future__ import annotations
@@ -213,10 +216,23 @@ class RayEngine:
             replica.ready.set()
 
     async def stand_down(self) -> None:
-        self._memory = await self._call(self.replicas[0], "stand_down")
+        memory = await self._every("stand_down")
+        self._memory = None if any(m is None for m in memory) else sum(memory)
 
     async def wake(self) -> None:
-        self._served = await self._call(self.replicas[0], "wake")
+        self._served = _agreed(await self._every("wake"))
+
+    async def _every(self, method: str) -> list[Any]:
+        """`method` on every (colocated) replica at once; their answers in replica order."""
+        answers: list[Any] = [None] * len(self.replicas)
+
+        async def one(replica: Replica) -> None:
+            answers[replica.index] = await self._call(replica, method)
+
+        async with anyio.create_task_group() as group:
+            for replica in self.replicas:
+                group.start_soon(one, replica)
+        return answers
 
     async def refit(self) -> None:
         assert self.publish is not None, "a colocated engine's wake carries the weights"
@@ -253,9 +269,10 @@ class RayEngine:
         try:
             return await getattr(replica.actor, method).remote()
         except ACTOR_LOST as error:
-            raise BackendLost(
-                f"the engine's actor (colocated with the trainer) died: {cause(error)}"
-            ) from None
+            which = (
+                f"engine replica {replica.index}'s actor" if len(self.replicas) > 1 else "the engine's actor"
+            )
+            raise BackendLost(f"{which} (colocated with the trainer) died: {cause(error)}") from None
 
     def memory_in_use(self) -> int | None:
         return self._memory

@@ -12,9 +12,10 @@
   one process group of them all (`placement.weights: collective`, `backends/ray/collective.py`).
   Every replica is loaded with the trainer's weights (through the object store) before the run
   starts.
-- Tensor parallelism (`train.tensor_parallel` > 1, megatron): one trainer actor a rank, each
-  with the trainer's resources, joined into one torch.distributed world through a rendezvous
-  this process holds (`backends/ray/world.py`); colocated, rank 0's actor also holds the engine.
+- Tensor and data parallelism (`train.tensor_parallel` x `train.data_parallel` ranks): one
+  trainer actor a rank, each with the trainer's resources, joined into one torch.distributed
+  world through a rendezvous this process holds (`backends/ray/world.py`); colocated, the first
+  rank of each tensor-parallel group also holds an engine replica (one a data-parallel rank).
 - With `placement.reward_workers`, a pool of reward-worker actors scores the groups.
 """
 
@@ -98,7 +99,8 @@ def _place(
     _say("starting the actors (each loads torch and builds its part of the model)")
     counts: Counter[str] = Counter()
     build = {"vocab_size": vocab_size, "stop_ids": tuple(stop_ids)}
-    device, ranks = spec.model.device, spec.options.tensor_parallel
+    device, ranks = spec.model.device, spec.options.ranks
+    tensor_parallel = spec.options.tensor_parallel
     roles = {side: gpus(section, device, side) for side in ("engine", "trainer")}
     check_fits(demands(section, colocated=spec.colocated, ranks=ranks, gpus=roles), ray.nodes())
     trainer_options = _options(section.trainer_cpus, roles["trainer"], section.trainer_resources)
@@ -129,21 +131,30 @@ def _place(
         cleanups.append(lambda: ray.kill(actor))  # type: ignore[arg-type]
         return actor
 
-    def start_trainer(first: str) -> RayTrainer:
-        """The trainer's ranks, rank 0 in role `first` (one actor a rank: `world`)."""
+    def start_trainer(colocated: bool) -> RayTrainer:
+        """The trainer's ranks (one actor a rank: `world`); colocated, the first rank of each
+        tensor-parallel group also holds an engine replica (rank r's is replica r // TP)."""
         ranked = world is not None
         actors = [
-            start(trainer_options, first if rank == 0 else "trainer", rank=rank if ranked else None)
+            start(
+                trainer_options,
+                "both" if colocated and rank % tensor_parallel == 0 else "trainer",
+                replica=rank // tensor_parallel,
+                rank=rank if ranked else None,
+            )
             for rank in range(ranks)
         ]
         wheres = _started([a.where.remote() for a in actors], section)
         return RayTrainer(list(zip(actors, wheres, strict=True)), transport=transport)
 
     if spec.colocated:
-        trainer = start_trainer("both")
-        actor, where = trainer.ranks[0]
+        trainer = start_trainer(colocated=True)
         engine = RayEngine(
-            [Replica(0, actor, where)],
+            [
+                Replica(rank // tensor_parallel, actor, where)
+                for rank, (actor, where) in enumerate(trainer.ranks)
+                if rank % tensor_parallel == 0
+            ],
             spawn=None,
             publish=None,
             colocated=True,
@@ -152,7 +163,7 @@ def _place(
         )
     else:
         engine_actors = [start(engine_options, "engine", i) for i in range(section.engines)]
-        trainer = start_trainer("trainer")
+        trainer = start_trainer(colocated=False)
         wheres = _started([a.where.remote() for a in engine_actors], section)
 
         def spawn(index: int) -> tuple[Any, dict[str, Any]]:

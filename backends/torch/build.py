@@ -81,16 +81,23 @@ def build_model(section: ModelSection, *, vocab_size: int, seed: int) -> Decoder
 
 
 def build_backend(
-    spec: Input, *, vocab_size: int, stop_ids: Sequence[int]
+    spec: Input, *, vocab_size: int, stop_ids: Sequence[int], replica: int = 0
 ) -> tuple[TorchEngine, TorchTrainer]:
-    """(engine, trainer) sharing one model when `spec.colocated`, else two copies."""
+    """(engine, trainer) sharing one model when `spec.colocated`, else two copies; `replica`:
+    the engine's index (colocated data parallelism: one replica on each rank)."""
     model = build_model(spec.model, vocab_size=vocab_size, seed=spec.seed)
     engine_model = model if spec.colocated else copy.deepcopy(model)
     # Colocated, engine and trainer never run at once: one thread (one OpenMP team) for both.
     trainer_thread = ComputeThread("trainer")
     engine_thread = trainer_thread if spec.colocated else ComputeThread("engine")
     engine = build_engine(
-        spec, engine_model, shared=spec.colocated, source=model, stop_ids=stop_ids, compute=engine_thread
+        spec,
+        engine_model,
+        shared=spec.colocated,
+        source=model,
+        stop_ids=stop_ids,
+        compute=engine_thread,
+        replica=replica,
     )
     return engine, build_trainer(spec, model, compute=trainer_thread)
 
@@ -155,6 +162,12 @@ def build_trainer(spec: Input, model: Decoder, *, compute: ComputeThread) -> Tor
     if spec.algorithm.loss.kl_coef > 0:
         reference = copy.deepcopy(model).eval()
         reference.requires_grad_(False)
+    ranks = None
+    if spec.options.data_parallel > 1:  # this process is one rank (a Ray actor that joined them)
+        from backends.torch.data_parallel import RankGroup
+
+        ranks = RankGroup.world()
+        assert ranks.size == spec.options.data_parallel, "the ranks' world is the data-parallel group"
     return TorchTrainer(
         model,
         algorithm=spec.algorithm,
@@ -166,4 +179,5 @@ def build_trainer(spec: Input, model: Decoder, *, compute: ComputeThread) -> Tor
         reference=reference,
         compute=compute,
         fingerprints=spec.handoff_checks,
+        ranks=ranks,
     )

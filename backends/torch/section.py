@@ -41,6 +41,7 @@ class TrainerOptions(msgspec.Struct, kw_only=True, frozen=True):
     moments in pinned host memory between steps. `compile`: torch.compile each layer's
     position-wise parts. `activation_checkpointing`: recompute each layer in the backward pass.
     `tensor_parallel`: megatron's tensor-parallel ranks (one Ray actor each).
+    `data_parallel`: data-parallel ranks, each of `tensor_parallel` actors.
     """
 
     master_weights: bool = True
@@ -48,3 +49,9 @@ class TrainerOptions(msgspec.Struct, kw_only=True, frozen=True):
     compile: bool = False
     activation_checkpointing: bool = False
     tensor_parallel: int = 1
+    data_parallel: int = 1
+
+    @property
+    def ranks(self) -> int:
+        """The trainer's ranks in all: one Ray actor each."""
+        return self.tensor_parallel * self.data_parallel

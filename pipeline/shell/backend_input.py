@@ -41,6 +41,7 @@ def options_of(recipe: Recipe) -> TrainerOptions:
         compile=train.compile,
         activation_checkpointing=train.activation_checkpointing,
         tensor_parallel=train.tensor_parallel,
+        data_parallel=train.data_parallel,
     )
 
 

@@ -72,6 +72,7 @@ class Recipe(Section, frozen=True):
             colocated=self.colocated,
             device=self.model.device,
             tensor_parallel=self.train.tensor_parallel,
+            data_parallel=self.train.data_parallel,
             partial=self.rollout.partial,
             reward_function=self.reward.function,
         )

@@ -36,19 +36,19 @@ def variant(name: str) -> Algorithm:
     return resolve(section, max_new_tokens=9, samples_per_prompt=4)
 
 
-def groups(seed: int) -> list[TrainGroup]:
+def groups(seed: int, vocab: int = 24) -> list[TrainGroup]:
     """Five groups of four: prompts and responses of different lengths, behaviour logprobs off
     the model's (so the IS correction and the mismatch metrics have work)."""
     g = torch.Generator().manual_seed(seed)
     out = []
     for gi in range(5):
-        prompt = torch.randint(0, 24, (3 + gi % 3,), generator=g).tolist()
+        prompt = torch.randint(0, vocab, (3 + gi % 3,), generator=g).tolist()
         samples = []
         for si in range(4):
             length = 1 + (si * 3 + gi * 2) % 8
             samples.append(
                 TrainSample(
-                    tokens=tuple(torch.randint(0, 24, (length,), generator=g).tolist()),
+                    tokens=tuple(torch.randint(0, vocab, (length,), generator=g).tolist()),
                     logprobs=tuple((-torch.rand(length, generator=g) * 3 - 2).tolist()),
                     reward=float(si % 2),
                     advantage=float(si) - 1.5 + 0.1 * gi,
