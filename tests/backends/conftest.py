@@ -31,3 +31,32 @@ def ray_cluster():
     yield cluster
     ray.shutdown()
     cluster.shutdown()
+
+
+@pytest.fixture
+def placements(ray_cluster, monkeypatch):
+    """Every backend the program places in this test (a run through `pipeline.shell.run`), with
+    the group ids each step trained."""
+    from backends.place import place
+    from pipeline.shell import run as shell_run
+
+    found: list = []
+
+    def capture(*args, **kwargs):
+        placed = place(*args, **kwargs)
+        found.append(placed)
+        placed.trained = trained = []  # type: ignore[attr-defined]
+        # Whether the engine served the trainer's weights as each step began.
+        placed.agreed = agreed = []  # type: ignore[attr-defined]
+        step = placed.trainer.train_step
+
+        async def recording(items, *rest):
+            trained.append({item.group_id for item in items})
+            agreed.append(placed.engine.fingerprint() == placed.trainer.fingerprint())
+            return await step(items, *rest)
+
+        placed.trainer.train_step = recording
+        return placed
+
+    monkeypatch.setattr(shell_run, "place", capture)
+    return found

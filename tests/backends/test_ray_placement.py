@@ -20,10 +20,10 @@ import anyio
 import pytest
 
 import pipeline
-from backends.place import place
 from backends.placement import Placed
 from pipeline.contracts.errors import BackendLost
 from pipeline.metrics import read
+from pipeline.runner import StopRequest
 from pipeline.shell import run as shell_run
 from stages.checkpoint import committed
 
@@ -44,36 +44,16 @@ SMALL = [
 ]
 
 
-@pytest.fixture
-def placements(ray_cluster, monkeypatch) -> list[Placed]:
-    """Every backend the program places in this test, with the group ids each step trained."""
-    found: list[Placed] = []
-
-    def capture(*args: Any, **kwargs: Any) -> Placed:
-        placed = place(*args, **kwargs)
-        found.append(placed)
-        placed.trained = trained = []  # type: ignore[attr-defined]
-        # Whether the engine served the trainer's weights as each step began.
-        placed.agreed = agreed = []  # type: ignore[attr-defined]
-        step = placed.trainer.train_step
-
-        async def recording(items: Any, *rest: Any) -> Any:
-            trained.append({item.group_id for item in items})
-            agreed.append(placed.engine.fingerprint() == placed.trainer.fingerprint())
-            return await step(items, *rest)
-
-        placed.trainer.train_step = recording
-        return placed
-
-    monkeypatch.setattr(shell_run, "place", capture)
-    return found
-
-
-def run(tmp_path: Path, *overrides: str, echo: Callable[[dict[str, Any]], None] | None = None) -> Any:
+def run(
+    tmp_path: Path,
+    *overrides: str,
+    echo: Callable[[dict[str, Any]], None] | None = None,
+    stop: StopRequest | None = None,
+) -> Any:
     recipe = pipeline.load_recipe(
         "recipes/quickstart.yaml", [f"run.dir={tmp_path / 'run'}", *RAY, *overrides]
     )
-    return anyio.run(lambda: shell_run.run_program(recipe, echo=echo))
+    return anyio.run(lambda: shell_run.run_program(recipe, echo=echo, stop=stop))
 
 
 def kill_when(holds_work: Callable[[], bool], pid: Callable[[], int]) -> threading.Event:
