@@ -223,15 +223,22 @@ class RayEngine:
         self._served = _agreed(await self._every("wake"))
 
     async def _every(self, method: str) -> list[Any]:
-        """`method` on every (colocated) replica at once; their answers in replica order."""
+        """`method` on every (colocated) replica at once; their answers in replica order. A
+        replica that died raises `BackendLost` naming it (the first one's, once all answered)."""
         answers: list[Any] = [None] * len(self.replicas)
+        lost: list[BackendLost] = []
 
         async def one(replica: Replica) -> None:
-            answers[replica.index] = await self._call(replica, method)
+            try:
+                answers[replica.index] = await self._call(replica, method)
+            except BackendLost as error:  # one error, not a group of one
+                lost.append(error)
 
         async with anyio.create_task_group() as group:
             for replica in self.replicas:
                 group.start_soon(one, replica)
+        if lost:
+            raise lost[0]
         return answers
 
     async def refit(self) -> None:

@@ -1,0 +1,71 @@
+"""Colocated engine replicas (one a data-parallel rank): the gate's stand-down and wake reach
+every replica, their reports combine, and a replica that dies is named."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import anyio
+import pytest
+import ray.exceptions
+
+from backends.ray.engines import RayEngine, Replica
+from pipeline.contracts.errors import BackendLost
+
+
+class _Method:
+    """`actor.method.remote()`: records the call, answers `answer` (or raises it)."""
+
+    def __init__(self, calls: list[str], name: str, answer: Any) -> None:
+        self.calls, self.name, self.answer = calls, name, answer
+
+    def remote(self) -> Any:
+        self.calls.append(self.name)
+
+        async def answer() -> Any:
+            if isinstance(self.answer, BaseException):
+                raise self.answer
+            return self.answer
+
+        return answer()
+
+
+class _Actor:
+    def __init__(self, index: int, calls: list[str], *, memory: int, served: Any) -> None:
+        self.stand_down = _Method(calls, f"stand_down {index}", memory)
+        self.wake = _Method(calls, f"wake {index}", served)
+
+
+def _engine(*actors: _Actor) -> RayEngine:
+    return RayEngine(
+        [Replica(i, actor, {"pid": i}) for i, actor in enumerate(actors)],
+        spawn=None,
+        publish=None,
+        colocated=True,
+        max_restarts=0,
+        counts=Counter(),
+    )
+
+
+def test_every_replica_stands_down_and_wakes() -> None:
+    calls: list[str] = []
+    engine = _engine(
+        _Actor(0, calls, memory=0, served={"a": 1, "b": 2}),
+        _Actor(1, calls, memory=3, served={"a": 1, "b": 5}),
+    )
+    anyio.run(engine.stand_down)
+    assert sorted(calls) == ["stand_down 0", "stand_down 1"]
+    assert engine.memory_in_use() == 3  # what the replicas still hold, together
+    anyio.run(engine.wake)
+    assert sorted(calls[2:]) == ["wake 0", "wake 1"]
+    assert engine.fingerprint() == {"a": 1, "b": -1}  # b differs: no trainer's checksum matches
+
+
+def test_a_replica_that_died_fails_the_stand_down_naming_it() -> None:
+    calls: list[str] = []
+    died = ray.exceptions.ActorUnavailableError("the actor's process is gone", None)
+    engine = _engine(_Actor(0, calls, memory=0, served=None), _Actor(1, calls, memory=died, served=None))
+    with pytest.raises(BackendLost) as raised:
+        anyio.run(engine.stand_down)
+    assert str(raised.value).startswith("engine replica 1's actor (colocated with the trainer) died: ")
