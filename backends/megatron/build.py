@@ -73,12 +73,6 @@ def check(spec: Input) -> None:
             "group would replace the process group megatron's trainer holds); set "
             "placement.weights: auto"
         )
-    if spec.options.data_parallel > 1:
-        raise RecipeError(
-            f"train.data_parallel: {spec.options.data_parallel} is not built for train.backend megatron "
-            "yet (its DDP and distributed optimizer over the data-parallel group): use train.backend: "
-            "torch, or train.data_parallel: 1"
-        )
     model = spec.model
     if model.config is not None:  # a model.path's config is read when it is built
         check_shape(model.config, size)
@@ -119,8 +113,7 @@ def build_backend(
     spec: Input, *, vocab_size: int, stop_ids: Sequence[int], replica: int = 0
 ) -> tuple[Any, Any]:
     """The engine `rollout.engine` names and the megatron trainer (this process's rank of it);
-    `replica`, the colocated engine's index among data-parallel ranks, is 0: `check` refuses
-    data parallelism here."""
+    `replica`: the colocated engine's index among the data-parallel ranks."""
     decoder, trainer = _build(spec, vocab_size=vocab_size)
     from backends.megatron import reshard
 
@@ -155,13 +148,13 @@ def build_backend(
         temperature=sampling.temperature,
         top_p=sampling.top_p,
         stop_token_ids=tuple(stop_ids),
-        seed=spec.seed + 1,
+        seed=spec.seed + 1 + 1000 * replica,  # as the torch backend's replicas
         compute=trainer.compute if spec.colocated else ComputeThread("engine"),
         fingerprints=spec.handoff_checks,
         refresh_weights=refresh,
         partial=sampling.partial,
         max_rows=sampling.max_rows,
-        lengths=length_draw(sampling, seed=spec.seed),
+        lengths=length_draw(sampling, seed=spec.seed + 1000 * replica),
     )
     return engine, trainer
 

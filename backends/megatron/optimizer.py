@@ -6,10 +6,14 @@ learning rate for each update from the caller (the trainer owns the schedule).
 
   * `TorchAdamW` (CPU): plain `torch.optim.AdamW` on the model's parameters (megatron's own
     optimizer and its 0.19 DDP wrapper hard-code CUDA). Under tensor parallelism the norm sums
-    each sharded parameter's squares over the ranks and counts replicated ones (norms) once.
+    each sharded parameter's squares over the ranks and counts replicated ones (norms) once;
+    under data parallelism the gradients are first summed over the data-parallel group (the
+    optimizer state is replicated there, not sharded).
   * `MegatronAdam` (GPU): the model inside megatron's `DistributedDataParallel` (gradients in
     float32 buffers) and its distributed optimizer: bf16 weights stepped through float32
-    masters, optimizer state sharded over data-parallel ranks.
+    masters, optimizer state sharded over data-parallel ranks. The data-parallel ranks'
+    gradients are summed, not averaged: the update loop normalises the loss by the whole
+    step's counts already.
 """
 
 from __future__ import annotations
@@ -70,6 +74,12 @@ class TorchAdamW:
 
     @torch.no_grad()
     def step(self, lr: float) -> float:
+        if parallel_state.get_data_parallel_world_size() > 1:
+            group = parallel_state.get_data_parallel_group()
+            for p in self.params:
+                if p.grad is None:  # a rank that trained no group of this minibatch adds zeros
+                    p.grad = torch.zeros_like(p)
+                dist.all_reduce(p.grad, group=group)
         grad_norm = self._grad_norm()
         if not math.isfinite(grad_norm):
             self.zero_grad()
@@ -126,6 +136,10 @@ class MegatronAdam:
 
         ddp = DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=True)
         config: Any = model.config
+        # Sum the data-parallel ranks' gradients (megatron's scaling for losses already divided
+        # by the global token count; the default averages them). The flag's other readers are
+        # megatron's training schedules, which this trainer does not use.
+        config.calculate_per_token_loss = True
         self.model = DistributedDataParallel(config, ddp, model)
         self.grad_clip = grad_clip
         self.optimizer = get_megatron_optimizer(

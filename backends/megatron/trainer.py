@@ -50,7 +50,7 @@ from backends.torch.logprobs import picked_logprobs
 from backends.torch.schedule import lr_factor
 from backends.torch.state_file import load_state, save_state
 from pipeline.algorithms.config import Algorithm
-from pipeline.algorithms.update import Chunk, run_update
+from pipeline.algorithms.update import Chunk, DataParallel, run_update
 from pipeline.contracts.backend_input import Batching, Optimizer
 from pipeline.contracts.messages import TrainGroup, TrainSample
 from pipeline.contracts.protocols import Snapshot
@@ -98,6 +98,20 @@ def response_logprobs(
 
     positions = torch.arange(ids.shape[1] - 1, device=ids.device).expand(ids.shape[0], -1)
     return model(ids[:, :-1], positions, attention_mask=None, output_processor=hook) * mask
+
+
+def data_parallel() -> DataParallel | None:
+    """This rank's place in megatron's data-parallel group (None: the only replica). Its
+    tensor-parallel peers share its data-parallel rank, so they train the same groups."""
+    size = parallel_state.get_data_parallel_world_size()
+    if size == 1:
+        return None
+    group = parallel_state.get_data_parallel_group()
+    return DataParallel(
+        rank=parallel_state.get_data_parallel_rank(),
+        size=size,
+        all_sum=lambda t: dist.all_reduce(t, group=group),
+    )
 
 
 class MegatronTrainer:
@@ -231,7 +245,11 @@ class MegatronTrainer:
     def _train_step(self, groups: list[TrainGroup]) -> dict[str, float]:
         self.model.train()
         metrics, skipped = run_update(
-            self, groups, algorithm=self.algorithm, updates_per_step=self.updates_per_step
+            self,
+            groups,
+            algorithm=self.algorithm,
+            updates_per_step=self.updates_per_step,
+            parallel=data_parallel(),
         )
         self.skipped_steps += skipped
         metrics["train/skipped_steps"] = float(self.skipped_steps)

@@ -1,4 +1,6 @@
-"""One rank of the tensor-parallel test (`python -m tests.backends.megatron_tp_rank RANK SIZE PORT OUT`).
+"""One rank of the tensor- and data-parallel tests
+(`python -m tests.backends.megatron_tp_rank RANK SIZE PORT OUT [TP]`: SIZE ranks in all, TP of
+them a tensor-parallel group, default SIZE).
 
 Builds the test's model as this rank's shard, runs one train step on the shared groups and
 writes (rank 0) the step's metrics, and the weights before and after the step and the (clipped)
@@ -14,17 +16,17 @@ import torch
 import torch.distributed as dist
 
 
-def main(rank: int, size: int, port: int, out: str) -> None:
+def main(rank: int, size: int, port: int, out: str, tp: int) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)
     from backends.megatron import layout, parallel, reshard
     from backends.torch.model import Decoder
     from tests.backends.megatron_cases import groups
     from tests.backends.megatron_tp_case import CONFIG, trainer
 
-    parallel.initialise(tensor_parallel=size, device=torch.device("cpu"))
+    parallel.initialise(tensor_parallel=tp, device=torch.device("cpu"))
     torch.manual_seed(0)
     hf = Decoder(CONFIG).state_dict()
-    ours = trainer(hf, rank=rank, size=size)
+    ours = trainer(hf, rank=rank % tp, size=tp)
     before = layout.to_hf(reshard.gathered(layout.parameters(ours.model)), CONFIG)
     metrics = ours._train_step(groups())
     grads = layout.to_hf(reshard.gathered({n: p.grad for n, p in ours.model.named_parameters()}), CONFIG)
@@ -36,4 +38,5 @@ def main(rank: int, size: int, port: int, out: str) -> None:
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
+    size = int(sys.argv[2])
+    main(int(sys.argv[1]), size, int(sys.argv[3]), sys.argv[4], int(sys.argv[5]) if len(sys.argv) > 5 else size)
