@@ -39,4 +39,6 @@ def main(rank: int, size: int, port: int, out: str, tp: int) -> None:
 
 if __name__ == "__main__":
     size = int(sys.argv[2])
-    main(int(sys.argv[1]), size, int(sys.argv[3]), sys.argv[4], int(sys.argv[5]) if len(sys.argv) > 5 else size)
+    main(
+        int(sys.argv[1]), size, int(sys.argv[3]), sys.argv[4], int(sys.argv[5]) if len(sys.argv) > 5 else size
+    )
