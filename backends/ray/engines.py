@@ -1,6 +1,7 @@
 """The pipeline's `Engine` over engine replicas that are Ray actors.
 
-Requests go to the replica with the fewest in flight. The requests that reach one replica
+Requests go to the replica with the fewest rows (samples) in flight; a request (a group's
+samples) is never split. The requests that reach one replica
 together (a batch's groups, started in the same few event-loop rounds) travel in one actor
 call and are sampled in one batched call there. Each request has an id for its whole life.
 
@@ -68,7 +69,7 @@ class Replica:
         self.actor = actor
         self.where = where
         self.incarnation = 0
-        self.in_flight = 0
+        self.in_flight = 0  # rows (samples) of the requests it holds
         self.calls = 0  # generate calls sent to it (each with a burst of requests)
         self.queue: list[tuple[Request, list[Any], anyio.Event]] = []
         self.sending = False
@@ -119,7 +120,7 @@ class RayEngine:
         while True:
             replica = await self._pick()
             self.events.append((kind, request[0], replica.index))
-            replica.in_flight += 1
+            replica.in_flight += n
             try:
                 result = await self._submit(replica, request)
             except _Lost:
@@ -127,7 +128,7 @@ class RayEngine:
                 self.counts["redispatched_requests"] += 1
                 continue
             finally:
-                replica.in_flight -= 1
+                replica.in_flight -= n
             if isinstance(result, BaseException):
                 raise result
             return list(result)

@@ -11,6 +11,7 @@ import pytest
 import ray.exceptions
 
 from backends.ray.engines import RayEngine, Replica
+from backends.ray.wire import encode_completions
 from pipeline.contracts.errors import BackendLost
 
 
@@ -69,3 +70,50 @@ def test_a_replica_that_died_fails_the_stand_down_naming_it() -> None:
     with pytest.raises(BackendLost) as raised:
         anyio.run(engine.stand_down)
     assert str(raised.value).startswith("engine replica 1's actor (colocated with the trainer) died: ")
+
+
+class _Generating:
+    """`actor.generate.remote(requests)` that answers (no completions) once `release` is set:
+    until then its requests stay in flight."""
+
+    def __init__(self, release: anyio.Event) -> None:
+        outer = self
+
+        class _Method:
+            def remote(self, requests: Any) -> Any:
+                async def answer() -> Any:
+                    await outer.release.wait()
+                    return 0, 0, encode_completions([[] for _ in requests]), {}
+
+                return answer()
+
+        self.release = release
+        self.generate = _Method()
+
+
+def test_requests_go_to_the_replica_with_the_fewest_rows_in_flight() -> None:
+    """A group of 8 samples weighs 8 rows, not one request: the next two single-row requests
+    both go to the other replica."""
+    counts: list[list[int]] = []
+
+    async def main() -> None:
+        release = anyio.Event()
+        engine = RayEngine(
+            [Replica(i, _Generating(release), {"pid": i}) for i in range(2)],
+            spawn=None,
+            publish=None,
+            colocated=False,
+            max_restarts=0,
+            counts=Counter(),
+        )
+        async with anyio.create_task_group() as group:
+            for n in (8, 1, 1):
+                group.start_soon(engine.generate, (1, 2), n)
+                await anyio.sleep(0)
+            counts.append([r.in_flight for r in engine.replicas])
+            release.set()
+        counts.append([r.in_flight for r in engine.replicas])
+        counts.append([replica for _, _, replica in engine.events])
+
+    anyio.run(main)
+    assert counts == [[8, 2], [0, 0], [0, 1, 1]]
