@@ -3,9 +3,10 @@
 Every rank runs each step, saves and loads (megatron's checkpoints are collectives over its
 ranks; under data parallelism each rank writes its own shard of the optimizer state); rank 0's
 metrics, fingerprint and weights are the step's (the metrics are the whole step's, summed over
-the data-parallel ranks, and every rank holds the same weights). A rank whose actor dies stops the run with `BackendLost`, naming the rank, its
-process and node and the step: its optimizer state exists nowhere else, so there is nothing to
-save, and the last committed checkpoint stays the one a rerun resumes from.
+the data-parallel ranks, and every rank holds the same weights). A rank whose actor dies stops
+the run with `BackendLost`, naming the rank, its process and node and the step: its optimizer
+state exists nowhere else, so there is nothing to save, and the last committed checkpoint
+stays the one a rerun resumes from.
 """
 
 from __future__ import annotations
