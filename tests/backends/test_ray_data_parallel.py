@@ -73,15 +73,6 @@ def test_two_trainer_actors_give_the_step_of_one(ray_cluster: Any) -> None:
         assert torch.equal(ranks[0][name], ranks[1][name]), name
 
 
-def test_data_parallel_in_one_process_is_refused_naming_ray(tmp_path: Path) -> None:
-    with pytest.raises(pipeline.RecipeError) as raised:
-        pipeline.load_recipe("recipes/quickstart.yaml", ["train.data_parallel=2"])
-    assert str(raised.value) == (
-        "recipes/quickstart.yaml: train.data_parallel: 2 needs placement.backend: ray (a pipeline "
-        "process is one rank: Ray starts one trainer actor a rank)"
-    )
-
-
 # -- whole runs (the quickstart through `run_program`, backends captured by `placements`) ------
 
 

@@ -360,6 +360,19 @@ VALID_RUN_FIELDS = "dir, steps, seed, stop_grace_s, progress, log_every_steps, p
             "object_store",
             id="placement-weights-unknown",
         ),
+        pytest.param(
+            "train:\n  data_parallel: 2\n",
+            "train.data_parallel: 2 needs placement.backend: ray (a pipeline process is one rank: Ray "
+            "starts one trainer actor a rank)",
+            id="data-parallel-in-one-process",
+        ),
+        pytest.param(
+            "model:\n  config: {vocab_size: 16}\n  device: cuda\nplacement:\n  backend: ray\n"
+            "  trainer_gpus: 0.5\ntrain:\n  data_parallel: 2\n",
+            "train.data_parallel: 2 with placement.trainer_gpus: 0.5: NCCL takes one rank per GPU, so "
+            "each trainer rank needs a GPU of its own: leave placement.trainer_gpus unset",
+            id="data-parallel-ranks-sharing-a-gpu",
+        ),
     ],
 )
 def test_bad_recipe_message(tmp_path: Path, text: str, message: str) -> None:
