@@ -36,6 +36,7 @@ from pipeline.gate import EngineGate
 from pipeline.logs import reset_warnings
 from pipeline.metrics import MetricsLog
 from pipeline.recipe import dump
+from pipeline.environments import EnvironmentFactory
 from pipeline.rewards.scoring import RewardFn
 from pipeline.runner import Stage, StopRequest, first_error, reclaim_signals, run_stages
 from pipeline.sinks import open_sinks
@@ -62,6 +63,7 @@ from stages.checkpoint import (
 )
 from stages.checkpoint_writer import CheckpointWriter
 from stages.context import RunContext
+from stages.episodes import Episodes
 from stages.evaluation import Evaluation
 from stages.faults import FaultyEngine
 from stages.gates import Verdict, give_verdict
@@ -158,6 +160,7 @@ async def run_program(
             resumed=resumed,
             prompts=prompts,
             reward_fn=reward_fn,
+            environment=checked.environment,
             engine=engine,
             trainer=trainer,
             placed=placed,
@@ -188,6 +191,7 @@ async def _run_locked(
     resumed: Resumed | None,
     prompts: PromptSet,
     reward_fn: RewardFn,
+    environment: EnvironmentFactory | None,
     engine: Engine,
     trainer: Trainer,
     placed: Placed | None,
@@ -239,6 +243,7 @@ async def _run_locked(
         state=state,
         prompts=prompts,
         reward_fn=reward_fn,
+        environment=environment,
         engine=engine,
         trainer=trainer,
         placed=placed,
@@ -317,6 +322,7 @@ class _Pipeline:
         state: PipelineState | None,
         prompts: PromptSet,
         reward_fn: RewardFn,
+        environment: EnvironmentFactory | None,
         engine: Engine,
         trainer: Trainer,
         placed: Placed | None,
@@ -359,8 +365,17 @@ class _Pipeline:
         generated: Channel[Group | Dropped] = Channel("generated", per_step * (lookahead + 1))
         scored: Channel[Group | Dropped] = Channel("scored", per_step * (lookahead + 1))
         self.channels = (batches, generated, scored)
+        episodes = None
+        if environment is not None:  # multi-turn: the environment scores its episodes
+            episodes = Episodes(
+                recipe.rollout,
+                factory=environment,
+                tokenizer=prompts.tokenizer,
+                gate=self.gate,
+                clock=context.clock,
+            )
         self.rollout = RolloutStage(
-            recipe.rollout, gate=self.gate, inp=batches, out=generated, context=context
+            recipe.rollout, gate=self.gate, inp=batches, out=generated, context=context, episodes=episodes
         )
         self.reward = RewardStage(
             recipe.reward,
@@ -370,6 +385,7 @@ class _Pipeline:
             inp=generated,
             out=scored,
             context=context,
+            scored_upstream=episodes is not None,
         )
         if state is not None:
             self.rollout.counts.update(state.rollout_counts)
@@ -384,6 +400,7 @@ class _Pipeline:
                 rollout=recipe.rollout,
                 reward_s=recipe.reward.reward_s,
                 clock=context.clock,
+                episodes=episodes,
             )
         every = recipe.checkpoint.every_steps
         self.assembler = BatchAssembler(scored, prompts_per_step=per_step, first_batch=first_batch)
@@ -465,6 +482,7 @@ class _Pipeline:
             "rollout/dropped_groups_total": rollout["dropped_groups"],
             "rollout/poisoned_samples_total": rollout["poisoned_samples"],
             "reward/failures": reward["failures"],
+            **({"env/failures": rollout["env_failures"]} if self.recipe.rollout.environment else {}),
             **({"eval/skipped": self.evaluation.counts["skipped"]} if self.evaluation is not None else {}),
             **(self.placed.counters() if self.placed is not None else {}),
             **self.saves.figures(),

@@ -16,6 +16,7 @@ tokenizer over the source's alphabet.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 import string
@@ -44,9 +45,11 @@ class SyntheticSource(Section, tag="synthetic", tag_field="kind", frozen=True):
     """Digit-string tasks: `reverse` ("12345=" -> "54321") or `increment` each digit mod 10
     ("12349=" -> "23450"). Increment keeps every answer digit at a fixed distance from its
     source, which rotary attention learns fast; reverse needs the distance to change with the
-    output position, which a tiny model learns far more slowly."""
+    output position, which a tiny model learns far more slowly. `guess`: the digits are a game
+    id ("123?") and the answer a hidden number 0-9 drawn from a hash of it, which the prompt
+    does not reveal: the game of `pipeline.environments.guess` (the alphabet adds `<>?`)."""
 
-    task: Literal["reverse", "increment"] = "reverse"
+    task: Literal["reverse", "increment", "guess"] = "reverse"
     min_digits: PositiveInt = 5
     max_digits: PositiveInt = 5
     num_heldout: NonNegativeInt = 256
@@ -173,7 +176,9 @@ def build_tokenizer(section: PromptsSection, model_path: str | None) -> Tokenize
 
         return HFTokenizer(model_path)
     source = section.source
-    return CharTokenizer(DIGITS + "=" if isinstance(source, SyntheticSource) else source.alphabet)
+    if isinstance(source, SyntheticSource):
+        return CharTokenizer(DIGITS + ("=<>?" if source.task == "guess" else "="))
+    return CharTokenizer(source.alphabet)
 
 
 def build_prompts(section: PromptsSection, seed: int, *, model_path: str | None = None) -> PromptSet:
@@ -225,10 +230,18 @@ def _nonempty(tokens: list[int], where: str) -> tuple[int, ...]:
     return tuple(tokens)
 
 
+def _hidden_number(digits: str) -> str:
+    """The guess game's number 0-9 for a game id: a hash (stable across processes, unlike
+    `hash`), so no rule a model could learn from the id gives it."""
+    return str(int(hashlib.sha256(f"guess-{digits}".encode()).hexdigest(), 16) % 10)
+
+
 ANSWERS = {
     "reverse": lambda digits: digits[::-1],
     "increment": lambda digits: "".join(str((int(d) + 1) % 10) for d in digits),
+    "guess": _hidden_number,
 }
+PROMPT_ENDS = {"reverse": "=", "increment": "=", "guess": "?"}
 
 
 def _digit_task(source: SyntheticSource, seed: int, tokenizer: Tokenizer, encode: Encode) -> PromptSet:
@@ -238,11 +251,13 @@ def _digit_task(source: SyntheticSource, seed: int, tokenizer: Tokenizer, encode
     while len(heldout_texts) < source.num_heldout:
         heldout_texts[_digits(heldout_rng, source)] = None
 
+    end = PROMPT_ENDS[source.task]
+
     def make(text: str, prompt_id: str) -> Prompt:
         return Prompt(
             prompt_id=prompt_id,
-            text=text + "=",
-            tokens=encode(text + "=", "prompts.source"),
+            text=text + end,
+            tokens=encode(text + end, "prompts.source"),
             answer=ANSWERS[source.task](text),
         )
 

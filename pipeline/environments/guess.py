@@ -1,0 +1,54 @@
+"""Guess the number: a game no policy wins reliably without reading the replies.
+
+The prompt's answer (`prompts.source: {kind: synthetic, task: guess}`) is a hidden number in
+0..`high`; the prompt's text is a game id that says nothing about it. Each turn the model
+replies with a number; the environment answers `>` (the hidden number is greater), `<` (it is
+smaller) or `=` (found: the episode ends), or `?` for a reply that is not a number. After
+`max_guesses` wrong guesses the episode ends lost. The turn that ends the episode carries its
+reward: 1 for a win, 0 for a loss (`rollout.episode_reward: final`); `info` logs `success` and
+`guesses`.
+
+With `high: 9` and four guesses, halving the range each turn (a binary search) finds every
+number, while a policy that ignores the replies finds one of four numbers at best.
+"""
+
+from __future__ import annotations
+
+from pipeline.contracts.environments import Observation, Turn
+from pipeline.contracts.messages import Prompt
+
+
+class GuessNumber:
+    def __init__(self, high: int = 9, max_guesses: int = 4) -> None:
+        if high < 1 or max_guesses < 1:
+            raise ValueError(f"high ({high}) and max_guesses ({max_guesses}) must be at least 1")
+        self.high = high
+        self.max_guesses = max_guesses
+        self.secret = -1
+        self.guesses = 0
+
+    async def start(self, prompt: Prompt) -> Observation:
+        secret = int(prompt.answer)
+        if not 0 <= secret <= self.high:
+            raise ValueError(f"prompt {prompt.prompt_id}: hidden number {secret} is not in 0..{self.high}")
+        self.secret = secret
+        return Observation()
+
+    async def step(self, turn: Turn) -> Observation:
+        self.guesses += 1
+        text = turn.text.strip()
+        guess = int(text) if text.isdigit() else None
+        if guess == self.secret:
+            return self._end("=", won=True)
+        if self.guesses >= self.max_guesses:
+            return self._end("?" if guess is None else ("<" if guess > self.secret else ">"), won=False)
+        reply = "?" if guess is None else ("<" if guess > self.secret else ">")
+        return Observation(text=reply)
+
+    def _end(self, reply: str, *, won: bool) -> Observation:
+        return Observation(
+            text=reply,
+            reward=float(won),
+            done=True,
+            info={"success": float(won), "guesses": float(self.guesses)},
+        )
