@@ -55,6 +55,8 @@ class Episode(msgspec.Struct, frozen=True, kw_only=True):
     reward: float | None  # None: its environment failed it
     info: dict[str, float]
     stats: EpisodeStats
+    # Tokens prefilled again to continue its turns frozen at a stand-down (partial rollouts).
+    continued_tokens: int = 0
 
 
 class EnvironmentFailed(Exception):
@@ -91,7 +93,7 @@ class Episodes:
         mask: list[int] = []
         versions: list[tuple[int, int]] = []
         rewards: list[float] = []
-        env_s, calls, reprefilled, turns = 0.0, 0, 0, 0
+        env_s, calls, reprefilled, continued, turns = 0.0, 0, 0, 0, 0
         finish_reason, truncated = "stop", False
         last = Observation()
 
@@ -115,6 +117,7 @@ class Episodes:
                 reward=reward,
                 info=info,
                 stats=stats(failed),
+                continued_tokens=continued,
             )
 
         env = self.factory()
@@ -145,6 +148,7 @@ class Episodes:
                 logprobs.extend(completion.logprobs)
                 mask.extend([1] * len(completion.tokens))
                 finish_reason = completion.finish_reason
+                continued += completion.reprefilled_tokens
                 turn = Turn(
                     text=self.tokenizer.decode(completion.tokens),
                     tokens=completion.tokens,
@@ -234,7 +238,7 @@ class Episodes:
         counts["env_failures"] += 1
         warn_once(
             log,
-            f"environment {reason.split(' ', 1)[0]}",
+            f"environment: {reason.split(':', 1)[0]}",  # one warning per kind of failure
             "environment failure, its episode not trained on: %s (further ones: env/failures)",
             reason,
         )

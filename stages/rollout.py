@@ -278,6 +278,7 @@ class RolloutStage:
                     reward=episode.reward,
                     reward_info=episode.info,
                     versions=versions if len(versions) > 1 else (),
+                    reprefilled_tokens=episode.continued_tokens,
                     loss_mask=episode.loss_mask,
                     episode=episode.stats,
                 )
