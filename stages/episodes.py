@@ -199,7 +199,9 @@ class Episodes:
             with self.clock.fail_after(self.section.env_s, f"environment {name}", suspendable=False):
                 result = await call
         except DeadlineExceeded:
-            raise EnvironmentFailed(f"{name} took longer than rollout.env_s={self.section.env_s:g} s") from None
+            raise EnvironmentFailed(
+                f"{name} took longer than rollout.env_s={self.section.env_s:g} s"
+            ) from None
         except Exception as error:  # an environment's bug fails its episode, not the run
             raise EnvironmentFailed(f"{name} raised {type(error).__name__}: {error}") from None
         if not isinstance(result, Observation):

@@ -32,11 +32,11 @@ from pipeline.clock import DeadlineClock, TimeSource
 from pipeline.contracts.errors import BackendLost, PipelineError
 from pipeline.contracts.messages import Batch, Dropped, Group
 from pipeline.contracts.protocols import Engine, Fingerprinted, SlotStatistics, Trainer
+from pipeline.environments import EnvironmentFactory
 from pipeline.gate import EngineGate
 from pipeline.logs import reset_warnings
 from pipeline.metrics import MetricsLog
 from pipeline.recipe import dump
-from pipeline.environments import EnvironmentFactory
 from pipeline.rewards.scoring import RewardFn
 from pipeline.runner import Stage, StopRequest, first_error, reclaim_signals, run_stages
 from pipeline.sinks import open_sinks

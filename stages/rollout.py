@@ -215,22 +215,26 @@ class RolloutStage:
         except GiveUp as give_up:
             await self._drop(prompt, group_id, batch, give_up.reason, pending)
             return
-        samples = episodes if self.episodes is not None else tuple(
-            Sample(
-                prompt_id=prompt.prompt_id,
-                group_id=group_id,
-                sample_index=i,
-                target_step=batch,
-                gen_version=(stretches[0][1], stretches[-1][1]) if c.segments else versions,
-                tokens=c.tokens,
-                logprobs=c.logprobs,
-                finish_reason=c.finish_reason,
-                poisoned=not all(math.isfinite(x) for x in c.logprobs),
-                versions=stretches,
-                reprefilled_tokens=c.reprefilled_tokens,
+        samples = (
+            episodes
+            if self.episodes is not None
+            else tuple(
+                Sample(
+                    prompt_id=prompt.prompt_id,
+                    group_id=group_id,
+                    sample_index=i,
+                    target_step=batch,
+                    gen_version=(stretches[0][1], stretches[-1][1]) if c.segments else versions,
+                    tokens=c.tokens,
+                    logprobs=c.logprobs,
+                    finish_reason=c.finish_reason,
+                    poisoned=not all(math.isfinite(x) for x in c.logprobs),
+                    versions=stretches,
+                    reprefilled_tokens=c.reprefilled_tokens,
+                )
+                for i, c in enumerate(completions)
+                for stretches in [self._versions(c, versions[0])]
             )
-            for i, c in enumerate(completions)
-            for stretches in [self._versions(c, versions[0])]
         )
         self.timings.span(batch, "generate", start, self.clock.source.now())
         self.counts["poisoned_samples"] += sum(s.poisoned for s in samples)

@@ -52,9 +52,9 @@ class Chunk:
                 [list(s.logprobs) + [0.0] * (longest - len(s.logprobs)) for s in samples], device=device
             ),
             advantages=torch.tensor([s.advantage for s in samples], device=device),
-            mask=torch.tensor(
-                [row + [0] * (longest - len(row)) for row in mask], device=device
-            ).to(torch.get_default_dtype()),
+            mask=torch.tensor([row + [0] * (longest - len(row)) for row in mask], device=device).to(
+                torch.get_default_dtype()
+            ),
         )
 
 

@@ -83,6 +83,10 @@ _TRAINER = (
     "timing/optimizer_reload_s",
     "timing/optimizer_offload_s",
 )
+# The info keys of the built-in environments (pipeline/environments/).
+_BUILTIN_ENVIRONMENT_INFO: dict[str, tuple[str, ...]] = {
+    "pipeline.environments.guess:GuessNumber": ("success", "guesses"),
+}
 # stages/step_record.py's multi-turn figures and the run's env/failures (rollout.environment).
 _ENVIRONMENT = (
     "env/turns_mean",
@@ -106,7 +110,11 @@ class MetricNames(msgspec.Struct, frozen=True, kw_only=True):
     @classmethod
     def for_recipe(cls, recipe: Recipe) -> MetricNames:
         # With an environment, its episodes' rewards replace reward.function's (and its keys).
-        info = () if recipe.rollout.environment else _BUILTIN_INFO.get(recipe.reward.function, ())
+        environment = recipe.rollout.environment
+        if environment is not None:
+            info = _BUILTIN_ENVIRONMENT_INFO.get(environment, ())
+        else:
+            info = _BUILTIN_INFO.get(recipe.reward.function, ())
         steps = {
             *REQUIRED_KEYS,
             *_TRAIN_STAGE,
@@ -124,8 +132,11 @@ class MetricNames(msgspec.Struct, frozen=True, kw_only=True):
             *(_ENVIRONMENT if recipe.rollout.environment else ()),
         }
         evals = {*_EVAL, *(f"eval/{key}" for key in info)}
-        # An environment's info keys, as a module:function reward's, are known once it has run.
-        open_info = ":" in recipe.reward.function or recipe.rollout.environment is not None
+        # A user's environment's info keys, as a module:function reward's, are known once it has run.
+        if environment is not None:
+            open_info = environment not in _BUILTIN_ENVIRONMENT_INFO
+        else:
+            open_info = ":" in recipe.reward.function
         return cls(steps=frozenset(steps), evals=frozenset(evals), open_info=open_info)
 
     def known(self, name: str) -> bool:

@@ -39,7 +39,9 @@ class ScriptedEngine(FakeEngine):
         super().__init__(**kwargs)
         self.contexts: list[tuple[int, ...]] = []
 
-    async def generate(self, prompt_tokens: Sequence[int], n: int, *, greedy: bool = False) -> list[Completion]:
+    async def generate(
+        self, prompt_tokens: Sequence[int], n: int, *, greedy: bool = False
+    ) -> list[Completion]:
         call = self.calls
         self.calls += 1
         self.contexts.append(tuple(prompt_tokens))
@@ -132,7 +134,11 @@ async def test_a_three_turn_episode_is_token_exact_with_the_environment_masked_o
     assert episode.stats.reprefilled_tokens == 2 * len(PROMPT.tokens) + 4 + 8
     # What the trainer computes its loss and mismatch metrics over: the model's tokens only.
     sample = TrainSample(
-        tokens=episode.tokens, logprobs=episode.logprobs, reward=1.5, advantage=1.0, loss_mask=episode.loss_mask
+        tokens=episode.tokens,
+        logprobs=episode.logprobs,
+        reward=1.5,
+        advantage=1.0,
+        loss_mask=episode.loss_mask,
     )
     chunk = Chunk.of([sample], None, torch.device("cpu"))
     assert chunk.mask.tolist() == [list(map(float, episode.loss_mask))]
@@ -299,7 +305,9 @@ async def test_the_pipeline_trains_episodes_with_their_environment_tokens_masked
     trained: list[TrainGroup] = []
     # Batch 0's turns (calls 0-3, then 8-11) take 8 s, batch 1's first turns (calls 4-7) 40 s:
     # step 1 (batch 0) stands down at 16 s while batch 1's first turns are in flight.
-    engine = FakeEngine(time=fake, latency=lambda call: 40.0 if 4 <= call < 8 else 8.0, partial_rollouts=partial)
+    engine = FakeEngine(
+        time=fake, latency=lambda call: 40.0 if 4 <= call < 8 else 8.0, partial_rollouts=partial
+    )
     trainer = FakeTrainer(time=fake, latency=20.0, on_step=lambda version, groups: trained.extend(groups))
     summary = await drive(recipe, engine, trainer, fake)
     assert summary.steps_done == 3
@@ -307,9 +315,9 @@ async def test_the_pipeline_trains_episodes_with_their_environment_tokens_masked
     assert samples and all(s.loss_mask == (1, 1, 1, 1, 0, 0, 1, 1, 1, 1) for s in samples)
     assert all(s.tokens[4:6] == (7, 7) and s.reward == 0.5 for s in samples)
     records = metrics(recipe)
-    assert [(r["env/turns_mean"], r["env/turns_max"], r["env/truncated"], r["env/failures"]) for r in records] == [
-        (2.0, 2, 0, 0)
-    ] * 3
+    assert [
+        (r["env/turns_mean"], r["env/turns_max"], r["env/truncated"], r["env/failures"]) for r in records
+    ] == [(2.0, 2, 0, 0)] * 3
     assert all(r["reward/won"] == 1.0 for r in records)
     assert (engine.frozen > 0) == partial
     assert (sum(r["rollout/partial_samples"] for r in records) > 0) == partial
