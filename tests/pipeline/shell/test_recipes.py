@@ -355,6 +355,16 @@ VALID_RUN_FIELDS = "dir, steps, seed, stop_grace_s, progress, log_every_steps, p
             id="heldout-huge",
         ),
         pytest.param(
+            "rollout:\n  environment_args: {high: 3}\n",
+            "rollout: environment_args: given without rollout.environment (module:Class)",
+            id="environment-args-alone",
+        ),
+        pytest.param(
+            "rollout:\n  environment: a:B\n  max_new_tokens: 8\n  max_episode_tokens: 4\n",
+            "rollout: max_new_tokens (8) must be <= max_episode_tokens (4): no turn would fit in an episode",
+            id="episode-budget-below-a-turn",
+        ),
+        pytest.param(
             "placement:\n  backend: ray\n  weights: nccl\n",
             "placement.weights: Invalid enum value 'nccl'; expected one of: auto, collective, cuda_ipc, "
             "object_store",
