@@ -16,7 +16,7 @@ tokenizer over the source's alphabet.
 
 from __future__ import annotations
 
-import hashlib
+import itertools
 import json
 import random
 import string
@@ -45,9 +45,11 @@ class SyntheticSource(Section, tag="synthetic", tag_field="kind", frozen=True):
     """Digit-string tasks: `reverse` ("12345=" -> "54321") or `increment` each digit mod 10
     ("12349=" -> "23450"). Increment keeps every answer digit at a fixed distance from its
     source, which rotary attention learns fast; reverse needs the distance to change with the
-    output position, which a tiny model learns far more slowly. `guess`: the digits are a game
-    id ("123?") and the answer a hidden number 0-9 drawn from a hash of it, which the prompt
-    does not reveal: the game of `pipeline.environments.guess` (the alphabet adds `<>?`)."""
+    output position, which a tiny model learns far more slowly. `guess`: every prompt is `?` and
+    its answer a hidden number 0-9 that the prompt does not reveal, drawn for each training
+    prompt from the seed (held-out prompt i hides i mod 10, so every number is evaluated alike;
+    the digit counts do not apply): the game of `pipeline.environments.guess` (the alphabet adds
+    `<>?`)."""
 
     task: Literal["reverse", "increment", "guess"] = "reverse"
     min_digits: PositiveInt = 5
@@ -59,7 +61,7 @@ class SyntheticSource(Section, tag="synthetic", tag_field="kind", frozen=True):
             raise ValueError(f"min_digits ({self.min_digits}) must be <= max_digits ({self.max_digits})")
         # Held-out prompts are distinct strings, made up front: they must leave some to train on.
         distinct = sum(10**d for d in range(self.min_digits, min(self.max_digits, 12) + 1))
-        if self.max_digits <= 12 and self.num_heldout >= distinct:
+        if self.task != "guess" and self.max_digits <= 12 and self.num_heldout >= distinct:
             raise ValueError(
                 f"num_heldout ({self.num_heldout}) must be below the {distinct} distinct prompts of "
                 f"{self.min_digits}-{self.max_digits} digits (the others are trained on)"
@@ -186,6 +188,8 @@ def build_prompts(section: PromptsSection, seed: int, *, model_path: str | None 
     encode = _encoder(section, tokenizer)
     source = section.source
     if isinstance(source, SyntheticSource):
+        if source.task == "guess":
+            return _guess_task(source, seed, tokenizer, encode)
         return _digit_task(source, seed, tokenizer, encode)
     if isinstance(source, ReasoningGymSource):
         return _reasoning_gym(source, seed, tokenizer, encode)
@@ -229,18 +233,10 @@ def _nonempty(tokens: list[int], where: str) -> tuple[int, ...]:
     return tuple(tokens)
 
 
-def _hidden_number(digits: str) -> str:
-    """The guess game's number 0-9 for a game id: a hash (stable across processes, unlike
-    `hash`), so no rule a model could learn from the id gives it."""
-    return str(int(hashlib.sha256(f"guess-{digits}".encode()).hexdigest(), 16) % 10)
-
-
 ANSWERS = {
     "reverse": lambda digits: digits[::-1],
     "increment": lambda digits: "".join(str((int(d) + 1) % 10) for d in digits),
-    "guess": _hidden_number,
 }
-PROMPT_ENDS = {"reverse": "=", "increment": "=", "guess": "?"}
 
 
 def _digit_task(source: SyntheticSource, seed: int, tokenizer: Tokenizer, encode: Encode) -> PromptSet:
@@ -250,13 +246,11 @@ def _digit_task(source: SyntheticSource, seed: int, tokenizer: Tokenizer, encode
     while len(heldout_texts) < source.num_heldout:
         heldout_texts[_digits(heldout_rng, source)] = None
 
-    end = PROMPT_ENDS[source.task]
-
     def make(text: str, prompt_id: str) -> Prompt:
         return Prompt(
             prompt_id=prompt_id,
-            text=text + end,
-            tokens=encode(text + end, "prompts.source"),
+            text=text + "=",
+            tokens=encode(text + "=", "prompts.source"),
             answer=ANSWERS[source.task](text),
         )
 
@@ -274,6 +268,22 @@ def _digit_task(source: SyntheticSource, seed: int, tokenizer: Tokenizer, encode
 
     longest = len(encode("0" * source.max_digits + "=", "prompts.source"))
     return PromptSet(tokenizer, train(), heldout, longest=longest)
+
+
+def _guess_task(source: SyntheticSource, seed: int, tokenizer: Tokenizer, encode: Encode) -> PromptSet:
+    tokens = encode("?", "prompts.source")
+
+    def make(number: int, prompt_id: str) -> Prompt:
+        return Prompt(prompt_id=prompt_id, text="?", tokens=tokens, answer=str(number))
+
+    heldout = [make(i % 10, f"heldout-{i}") for i in range(source.num_heldout)]
+
+    def train() -> Iterator[Prompt]:
+        rng = random.Random(f"guess-{seed}")
+        for index in itertools.count():
+            yield make(rng.randrange(10), f"train-{index}")
+
+    return PromptSet(tokenizer, train(), heldout, longest=len(tokens))
 
 
 def _digits(rng: random.Random, source: SyntheticSource) -> str:

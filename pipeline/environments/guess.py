@@ -1,7 +1,7 @@
 """Guess the number: a game no policy wins reliably without reading the replies.
 
 The prompt's answer (`prompts.source: {kind: synthetic, task: guess}`) is a hidden number in
-0..`high`; the prompt's text is a game id that says nothing about it. Each turn the model
+0..`high`; the prompt's text (`?`) says nothing about it. Each turn the model
 replies with a number; the environment answers `>` (the hidden number is greater), `<` (it is
 smaller) or `=` (found: the episode ends), or `?` for a reply that is not a number. After
 `max_guesses` wrong guesses the episode ends lost. The turn that ends the episode carries its
