@@ -46,15 +46,16 @@ class SyntheticSource(Section, tag="synthetic", tag_field="kind", frozen=True):
     ("12349=" -> "23450"). Increment keeps every answer digit at a fixed distance from its
     source, which rotary attention learns fast; reverse needs the distance to change with the
     output position, which a tiny model learns far more slowly. `guess`: every prompt is `?` and
-    its answer a hidden number 0-9 that the prompt does not reveal, drawn for each training
-    prompt from the seed (held-out prompt i hides i mod 10, so every number is evaluated alike;
-    the digit counts do not apply): the game of `pipeline.environments.guess` (the alphabet adds
-    `<>?`)."""
+    its answer a hidden number 0..`high` that the prompt does not reveal, drawn for each training
+    prompt from the seed (held-out prompt i hides i mod (high + 1), so every number is evaluated
+    alike; the digit counts do not apply): the game of `pipeline.environments.guess` (the
+    alphabet adds `<>?`)."""
 
     task: Literal["reverse", "increment", "guess"] = "reverse"
     min_digits: PositiveInt = 5
     max_digits: PositiveInt = 5
     num_heldout: NonNegativeInt = 256
+    high: Annotated[int, msgspec.Meta(ge=1, le=9)] = 9  # task guess: the largest hidden number
 
     def __post_init__(self) -> None:
         if self.min_digits > self.max_digits:
@@ -276,12 +277,12 @@ def _guess_task(source: SyntheticSource, seed: int, tokenizer: Tokenizer, encode
     def make(number: int, prompt_id: str) -> Prompt:
         return Prompt(prompt_id=prompt_id, text="?", tokens=tokens, answer=str(number))
 
-    heldout = [make(i % 10, f"heldout-{i}") for i in range(source.num_heldout)]
+    heldout = [make(i % (source.high + 1), f"heldout-{i}") for i in range(source.num_heldout)]
 
     def train() -> Iterator[Prompt]:
         rng = random.Random(f"guess-{seed}")
         for index in itertools.count():
-            yield make(rng.randrange(10), f"train-{index}")
+            yield make(rng.randint(0, source.high), f"train-{index}")
 
     return PromptSet(tokenizer, train(), heldout, longest=len(tokens))
 

@@ -74,6 +74,6 @@ def test_resolve_names_what_cannot_be_an_environment(name: str, message: str) ->
 
 
 def test_resolve_builds_one_environment_per_episode() -> None:
-    factory = resolve("pipeline.environments.guess:GuessNumber", {"high": 5})
+    factory = resolve("pipeline.environments.guess:GuessNumber", {"max_guesses": 5})
     first, second = factory(), factory()
-    assert first is not second and first.high == 5  # type: ignore[attr-defined]
+    assert first is not second and first.max_guesses == 5  # type: ignore[attr-defined]
