@@ -44,12 +44,13 @@ async def test_binary_search_finds_every_number_and_a_blind_policy_at_most_four(
     assert [r.info["success"] for r in blind] == [1.0] * 4 + [0.0] * 6
 
 
-async def test_replies_and_the_consistency_bonus() -> None:
-    replies = await play(3, scripted(["5", "x", "7", "4"]), consistency_bonus=0.1)
-    assert [r.text for r in replies] == ["<", "?", "<", "<"]
-    # 5: inside 0-9 (bonus); x: not a number; 7: outside 0-4 after "<" at 5; 4: inside 0-4
-    assert [r.reward for r in replies] == [0.1, 0.0, 0.0, pytest.approx(0.1)]
+async def test_replies_and_rewards() -> None:
+    replies = await play(3, scripted(["5", "x", "1", "4"]))
+    assert [r.text for r in replies] == ["<", "?", ">", "<"]
+    assert [r.reward for r in replies] == [None, None, None, 0.0]
     assert replies[-1].done and replies[-1].info == {"success": 0.0, "guesses": 4.0}
+    won = await play(3, scripted(["5", "3"]))
+    assert (won[-1].reward, won[-1].done, won[-1].info) == (1.0, True, {"success": 1.0, "guesses": 2.0})
 
 
 @pytest.mark.parametrize(
