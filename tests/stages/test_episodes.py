@@ -325,3 +325,31 @@ async def test_the_pipeline_trains_episodes_with_their_environment_tokens_masked
 
 def never_called(prompt: Prompt, completion: str) -> float:
     raise AssertionError("with an environment, the reward function is not called")
+
+
+class AlwaysRaises(TwoTurns):
+    async def step(self, turn: Turn) -> Observation:
+        raise RuntimeError("the board caught fire")
+
+
+async def test_environment_failures_past_the_budget_stop_the_pipeline(tmp_path: Path) -> None:
+    """Through the whole pipeline: the third failed episode is over max_env_failures 2 and the
+    run stops with that one error, before any step trains."""
+    fake = FakeTime()
+    recipe = make_recipe(
+        tmp_path,
+        steps=2,
+        rollout={
+            "samples_per_prompt": 2,
+            "environment": "tests.stages.test_episodes:AlwaysRaises",
+            "max_env_failures": 2,
+        },
+    )
+    trainer = FakeTrainer(time=fake)
+    with pytest.raises(DropBudgetExceeded) as raised:
+        await drive(recipe, FakeEngine(time=fake, latency=1.0), trainer, fake)
+    assert str(raised.value) == (
+        "3 episodes failed by their environment, over rollout.max_env_failures=2; "
+        "last: step raised RuntimeError: the board caught fire"
+    )
+    assert trainer.steps == []

@@ -27,6 +27,7 @@ def test_the_recipes_with_figures_in_the_readme_carry_gates() -> None:
     gated = {path.name for path in RECIPES if pipeline.load_recipe(path).gates.checks}
     assert gated == {
         "quickstart.yaml",
+        "multi-turn-cpu.yaml",
         "reverse-digits.yaml",
         "bench-h200-colocated.yaml",
         "bench-h200-separate.yaml",
