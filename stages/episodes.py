@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 import math
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import msgspec
@@ -76,14 +76,13 @@ class Episodes:
         tokenizer: Tokenizer,
         gate: EngineGate,
         clock: DeadlineClock,
-        vocab_size: int | None = None,
     ) -> None:
         self.section = section
         self.factory = factory
         self.tokenizer = tokenizer
         self.gate = gate
         self.clock = clock
-        self.vocab_size = vocab_size or tokenizer.vocab_size
+        self.vocab_size = tokenizer.vocab_size
 
     async def run(self, prompt: Prompt, *, counts: Counter[str], greedy: bool = False) -> Episode:
         """Play one episode from `prompt`; raises `GiveUp` when a turn's generation gives up."""
@@ -125,10 +124,10 @@ class Episodes:
             start = self.clock.source.now()
             calls += 1
             try:
-                last = await self._call(env.start(prompt), "start", prompt)
+                last = await self._call(env.start(prompt), "start")
             finally:
                 env_s += self.clock.source.now() - start
-            observed = self._tokens(last, prompt)
+            observed = self._tokens(last)
             while not last.done:
                 if turns >= section.max_turns or len(tokens) + len(observed) + section.max_new_tokens > (
                     section.max_episode_tokens
@@ -159,12 +158,12 @@ class Episodes:
                 start = self.clock.source.now()
                 calls += 1
                 try:
-                    last = await self._call(env.step(turn), "step", prompt)
+                    last = await self._call(env.step(turn), "step")
                 finally:
                     env_s += self.clock.source.now() - start
                 if last.reward is not None:
                     rewards.append(last.reward)
-                observed = self._tokens(last, prompt)
+                observed = self._tokens(last)
         except EnvironmentFailed as failure:
             self._failed(str(failure), counts)
             return episode(None, {}, failed=str(failure))
@@ -192,7 +191,7 @@ class Episodes:
             counts["timeouts"] += 1
             raise GiveUp("turn_timeout") from None
 
-    async def _call(self, call: Any, name: str, prompt: Prompt) -> Observation:
+    async def _call(self, call: Awaitable[Any], name: str) -> Observation:
         """Await an environment's `start` or `step` under `env_s` of wall time; anything but a
         well-formed `Observation` in time raises `EnvironmentFailed`."""
         try:
@@ -214,7 +213,7 @@ class Episodes:
             raise EnvironmentFailed(f"{name} returned non-finite values: {bad}")
         return result
 
-    def _tokens(self, observation: Observation, prompt: Prompt) -> tuple[int, ...]:
+    def _tokens(self, observation: Observation) -> tuple[int, ...]:
         """The observation's tokens (none for one that ends the episode: nothing follows it)."""
         if observation.done:
             return ()
