@@ -21,6 +21,11 @@ def check_engine(recipe: Any) -> None:
                 f"rollout.kv_cache_gb: {rollout.kv_cache_gb:g} sizes the KV cache of rollout.engine "
                 "megatron; the torch engine sizes its own for each decode loop: leave it at 0"
             )
+        if not rollout.graphs:
+            raise ValueError(
+                "rollout.graphs: false turns off the CUDA graphs of rollout.engine megatron; the "
+                "torch engine always replays its decode steps from graphs on CUDA: leave it at true"
+            )
         return
     if recipe.train.backend != "megatron":
         raise ValueError(

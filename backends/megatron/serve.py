@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -56,12 +56,15 @@ from megatron.core.inference.sampling_params import SamplingParams
 from megatron.core.inference.text_generation_controllers.text_generation_controller import (
     TextGenerationController,
 )
+from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 from megatron.core.transformer import cuda_graphs
+from megatron.core.transformer.enums import InferenceCudaGraphScope
 
 from backends.bench_lengths import length_draw
 from backends.megatron import flash_adapter
 from backends.megatron.inference import MegatronInference
 from backends.torch.config import ModelConfig
+from backends.torch.kv_pool import KVPool, VirtualMemoryPool
 from pipeline.contracts.errors import RecipeError
 
 BLOCK_TOKENS = 256  # megatron's default KV block
@@ -83,12 +86,18 @@ def rows_in_flight(recipe: Any) -> int:
     )
 
 
+def row_tokens(recipe: Any, config: ModelConfig) -> int:
+    """One row's room in the derived cache: 2 x max_new_tokens (a prompt as long as the
+    response), within the model's positions, in whole blocks."""
+    tokens = min(2 * recipe.rollout.max_new_tokens, config.max_position_embeddings)
+    return math.ceil(tokens / BLOCK_TOKENS) * BLOCK_TOKENS
+
+
 def kv_cache_bytes(recipe: Any, config: ModelConfig, dtype: torch.dtype) -> int:
     """The KV cache's size (module docstring); with megatron's one reserved block."""
     if recipe.rollout.kv_cache_gb:
         return int(recipe.rollout.kv_cache_gb * 2**30)
-    tokens = min(2 * recipe.rollout.max_new_tokens, config.max_position_embeddings)
-    blocks = rows_in_flight(recipe) * math.ceil(tokens / BLOCK_TOKENS) + 1
+    blocks = rows_in_flight(recipe) * row_tokens(recipe, config) // BLOCK_TOKENS + 1
     return blocks * BLOCK_TOKENS * kv_bytes_per_token(config, dtype)
 
 
@@ -146,6 +155,8 @@ def inference_config(recipe: Any, config: ModelConfig, dtype: torch.dtype) -> In
     cache = kv_cache_bytes(recipe, config, dtype)
     block_bytes = BLOCK_TOKENS * kv_bytes_per_token(config, dtype)
     max_sequence_length = min(config.max_position_embeddings, (cache // block_bytes - 1) * BLOCK_TOKENS)
+    if rollout.graphs:  # a graphed step gathers this many keys per row (module docstring)
+        max_sequence_length = min(max_sequence_length, row_tokens(recipe, config))
     if max_sequence_length <= rollout.max_new_tokens:
         raise RecipeError(
             f"rollout.kv_cache_gb: {rollout.kv_cache_gb:g} holds {max(max_sequence_length, 0)} tokens "
@@ -160,7 +171,13 @@ def inference_config(recipe: Any, config: ModelConfig, dtype: torch.dtype) -> In
         # Prefill takes whole prompts (no chunking): any that fits a row fits a step.
         max_tokens=max(DynamicInferenceContext.DEFAULT_MAX_TOKENS, max_sequence_length, rows),
         max_sequence_length=max_sequence_length,
-        kv_cache_management_mode=KVCacheManagementMode.RECOMPUTE,
+        # Graphs: megatron keeps the cache and its graphs across suspend(); `KVHandoff` hands
+        # the cache's memory back to the driver itself, at the same address.
+        kv_cache_management_mode=(
+            KVCacheManagementMode.PERSIST if rollout.graphs else KVCacheManagementMode.RECOMPUTE
+        ),
+        num_cuda_graphs=-1 if rollout.graphs else None,  # -1: a decode graph per power of 2 rows
+        use_cuda_graphs_for_non_decode_steps=False,  # prefill steps run eagerly
         materialize_only_last_token_logits=True,
         logprobs_mode="processed_logprobs",
     )
@@ -181,17 +198,119 @@ def install_suspend() -> None:
     engine_module.delete_cuda_graphs = empty_cache_unless_graphs
 
 
+class _PooledContext(DynamicInferenceContext):
+    """megatron's context with its KV cache in `pool`, whose memory goes back to the driver and
+    returns at the same address (`KVHandoff`): the graphs captured over it stay valid."""
+
+    def __init__(self, model_config: Any, inference: InferenceConfig, pool: KVPool) -> None:
+        self.pool = pool  # before megatron's constructor, which allocates the cache
+        super().__init__(model_config, inference)
+
+    def _allocate_memory_buffer(self) -> None:
+        assert not self.cache_mla_latent  # megatron's MLA layout: not a model this project builds
+        shape = (
+            2,  # keys and values
+            self.num_attention_layers,
+            self.kv_block_allocator.total_count,
+            self.block_size_tokens,
+            self.num_attention_heads_per_partition,
+            self.hidden_size_per_attention_head,
+        )
+        flat = self.pool.allocate(math.prod(shape) * self.params_dtype.itemsize)
+        self.memory_buffer = flat.view(self.params_dtype).view(shape)
+
+
+class KVHandoff:
+    """The graphs of a graphed engine (`attach`, on the engine thread as it is built) and what
+    it does beside megatron's suspend/resume, which keep the cache and the graphs (PERSIST):
+    after `suspend()` the cache's memory goes back to the driver when no request holds any of
+    it (the gate drains the requests in flight first; a request left in the cache keeps it
+    resident and valid); before `resume()` it is mapped again at the same address
+    (`VirtualMemoryPool`), so the graphs captured over it stay valid. `close` ends the graphs
+    and the cache for good and gives the model back as it was built."""
+
+    def __init__(self, model: Any, make_pool: Callable[[], KVPool]) -> None:
+        self.model = model
+        self._make_pool = make_pool
+        self._pool: KVPool | None = None
+        self._fields: dict[str, Any] = {}
+
+    @property
+    def pool(self) -> KVPool:
+        """The cache's memory (made at first use: on the engine thread, on CUDA)."""
+        if self._pool is None:
+            self._pool = self._make_pool()
+        return self._pool
+
+    def attach(self) -> KVPool:
+        """Make megatron's engine capture and replay the model's decoder block
+        (`cuda_graph_impl` "local", `inference_cuda_graph_scope` block) on a model built
+        without graphs (the trainer's), and return the pool for its cache. The block replays a
+        graph only with megatron's inference mode active and an inference context (between
+        resume and suspend): the trainer's forward runs it eagerly, and its layers get no graph
+        manager. The manager is kept outside the module's children, so the model's parameters,
+        state dict and checkpoints are those of the model without it."""
+        config = self.model.config
+        self._fields = {name: getattr(config, name) for name in _GRAPH_FIELDS}
+        config.cuda_graph_impl = "local"
+        config.inference_cuda_graph_scope = InferenceCudaGraphScope.block
+        tracker = get_cuda_rng_tracker()
+        # megatron's manager asks for an RNG tracker it could capture (its check reads this
+        # flag alone in megatron 0.19); a decode step draws no random numbers inside the block
+        # (dropout is off, sampling runs after it), so the trainer's tracker serves as it is.
+        marked = tracker.is_inference_rng_tracker
+        tracker.is_inference_rng_tracker = True
+        try:
+            manager = cuda_graphs.CudaGraphManager(config, need_backward=False)
+        finally:
+            tracker.is_inference_rng_tracker = marked
+        object.__setattr__(self.model.decoder, "cudagraph_manager", manager)
+        return self.pool
+
+    def release(self, engine: Any) -> None:
+        if engine.context.total_request_count == 0:
+            self.pool.release()
+
+    def restore(self, engine: Any) -> None:
+        self.pool.restore()
+
+    def close(self, engine: Any) -> None:
+        cuda_graphs.delete_cuda_graphs()
+        self.pool.free()
+        self.model.decoder.__dict__.pop("cudagraph_manager", None)
+        for name, value in self._fields.items():
+            setattr(self.model.config, name, value)
+
+    def memory_in_use(self, engine: Any) -> int:
+        return self.pool.resident_bytes
+
+
+_GRAPH_FIELDS = ("cuda_graph_impl", "inference_cuda_graph_scope")
+
+
 def dynamic_engine(
-    model: Any, inference: InferenceConfig, *, tokens: _Tokens, seed: int, device: torch.device
+    model: Any,
+    inference: InferenceConfig,
+    *,
+    tokens: _Tokens,
+    seed: int,
+    device: torch.device,
+    graphs: KVHandoff | None = None,
 ) -> DynamicInferenceEngine:
-    """megatron's engine over `model`; called on the engine's own thread."""
+    """megatron's engine over `model`; called on the engine's own thread. With `graphs` its
+    decode steps are captured into CUDA graphs, over a cache in the handoff's pool."""
     flash_adapter.install()
     install_suspend()
     torch.cuda.set_device(device)  # this thread's: megatron allocates on the current device
-    context = DynamicInferenceContext(model.config, inference)
+    if graphs is None:
+        context = DynamicInferenceContext(model.config, inference)
+    else:
+        pool = graphs.attach()  # megatron's manager moves this thread to a stream of its own:
+        torch.cuda.synchronize()  # the weights as the caller's stream wrote them
+        context = _PooledContext(model.config, inference, pool)
     controller = TextGenerationController(GPTInferenceWrapper(model, context), tokens)
     controller.sampling_rng.manual_seed(seed)
-    return DynamicInferenceEngine(controller, context)
+    return DynamicInferenceEngine(controller, context)  # captures the graphs
 
 
 def build_inference(
@@ -203,14 +322,16 @@ def build_inference(
     inference = inference_config(recipe, config, model.config.params_dtype)
     tokens = _Tokens(termination, config.vocab_size)
     seed = recipe.run.seed + 1  # the torch engine's
+    handoff = KVHandoff(model, lambda: VirtualMemoryPool(device)) if rollout.graphs else None
     return MegatronInference(
-        lambda: dynamic_engine(model, inference, tokens=tokens, seed=seed, device=device),
+        lambda: dynamic_engine(model, inference, tokens=tokens, seed=seed, device=device, graphs=handoff),
+        handoff=handoff,
         sampling=functools.partial(sampling_params, temperature=rollout.temperature, termination=termination),
         stop_token_ids=stop_ids,
         max_new_tokens=rollout.max_new_tokens,
         max_sequence_length=inference.max_sequence_length,
         lengths=length_draw(rollout, seed=recipe.run.seed),
-        memory_in_use=_kv_cache_in_use,
+        memory_in_use=_kv_cache_in_use if handoff is None else handoff.memory_in_use,
         generator=lambda engine: engine.controller.sampling_rng,
         # megatron's inference attention asserts eval mode; the trainer's step sets train mode
         # again (colocated, the two never run at once).

@@ -15,12 +15,15 @@ pytest.importorskip("megatron.core")
 
 from megatron.core.inference.config import KVCacheManagementMode  # noqa: E402
 from megatron.core.inference.sampling.torch_sampling import TorchSampling  # noqa: E402
+from megatron.core.tensor_parallel.random import get_cuda_rng_tracker  # noqa: E402
+from megatron.core.transformer.enums import InferenceCudaGraphScope  # noqa: E402
 
 import pipeline  # noqa: E402
 from backends.megatron import serve  # noqa: E402
 from backends.megatron.build import build_backend  # noqa: E402
 from backends.megatron.inference import MegatronInference  # noqa: E402
 from backends.megatron.model import compile_layers  # noqa: E402
+from backends.torch.kv_pool import PlainPool  # noqa: E402
 from backends.torch.sampling import draw  # noqa: E402
 from pipeline.contracts.errors import RecipeError  # noqa: E402
 from pipeline.testing import FakeDynamicEngine  # noqa: E402
@@ -83,14 +86,29 @@ def test_the_kv_cache_holds_a_batchs_rows_at_twice_max_new_tokens() -> None:
     # reserved block: 7.0 GiB.
     assert inference.buffer_size_gb * 2**30 == (256 * 4 + 1) * 256 * per_token
     assert (inference.max_requests, inference.block_size_tokens) == (256, 256)
-    assert inference.max_sequence_length == 32768  # the model's positions, not the cache's 262144
-    assert inference.kv_cache_management_mode is KVCacheManagementMode.RECOMPUTE
     assert inference.logprobs_mode == "processed_logprobs"
     assert inference.materialize_only_last_token_logits
     set_by_hand = serve.inference_config(_bench("rollout.kv_cache_gb=2.5"), config, torch.bfloat16)
     assert set_by_hand.buffer_size_gb == 2.5
     capped = serve.inference_config(_bench("rollout.max_rows=64"), config, torch.bfloat16)
     assert capped.max_requests == 64 and capped.buffer_size_gb * 2**30 == (64 * 4 + 1) * 256 * per_token
+
+
+def test_graphs_keep_the_cache_across_suspend_and_bound_each_row_to_its_room() -> None:
+    """Graphed (the default): megatron keeps its cache and graphs across suspend (the handoff
+    gives the memory back), captures a decode graph per power of two rows and none for prefill,
+    and a row is at most its room in the cache (a graphed step gathers that many keys a row).
+    Without graphs: recompute, no graphs, rows up to the model's positions."""
+    recipe = _bench()
+    graphed = serve.inference_config(recipe, recipe.model.config, torch.bfloat16)
+    assert graphed.kv_cache_management_mode is KVCacheManagementMode.PERSIST
+    assert (graphed.num_cuda_graphs, graphed.use_cuda_graphs_for_non_decode_steps) == (-1, False)
+    assert graphed.max_sequence_length == 1024  # 2 x max_new_tokens 512, in 256-token blocks
+    eager = serve.inference_config(_bench("rollout.graphs=false"), recipe.model.config, torch.bfloat16)
+    assert eager.kv_cache_management_mode is KVCacheManagementMode.RECOMPUTE
+    assert eager.num_cuda_graphs is None
+    assert eager.max_sequence_length == 32768  # the model's positions, not the cache's 262144
+    assert eager.buffer_size_gb == graphed.buffer_size_gb
 
 
 def test_a_kv_cache_too_small_for_one_row_is_refused() -> None:
@@ -103,22 +121,22 @@ def test_a_kv_cache_too_small_for_one_row_is_refused() -> None:
     )
 
 
-def _on_cpu(*overrides: str):
-    """The quickstart with train.backend megatron and rollout.engine megatron, as the builder
-    would see it on a GPU, here on the CPU: the recipe refuses the CPU for this engine, so its
-    fields are taken past that check."""
+def _on_cpu(*overrides: str, **rollout):
+    """The quickstart with train.backend megatron and rollout.engine megatron (and the `rollout`
+    fields given), as the builder would see it on a GPU, here on the CPU: the recipe refuses
+    the CPU for this engine, so its fields are taken past that check."""
     recipe = pipeline.load_recipe(
         "recipes/quickstart.yaml", ["run.progress=false", "train.backend=megatron", *overrides]
     )
     fields = {name: getattr(recipe, name) for name in recipe.__struct_fields__}
-    fields["rollout"] = msgspec.structs.replace(recipe.rollout, engine="megatron")
+    fields["rollout"] = msgspec.structs.replace(recipe.rollout, engine="megatron", **rollout)
     return SimpleNamespace(**fields)
 
 
 async def test_the_builder_hands_the_trainers_own_model_to_megatrons_engine(monkeypatch) -> None:
     made = []
 
-    def engine_on_cpu(model, inference, *, tokens, seed, device):
+    def engine_on_cpu(model, inference, *, tokens, seed, device, graphs):
         made.append((model, inference, tokens, seed))
         return FakeDynamicEngine(length=5, vocab=16)
 
@@ -186,3 +204,63 @@ def test_suspend_empties_torchs_cache_without_collecting_garbage_when_no_graph_w
     monkeypatch.setattr(cuda_graphs, "delete_cuda_graphs", lambda: calls.append("megatron's"))
     dynamic_engine.delete_cuda_graphs()
     assert calls == ["empty_cache", "megatron's"]
+
+
+class _Context:
+    def __init__(self, requests: int) -> None:
+        self.total_request_count = requests
+
+
+def test_a_stand_down_gives_the_cache_back_only_when_no_request_holds_any_of_it() -> None:
+    """After megatron's suspend (which keeps the cache: PERSIST), the handoff unmaps its memory
+    when the cache holds no request; a request left in it (not drained) keeps it resident, so
+    it resumes over valid keys. The wake maps the memory again."""
+    handoff = serve.KVHandoff(model=None, make_pool=lambda: PlainPool(torch.device("cpu")))
+    handoff.pool.allocate(4096)
+    handoff.release(SimpleNamespace(context=_Context(requests=1)))
+    assert handoff.memory_in_use(None) == 4096
+    handoff.release(SimpleNamespace(context=_Context(requests=0)))
+    assert handoff.memory_in_use(None) == 0
+    handoff.restore(None)
+    assert handoff.memory_in_use(None) == 4096
+
+
+def test_graphs_attach_to_the_decoder_block_and_close_gives_the_model_back_as_built(monkeypatch) -> None:
+    """The trainer's model gets megatron's block-scope inference graphs while served: a manager
+    on its decoder block that is no child module (parameters, state dict, checkpoints unchanged)
+    and no layer manager (the training forward stays eager); its RNG tracker passes megatron's
+    check only while the manager is made. Close undoes it all."""
+    monkeypatch.setattr(serve, "dynamic_engine", lambda *args, **kwargs: FakeDynamicEngine())
+    engine, trainer = build_backend(_on_cpu(), vocab_size=16, stop_ids=[1])
+    engine.close()
+    model = trainer.model
+    built = {name: getattr(model.config, name) for name in serve._GRAPH_FIELDS}
+    keys = list(model.state_dict())
+    made = []
+
+    class Manager:
+        def __init__(self, config, *, need_backward):
+            made.append((config.cuda_graph_impl, config.inference_cuda_graph_scope, need_backward))
+            made.append(get_cuda_rng_tracker().is_inference_rng_tracker)
+
+    monkeypatch.setattr(serve.cuda_graphs, "CudaGraphManager", Manager)
+    monkeypatch.setattr(serve.cuda_graphs, "delete_cuda_graphs", lambda: made.append("deleted"))
+    tracker = get_cuda_rng_tracker()
+    monkeypatch.setattr(tracker, "is_inference_rng_tracker", False)  # the trainer's, on CUDA
+    handoff = serve.KVHandoff(model, lambda: PlainPool(torch.device("cpu")))
+    try:
+        assert isinstance(handoff.attach(), PlainPool)
+        assert made == [("local", InferenceCudaGraphScope.block, False), True]
+        assert isinstance(model.decoder.cudagraph_manager, Manager)
+        assert not tracker.is_inference_rng_tracker
+        assert list(model.state_dict()) == keys
+        assert not any(isinstance(m, Manager) for m in model.modules())
+        assert not any(hasattr(layer, "cudagraph_manager") for layer in model.decoder.layers)
+        handoff.pool.allocate(64)
+    finally:
+        handoff.close(None)
+        trainer.close()
+    assert made[-1] == "deleted" and handoff.memory_in_use(None) == 0
+    assert not hasattr(model.decoder, "cudagraph_manager")
+    assert {name: getattr(model.config, name) for name in serve._GRAPH_FIELDS} == built
+    assert built["cuda_graph_impl"] == "none"
