@@ -207,14 +207,19 @@ def _megatron_inference(
         return _sync_time() - start, [c for (c,) in answers]
 
     async def handoffs() -> list[tuple[float, float, int]]:
-        """(stand-down s, wake s, bytes the stand-down gave back to the driver) per cycle."""
+        """(stand-down s, wake s, bytes the stand-down gave back to the driver) per cycle: torch's
+        reserved bytes, and the KV cache's where it is not torch's (graphs: a virtual memory
+        pool)."""
         times = []
         for _ in range(args.repeats):
             reserved = torch.cuda.memory_reserved()
+            held = engine.memory_in_use() if graphs else 0
             start = _sync_time()
             await engine.stand_down()
             down = _sync_time() - start
             released = reserved - torch.cuda.memory_reserved()
+            if graphs:
+                released += held - engine.memory_in_use()
             start = _sync_time()
             await engine.wake()
             times.append((down, _sync_time() - start, released))

@@ -307,6 +307,7 @@ def dynamic_engine(
     else:
         pool = graphs.attach()  # megatron's manager moves this thread to a stream of its own:
         torch.cuda.synchronize()  # the weights as the caller's stream wrote them
+        model.eval()  # the engine's constructor captures the graphs: a forward, in eval mode
         context = _PooledContext(model.config, inference, pool)
     controller = TextGenerationController(GPTInferenceWrapper(model, context), tokens)
     controller.sampling_rng.manual_seed(seed)
