@@ -265,6 +265,7 @@ class KVHandoff:
         finally:
             tracker.is_inference_rng_tracker = marked
         object.__setattr__(self.model.decoder, "cudagraph_manager", manager)
+        cuda_graphs.get_all_rng_states = _graph_safe_rng_states
         return self.pool
 
     def release(self, engine: Any) -> None:
@@ -286,6 +287,15 @@ class KVHandoff:
 
 
 _GRAPH_FIELDS = ("cuda_graph_impl", "inference_cuda_graph_scope")
+_all_rng_states = cuda_graphs.get_all_rng_states
+
+
+def _graph_safe_rng_states() -> dict[str, Any]:
+    """What megatron's capture registers with each graph, of its RNG tracker's states: the
+    generators alone. The trainer's tracker keeps its states as tensors (not graph safe), which
+    megatron's capture cannot register (`get_state` of a tensor); a decode step draws from none
+    of them (dropout is off), and the default generators megatron registers beside stay."""
+    return {name: state for name, state in _all_rng_states().items() if isinstance(state, torch.Generator)}
 
 
 def dynamic_engine(
