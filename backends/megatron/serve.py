@@ -9,7 +9,24 @@ the pipeline passes token ids) and the `DynamicInferenceEngine`. Attention insid
 flash-attn's functions, answered by torch's flash kernels where flash-attn is missing
 (`flash_adapter`).
 
-- KV cache: `kv_cache_management_mode` recompute. The gate drains the requests in flight
+- CUDA graphs (`rollout.graphs`, on by default; `KVHandoff`): megatron captures its decoder
+  block (all layers) once per decode batch size, a power of two rows up to `max_requests`
+  (`num_cuda_graphs` -1), when the engine is built, and replays them for decode-only steps;
+  prefill steps, the embedding, the output layer, sampling and megatron's bookkeeping run
+  eagerly. The graphs are set on the trainer's model for as long as the engine serves
+  (`KVHandoff.attach`: `cuda_graph_impl` "local", `inference_cuda_graph_scope` block, a graph
+  manager on the block kept outside its children); the block replays only with megatron's
+  inference mode on and an inference context, so the trainer's forward stays eager. A graphed
+  step cannot size the flash adapter's key copy to its rows: it copies `max_sequence_length`
+  keys per row, which is bounded to a row's room in the derived cache (`row_tokens`, 2 x
+  max_new_tokens: a longer prompt is refused). The RNG tracker's tensor states are left out of
+  each capture (`_graph_safe_rng_states`): nothing in the block draws random numbers.
+- KV cache, graphed: `kv_cache_management_mode` persist (megatron keeps the cache's tensor and
+  the graphs across `suspend()`), with the cache's memory in a `VirtualMemoryPool`
+  (`pool_cache`) that `KVHandoff` unmaps after each `suspend()` and maps again at the same
+  address before each `resume()`, so the graphs stay valid with the memory back with the
+  driver while the trainer steps. A request still in the cache at a stand-down (the gate drains
+  them first) keeps it mapped. Without graphs: recompute. The gate drains the requests in flight
   before each stand-down, so `suspend()` frees the cache with nothing to recompute, where offload
   would copy the whole cache to host memory and back at every step. Its size
   (`kv_cache_bytes`): `rollout.kv_cache_gb` when set, else the rows in flight at once
@@ -19,13 +36,14 @@ flash-attn's functions, answered by torch's flash kernels where flash-attn is mi
   model's KV bytes per token (2 x layers x kv_heads x head_dim x the dtype's bytes). Rows past
   that wait in megatron's queue (it pauses requests the cache cannot hold); a single row longer
   than the whole cache could never run, so `max_sequence_length` is bounded by it too.
-- Stand-down: megatron's `suspend()` frees the cache's tensors, then calls
+- Stand-down without graphs: megatron's `suspend()` frees the cache's tensors, then calls
   `delete_cuda_graphs()`, which also runs `gc.collect()` and `torch.cuda.empty_cache()`
   whether or not any graph was captured: 146-354 ms a stand-down on the H200 with the pipeline's
-  heap. This engine captures no graphs (megatron's `cuda_graph_impl` is left off), so
-  `install_suspend` puts `empty_cache_unless_graphs` in its place in the engine's module: the
-  cache still goes back to the driver, the collection is skipped, and an engine that did capture
-  graphs has them deleted by megatron's own function as before.
+  heap. Such an engine captures no graphs, so `install_suspend` puts `empty_cache_unless_graphs`
+  in its place in the engine's module: the cache still goes back to the driver, the collection
+  is skipped, and an engine that did capture graphs has them deleted by megatron's own function
+  as before. A graphed engine's `suspend()` (persist) deletes nothing; its close does
+  (`KVHandoff.close`).
 - Sampling (`sampling_params`): the recipe's temperature with neither top-k nor top-p
   (`backends/megatron/rules.py` refuses top_p < 1 and temperature 0); greedy requests (evaluation) take
   megatron's greedy draw, top_k 1. One termination id, the tokenizer's one stop token (megatron
@@ -198,26 +216,16 @@ def install_suspend() -> None:
     engine_module.delete_cuda_graphs = empty_cache_unless_graphs
 
 
-class _PooledContext(DynamicInferenceContext):
-    """megatron's context with its KV cache in `pool`, whose memory goes back to the driver and
-    returns at the same address (`KVHandoff`): the graphs captured over it stay valid."""
-
-    def __init__(self, model_config: Any, inference: InferenceConfig, pool: KVPool) -> None:
-        self.pool = pool  # before megatron's constructor, which allocates the cache
-        super().__init__(model_config, inference)
-
-    def _allocate_memory_buffer(self) -> None:
-        assert not self.cache_mla_latent  # megatron's MLA layout: not a model this project builds
-        shape = (
-            2,  # keys and values
-            self.num_attention_layers,
-            self.kv_block_allocator.total_count,
-            self.block_size_tokens,
-            self.num_attention_heads_per_partition,
-            self.hidden_size_per_attention_head,
-        )
-        flat = self.pool.allocate(math.prod(shape) * self.params_dtype.itemsize)
-        self.memory_buffer = flat.view(self.params_dtype).view(shape)
+def pool_cache(context: Any, pool: KVPool) -> None:
+    """Move the context's KV cache (`memory_buffer`, empty yet) into `pool`: same shape and
+    dtype, its memory the pool's. Done after megatron builds the context, not by a subclass
+    allocating there: megatron's capture takes its own context class alone as a graph input."""
+    cache = context.memory_buffer
+    flat = pool.allocate(cache.numel() * cache.element_size())
+    context.memory_buffer = flat.view(cache.dtype).view(cache.shape)
+    del cache
+    if flat.is_cuda:
+        torch.cuda.empty_cache()  # megatron's own allocation, back to the driver
 
 
 class KVHandoff:
@@ -318,7 +326,8 @@ def dynamic_engine(
         pool = graphs.attach()  # megatron's manager moves this thread to a stream of its own:
         torch.cuda.synchronize()  # the weights as the caller's stream wrote them
         model.eval()  # the engine's constructor captures the graphs: a forward, in eval mode
-        context = _PooledContext(model.config, inference, pool)
+        context = DynamicInferenceContext(model.config, inference)
+        pool_cache(context, pool)
     controller = TextGenerationController(GPTInferenceWrapper(model, context), tokens)
     controller.sampling_rng.manual_seed(seed)
     return DynamicInferenceEngine(controller, context)  # captures the graphs

@@ -264,3 +264,13 @@ def test_graphs_attach_to_the_decoder_block_and_close_gives_the_model_back_as_bu
     assert not hasattr(model.decoder, "cudagraph_manager")
     assert {name: getattr(model.config, name) for name in serve._GRAPH_FIELDS} == built
     assert built["cuda_graph_impl"] == "none"
+
+
+def test_the_contexts_kv_cache_moves_into_the_pool_with_its_shape_and_dtype() -> None:
+    context = SimpleNamespace(memory_buffer=torch.empty(2, 3, 4, 256, 2, 8, dtype=torch.bfloat16))
+    pool = PlainPool(torch.device("cpu"))
+    serve.pool_cache(context, pool)
+    cache = context.memory_buffer
+    assert (cache.shape, cache.dtype) == ((2, 3, 4, 256, 2, 8), torch.bfloat16)
+    assert cache.data_ptr() == pool.restore().data_ptr()
+    assert pool.resident_bytes == cache.numel() * 2
