@@ -245,6 +245,7 @@ def test_graphs_attach_to_the_decoder_block_and_close_gives_the_model_back_as_bu
 
     monkeypatch.setattr(serve.cuda_graphs, "CudaGraphManager", Manager)
     monkeypatch.setattr(serve.cuda_graphs, "delete_cuda_graphs", lambda: made.append("deleted"))
+    monkeypatch.setattr(serve.cuda_graphs, "get_all_rng_states", serve.cuda_graphs.get_all_rng_states)
     tracker = get_cuda_rng_tracker()
     monkeypatch.setattr(tracker, "is_inference_rng_tracker", False)  # the trainer's, on CUDA
     handoff = serve.KVHandoff(model, lambda: PlainPool(torch.device("cpu")))
@@ -253,6 +254,7 @@ def test_graphs_attach_to_the_decoder_block_and_close_gives_the_model_back_as_bu
         assert made == [("local", InferenceCudaGraphScope.block, False), True]
         assert isinstance(model.decoder.cudagraph_manager, Manager)
         assert not tracker.is_inference_rng_tracker
+        assert serve.cuda_graphs.get_all_rng_states is serve._graph_safe_rng_states  # what captures register
         assert list(model.state_dict()) == keys
         assert not any(isinstance(m, Manager) for m in model.modules())
         assert not any(hasattr(layer, "cudagraph_manager") for layer in model.decoder.layers)
@@ -274,3 +276,13 @@ def test_the_contexts_kv_cache_moves_into_the_pool_with_its_shape_and_dtype() ->
     assert (cache.shape, cache.dtype) == ((2, 3, 4, 256, 2, 8), torch.bfloat16)
     assert cache.data_ptr() == pool.restore().data_ptr()
     assert pool.resident_bytes == cache.numel() * 2
+
+
+def test_a_capture_registers_the_trackers_generators_and_not_its_tensor_states(monkeypatch) -> None:
+    """The trainer's RNG tracker keeps its states as tensors (not graph safe), which megatron's
+    capture cannot register; generators (a graph-safe tracker's) are registered as before."""
+    generator = torch.Generator()
+    monkeypatch.setattr(
+        serve, "_all_rng_states", lambda: {"model-parallel-rng": torch.zeros(8), "graph-safe": generator}
+    )
+    assert serve._graph_safe_rng_states() == {"graph-safe": generator}
