@@ -76,7 +76,7 @@ class RolloutSection(Section, frozen=True):
     kv_cache_gb: NonNegativeFloat = 0.0
     # engine megatron: replay its decode steps from CUDA graphs (false: each step launched from
     # Python); the torch engine always does on CUDA (backends/megatron/serve.py).
-    graphs: bool = True
+    graphs: bool = False
 
 
 class GiveUp(Exception):

@@ -21,10 +21,10 @@ def check_engine(recipe: Any) -> None:
                 f"rollout.kv_cache_gb: {rollout.kv_cache_gb:g} sizes the KV cache of rollout.engine "
                 "megatron; the torch engine sizes its own for each decode loop: leave it at 0"
             )
-        if not rollout.graphs:
+        if rollout.graphs:
             raise ValueError(
-                "rollout.graphs: false turns off the CUDA graphs of rollout.engine megatron; the "
-                "torch engine always replays its decode steps from graphs on CUDA: leave it at true"
+                "rollout.graphs: true turns on the CUDA graphs of rollout.engine megatron; the "
+                "torch engine always replays its decode steps from graphs on CUDA: leave it at false"
             )
         return
     if recipe.train.backend != "megatron":

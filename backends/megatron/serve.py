@@ -9,8 +9,9 @@ the pipeline passes token ids) and the `DynamicInferenceEngine`. Attention insid
 flash-attn's functions, answered by torch's flash kernels where flash-attn is missing
 (`flash_adapter`).
 
-- CUDA graphs (`rollout.graphs`, on by default; `KVHandoff`): megatron captures its decoder
-  block (all layers) once per decode batch size, a power of two rows up to `max_requests`
+- CUDA graphs (`rollout.graphs`, off by default until measured on a GPU; `KVHandoff`):
+  megatron captures its decoder block (all layers) once per decode batch size, a power of two
+  rows up to `max_requests`
   (`num_cuda_graphs` -1), when the engine is built, and replays them for decode-only steps;
   prefill steps, the embedding, the output layer, sampling and megatron's bookkeeping run
   eagerly. The graphs are set on the trainer's model for as long as the engine serves

@@ -95,16 +95,16 @@ def test_the_kv_cache_holds_a_batchs_rows_at_twice_max_new_tokens() -> None:
 
 
 def test_graphs_keep_the_cache_across_suspend_and_bound_each_row_to_its_room() -> None:
-    """Graphed (the default): megatron keeps its cache and graphs across suspend (the handoff
+    """Graphed (`rollout.graphs`): megatron keeps its cache and graphs across suspend (the handoff
     gives the memory back), captures a decode graph per power of two rows and none for prefill,
     and a row is at most its room in the cache (a graphed step gathers that many keys a row).
-    Without graphs: recompute, no graphs, rows up to the model's positions."""
-    recipe = _bench()
+    Without graphs (the default): recompute, no graphs, rows up to the model's positions."""
+    recipe = _bench("rollout.graphs=true")
     graphed = serve.inference_config(recipe, recipe.model.config, torch.bfloat16)
     assert graphed.kv_cache_management_mode is KVCacheManagementMode.PERSIST
     assert (graphed.num_cuda_graphs, graphed.use_cuda_graphs_for_non_decode_steps) == (-1, False)
     assert graphed.max_sequence_length == 1024  # 2 x max_new_tokens 512, in 256-token blocks
-    eager = serve.inference_config(_bench("rollout.graphs=false"), recipe.model.config, torch.bfloat16)
+    eager = serve.inference_config(_bench(), recipe.model.config, torch.bfloat16)
     assert eager.kv_cache_management_mode is KVCacheManagementMode.RECOMPUTE
     assert eager.num_cuda_graphs is None
     assert eager.max_sequence_length == 32768  # the model's positions, not the cache's 262144

@@ -7,7 +7,7 @@ train mode (megatron's engine itself needs CUDA: tests/gpu/test_megatron_gpu.py 
   mode; every wake (and the build) puts it back in eval mode before the engine steps it.
 - Stand-down memory: with handoff checks the gate reads the engine's KV bytes after each
   stand-down; a cache that was not let go fails the step. Without graphs megatron's suspend
-  drops the cache (recompute); with them (`rollout.graphs`, the default) megatron keeps it
+  drops the cache (recompute); with them (`rollout.graphs`) megatron keeps it
   (persist) and the builder's `KVHandoff` gives its memory back unless a request still holds it.
 """
 

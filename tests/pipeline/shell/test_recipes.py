@@ -275,10 +275,10 @@ VALID_RUN_FIELDS = "dir, steps, seed, stop_grace_s, progress, log_every_steps, p
             id="kv-cache-gb-for-the-torch-engine",
         ),
         pytest.param(
-            "rollout:\n  graphs: false\n",
-            "rollout.graphs: false turns off the CUDA graphs of rollout.engine megatron; the torch engine "
-            "always replays its decode steps from graphs on CUDA: leave it at true",
-            id="graphs-off-for-the-torch-engine",
+            "rollout:\n  graphs: true\n",
+            "rollout.graphs: true turns on the CUDA graphs of rollout.engine megatron; the torch engine "
+            "always replays its decode steps from graphs on CUDA: leave it at false",
+            id="graphs-for-the-torch-engine",
         ),
         pytest.param(
             "rollout:\n  engine: megatron\n",
