@@ -621,7 +621,7 @@ def main() -> None:
         "--megatron-graphs",
         type=lambda text: [{"on": True, "off": False}[v] for v in text.split(",")],
         default=[True],
-        help="with --megatron-inference: comma list of on (rollout.graphs, the default) and off",
+        help="with --megatron-inference: comma list of on (rollout.graphs: true; the default here) and off",
     )
     parser.add_argument(
         "--megatron-profile",
