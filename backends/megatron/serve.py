@@ -45,15 +45,14 @@ flash-attn's functions, answered by torch's flash kernels where flash-attn is mi
   is skipped, and an engine that did capture graphs has them deleted by megatron's own function
   as before. A graphed engine's `suspend()` (persist) deletes nothing; its close does
   (`KVHandoff.close`).
-- Sampling (`sampling_params`): the recipe's temperature with neither top-k nor top-p
-  (`backends/megatron/rules.py` refuses top_p < 1 and temperature 0); greedy requests (evaluation) take
-  megatron's greedy draw, top_k 1. One termination id, the tokenizer's one stop token (megatron
-  takes no more: several are refused).
-- Logprobs: `logprobs_mode` "processed_logprobs", the log-softmax of the logits divided by the
-  temperature, which is what the torch engine reports and the trainer recomputes (megatron's
-  default, "raw_logprobs", is the temperature-1 distribution's). A greedy token's logprob is 0
-  (the top-1 distribution's), where the torch engine gives the temperature-1 one; only
-  evaluations generate greedily, and they read no logprobs.
+- Sampling (`sampling_params`): the recipe's temperature and top-p; greedy requests
+  (evaluation, or `rollout.temperature: 0`) take megatron's greedy draw, top_k 1. One
+  termination id, the tokenizer's one stop token (megatron takes no more: several are refused).
+- Logprobs: `logprobs_mode` "processed_logprobs" through `TemperedLogprobs` (the controller's
+  sampler, its draw megatron's own): the log-softmax of the logits divided by the temperature,
+  before any top-p cut, and at temperature 1 for a greedy token, which is what the torch engine
+  reports and the trainer recomputes. megatron's own processed logprobs are the renormalised
+  nucleus's (0 for a greedy token), its default "raw_logprobs" the temperature-1 distribution's.
 """
 
 from __future__ import annotations
@@ -71,6 +70,7 @@ from megatron.core.inference.engines.dynamic_engine import DynamicInferenceEngin
 from megatron.core.inference.model_inference_wrappers.gpt.gpt_inference_wrapper import (
     GPTInferenceWrapper,
 )
+from megatron.core.inference.sampling.torch_sampling import TorchSampling
 from megatron.core.inference.sampling_params import SamplingParams
 from megatron.core.inference.text_generation_controllers.text_generation_controller import (
     TextGenerationController,
@@ -132,17 +132,47 @@ def termination_id(stop_ids: Sequence[int]) -> int:
     return stop_ids[0] if stop_ids else -1
 
 
-def sampling_params(greedy: bool, limit: int, *, temperature: float, termination: int) -> SamplingParams:
-    """One request's parameters: `limit` new tokens at most, each with its logprob."""
+def sampling_params(
+    greedy: bool, limit: int, *, temperature: float, top_p: float, termination: int
+) -> SamplingParams:
+    """One request's parameters: `limit` new tokens at most, each with its logprob. Greedy (an
+    evaluation's, or temperature 0) is megatron's top-1 draw; else the recipe's temperature and
+    top-p (megatron's top_p 0 is "off")."""
+    greedy = greedy or temperature == 0
     return SamplingParams(
         temperature=1.0 if greedy else temperature,
         top_k=1 if greedy else 0,
-        top_p=0.0,  # megatron's "off"
+        top_p=0.0 if greedy or top_p >= 1 else top_p,
         return_log_probs=True,
         skip_prompt_log_probs=True,
         num_tokens_to_generate=limit,
         termination_id=termination,
     )
+
+
+class TemperedLogprobs(TorchSampling):
+    """megatron's torch sampler (its draw unchanged), with the logprobs the torch engine reports
+    and the trainer recomputes: of the tempered distribution before any top-p cut (a greedy,
+    top-1 row has temperature 1: `sampling_params`). megatron's own "processed" logprobs are
+    those of the filtered, renormalised distribution (0 for a greedy token)."""
+
+    def log_probs_kernel(
+        self, logits: torch.Tensor, context: Any, *, token_to_request_index: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        rows = context.total_request_count - context.paused_request_count
+        metadata = context.active_request_metadata
+        temperature = metadata["temperature"][:rows]
+        if token_to_request_index is not None:  # prefill rows: one per token
+            temperature = temperature[token_to_request_index]
+        buckets: dict[float, list[int]] = {}
+        for row, t in enumerate(temperature.tolist()):
+            buckets.setdefault(t, []).append(row)
+        log_probs = torch.empty_like(logits)
+        for t, bucket in buckets.items():
+            index = torch.tensor(bucket, device=logits.device, dtype=torch.long)
+            picked = logits[index]
+            log_probs[index] = torch.log_softmax(picked / t if t != 1.0 else picked, dim=-1)
+        return log_probs
 
 
 class _Tokens:
@@ -331,6 +361,7 @@ def dynamic_engine(
         pool_cache(context, pool)
     controller = TextGenerationController(GPTInferenceWrapper(model, context), tokens)
     controller.sampling_rng.manual_seed(seed)
+    controller._sampling = TemperedLogprobs(controller.sampling_rng, tokens.vocab_size)
     return DynamicInferenceEngine(controller, context)  # captures the graphs
 
 
@@ -347,7 +378,9 @@ def build_inference(
     return MegatronInference(
         lambda: dynamic_engine(model, inference, tokens=tokens, seed=seed, device=device, graphs=handoff),
         handoff=handoff,
-        sampling=functools.partial(sampling_params, temperature=rollout.temperature, termination=termination),
+        sampling=functools.partial(
+            sampling_params, temperature=rollout.temperature, top_p=rollout.top_p, termination=termination
+        ),
         stop_token_ids=stop_ids,
         max_new_tokens=rollout.max_new_tokens,
         max_sequence_length=inference.max_sequence_length,

@@ -29,11 +29,11 @@ from pipeline.contracts.errors import RecipeError  # noqa: E402
 from pipeline.testing import FakeDynamicEngine  # noqa: E402
 
 
-def _processed_logprobs(logits: torch.Tensor, params) -> torch.Tensor:
-    """megatron's `log_probs_kernel` (logprobs_mode "processed_logprobs") for rows of one request's
-    parameters, over a stand-in for the context's per-request metadata."""
+def _context(logits: torch.Tensor, params) -> SimpleNamespace:
+    """A stand-in for megatron's context: its per-request metadata, rows of one request's
+    parameters."""
     rows = logits.shape[0]
-    context = SimpleNamespace(
+    return SimpleNamespace(
         total_request_count=rows,
         paused_request_count=0,
         active_request_metadata={
@@ -42,32 +42,59 @@ def _processed_logprobs(logits: torch.Tensor, params) -> torch.Tensor:
             "top_p": torch.full((rows,), params.top_p),
         },
     )
-    return TorchSampling(torch.Generator(), logits.shape[1]).log_probs_kernel(logits, context)
 
 
-def test_the_engines_logprobs_are_the_torch_engines_at_the_recipes_temperature() -> None:
-    """What the pipeline's token_mult_prob_error compares: megatron's processed logprobs of the
-    tokens are the torch engine's (the tempered distribution's); its raw ones are not."""
-    logits = 3 * torch.randn(8, 32, generator=torch.Generator().manual_seed(0))
-    params = serve.sampling_params(False, 5, temperature=0.7, termination=1)
-    tokens, ours = draw(logits, 0.7, 1.0, torch.Generator().manual_seed(1))
-    picked = _processed_logprobs(logits, params).gather(-1, tokens[:, None]).squeeze(-1)
-    torch.testing.assert_close(picked, ours)
-    raw = torch.log_softmax(logits, dim=-1).gather(-1, tokens[:, None]).squeeze(-1)
-    assert not torch.allclose(raw, ours, atol=1e-3)
+def _params(temperature: float, top_p: float, *, greedy: bool = False):
+    return serve.sampling_params(greedy, 5, temperature=temperature, top_p=top_p, termination=1)
+
+
+@pytest.mark.parametrize(
+    ("temperature", "top_p"),
+    [(0.7, 1.0), (0.7, 0.5), (1.3, 0.9), (0.0, 1.0)],
+    ids=["temperature", "top-p", "temperature-top-p", "greedy"],
+)
+def test_the_engines_logprobs_are_the_torch_engines(temperature: float, top_p: float) -> None:
+    """What the pipeline's token_mult_prob_error compares: megatron's sampler draws from the
+    recipe's distribution (top-p cut included; temperature 0: its top-1 draw), and
+    `TemperedLogprobs` reports the logprobs the torch engine reports for the same tokens (the
+    tempered distribution before the cut; temperature 1 for a greedy token), where megatron's own
+    processed ones are the renormalised nucleus's (0 for a greedy token): the same without both."""
+    logits = 3 * torch.randn(64, 32, generator=torch.Generator().manual_seed(0))
+    params = _params(temperature, top_p)
+    drawn = TorchSampling.sample_from_logits(
+        logits, params.temperature, params.top_k, params.top_p, generator=torch.Generator().manual_seed(1)
+    )
+    ours = draw(logits, temperature, top_p, torch.Generator().manual_seed(1))[1]  # any token: its logprob
+    ours_of_drawn = (
+        torch.log_softmax(logits / (temperature or 1.0), dim=-1).gather(-1, drawn[:, None]).squeeze(-1)
+    )
+    sampler = serve.TemperedLogprobs(torch.Generator(), logits.shape[1])
+    picked = sampler.log_probs_kernel(logits, _context(logits, params)).gather(-1, drawn[:, None]).squeeze(-1)
+    torch.testing.assert_close(picked, ours_of_drawn)
+    if temperature == 0:  # the torch engine's greedy token and logprob
+        torch.testing.assert_close(picked, ours)
+        assert torch.equal(drawn, logits.argmax(dim=-1))
+    if top_p < 1:  # every draw inside the nucleus: the cut is megatron's
+        probs = torch.softmax(logits / temperature, dim=-1)
+        sorted_probs, _ = probs.sort(dim=-1, descending=True)
+        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+        smallest_kept = sorted_probs.masked_fill(mass_before >= top_p, 2.0).min(dim=-1).values
+        assert (probs.gather(-1, drawn[:, None]).squeeze(-1) >= smallest_kept).all()
+    megatrons = TorchSampling(torch.Generator(), logits.shape[1]).log_probs_kernel(
+        logits, _context(logits, params)
+    )
+    same = torch.allclose(megatrons.gather(-1, drawn[:, None]).squeeze(-1), picked, atol=1e-3)
+    assert same == (temperature > 0 and top_p == 1)  # megatron's differ where a cut or greedy
 
 
 def test_a_request_asks_for_its_limit_and_logprobs_and_greedy_ones_take_the_top_token() -> None:
-    sampled = serve.sampling_params(False, 7, temperature=0.7, termination=1)
+    sampled = _params(0.7, 1.0)
     assert (sampled.temperature, sampled.top_k, sampled.top_p) == (0.7, 0, 0.0)
-    assert (sampled.num_tokens_to_generate, sampled.termination_id) == (7, 1)
+    assert (sampled.num_tokens_to_generate, sampled.termination_id) == (5, 1)
     assert sampled.return_log_probs and sampled.skip_prompt_log_probs
-    greedy = serve.sampling_params(True, 7, temperature=0.7, termination=1)
-    logits = torch.randn(4, 16, generator=torch.Generator().manual_seed(0))
-    drawn = TorchSampling.sample_from_logits(
-        logits, greedy.temperature, greedy.top_k, greedy.top_p, generator=torch.Generator()
-    )
-    assert torch.equal(drawn, logits.argmax(dim=-1))
+    assert (_params(0.7, 0.9).top_k, _params(0.7, 0.9).top_p) == (0, 0.9)
+    for greedy in (_params(0.7, 0.9, greedy=True), _params(0.0, 0.9)):  # an evaluation's; temperature 0
+        assert (greedy.temperature, greedy.top_k, greedy.top_p) == (1.0, 1, 0.0)
 
 
 def _bench(*overrides: str):
@@ -286,3 +313,25 @@ def test_a_capture_registers_the_trackers_generators_and_not_its_tensor_states(m
         serve, "_all_rng_states", lambda: {"model-parallel-rng": torch.zeros(8), "graph-safe": generator}
     )
     assert serve._graph_safe_rng_states() == {"graph-safe": generator}
+
+
+def test_megatrons_controller_reports_the_tempered_logprobs(monkeypatch) -> None:
+    """The engine as `dynamic_engine` wires it (megatron's classes, which need CUDA, replaced by
+    stand-ins): its controller samples with `TemperedLogprobs` over the controller's seeded RNG."""
+
+    class Controller:
+        def __init__(self, wrapped, tokens) -> None:
+            self.sampling_rng = torch.Generator()
+            self._sampling = None
+
+    monkeypatch.setattr(serve, "DynamicInferenceContext", lambda config, inference: None)
+    monkeypatch.setattr(serve, "GPTInferenceWrapper", lambda model, context: None)
+    monkeypatch.setattr(serve, "TextGenerationController", Controller)
+    monkeypatch.setattr(serve, "DynamicInferenceEngine", lambda controller, context: controller)
+    monkeypatch.setattr(serve.torch.cuda, "set_device", lambda device: None)
+    model = SimpleNamespace(config=None)
+    tokens = serve._Tokens(1, 32)
+    controller = serve.dynamic_engine(model, None, tokens=tokens, seed=7, device=torch.device("cpu"))
+    assert isinstance(controller._sampling, serve.TemperedLogprobs)
+    assert controller._sampling._rng is controller.sampling_rng
+    assert controller._sampling._vocab_size == 32
