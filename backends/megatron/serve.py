@@ -9,7 +9,7 @@ the pipeline passes token ids) and the `DynamicInferenceEngine`. Attention insid
 flash-attn's functions, answered by torch's flash kernels where flash-attn is missing
 (`flash_adapter`).
 
-- CUDA graphs (`rollout.graphs`, off by default until measured on a GPU; `KVHandoff`):
+- CUDA graphs (`rollout.graphs`, off by default until the GPU tests have run it; `KVHandoff`):
   megatron captures its decoder block (all layers) once per decode batch size, a power of two
   rows up to `max_requests`
   (`num_cuda_graphs` -1), when the engine is built, and replays them for decode-only steps;
