@@ -50,14 +50,18 @@ class Chunk:
     @classmethod
     def of(cls, samples: Sequence[TrainSample], inputs: Any, device: torch.device) -> Chunk:
         longest = max(len(s.tokens) for s in samples)
-        lengths = torch.tensor([len(s.tokens) for s in samples], device=device)
+        # The loss mask: 1 on each sample's own tokens that the model generated, 0 on padding
+        # and on an environment's tokens (multi-turn), which are context and never trained.
+        mask = [list(s.loss_mask or (1,) * len(s.tokens)) for s in samples]
         return cls(
             inputs=inputs,
             gen=torch.tensor(
                 [list(s.logprobs) + [0.0] * (longest - len(s.logprobs)) for s in samples], device=device
             ),
             advantages=torch.tensor([s.advantage for s in samples], device=device),
-            mask=(torch.arange(longest, device=device) < lengths[:, None]).to(torch.get_default_dtype()),
+            mask=torch.tensor([row + [0] * (longest - len(row)) for row in mask], device=device).to(
+                torch.get_default_dtype()
+            ),
         )
 
 
@@ -69,6 +73,11 @@ class DataParallel:
     rank: int
     size: int
     all_sum: Callable[[torch.Tensor], None]
+
+
+def trained_tokens(sample: TrainSample) -> int:
+    """The sample's tokens in the loss (its loss mask's: an environment's tokens are not)."""
+    return sum(sample.loss_mask) if sample.loss_mask else len(sample.tokens)
 
 
 def group_tokens(group: TrainGroup) -> int:
@@ -136,7 +145,7 @@ def run_update(
     # Each minibatch's counts are the whole minibatch's, whichever rank trains which group.
     all_counts = [
         Counts(
-            tokens=float(sum(len(s.tokens) for g in part for s in g.samples)),
+            tokens=float(sum(trained_tokens(s) for g in part for s in g.samples)),
             sequences=float(sum(len(g.samples) for g in part)),
             max_new_tokens=algorithm.max_new_tokens,
         )

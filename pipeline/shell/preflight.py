@@ -22,6 +22,8 @@ from backends.torch.config import ModelConfig
 from pipeline.algorithms.config import Algorithm
 from pipeline.algorithms.presets import algorithm_of
 from pipeline.contracts.errors import RecipeError
+from pipeline.environments import EnvironmentFactory
+from pipeline.environments import resolve as resolve_environment
 from pipeline.rewards.scoring import RewardFn, resolve
 from pipeline.shell.backend_input import backend_input
 from pipeline.shell.recipe import Recipe
@@ -35,6 +37,7 @@ class Checked:
     prompts: PromptSet
     reward_fn: RewardFn
     algorithm: Algorithm
+    environment: EnvironmentFactory | None = None  # rollout.environment's, one per episode
 
 
 def preflight(recipe: Recipe, *, model: bool = True, resume: bool = True) -> Checked:
@@ -69,7 +72,17 @@ def preflight(recipe: Recipe, *, model: bool = True, resume: bool = True) -> Che
             f"prompt ({prompts.longest} tokens) exceed model.config.max_position_embeddings "
             f"{limit.positions} ({limit.why}); set it to at most {max(limit.positions - prompts.longest, 0)}"
         )
-    return Checked(prompts, reward_fn, algorithm)
+    environment = None
+    if recipe.rollout.environment is not None:
+        environment = resolve_environment(recipe.rollout.environment, recipe.rollout.environment_args)
+        if limit is not None and prompts.longest + recipe.rollout.max_episode_tokens > limit.positions:
+            raise RecipeError(
+                f"rollout.max_episode_tokens: {recipe.rollout.max_episode_tokens} tokens after the "
+                f"longest prompt ({prompts.longest} tokens) exceed model.config.max_position_embeddings "
+                f"{limit.positions} ({limit.why}); set it to at most "
+                f"{max(limit.positions - prompts.longest, 0)}"
+            )
+    return Checked(prompts, reward_fn, algorithm, environment)
 
 
 @dataclass(frozen=True)

@@ -36,9 +36,10 @@ def variant(name: str) -> Algorithm:
     return resolve(section, max_new_tokens=9, samples_per_prompt=4)
 
 
-def groups(seed: int, vocab: int = 24) -> list[TrainGroup]:
+def groups(seed: int, vocab: int = 24, *, episodes: bool = False) -> list[TrainGroup]:
     """Five groups of four: prompts and responses of different lengths, behaviour logprobs off
-    the model's (so the IS correction and the mismatch metrics have work)."""
+    the model's (so the IS correction and the mismatch metrics have work); with `episodes`,
+    multi-turn samples whose every third token is an environment's (loss mask 0)."""
     g = torch.Generator().manual_seed(seed)
     out = []
     for gi in range(5):
@@ -52,6 +53,7 @@ def groups(seed: int, vocab: int = 24) -> list[TrainGroup]:
                     logprobs=tuple((-torch.rand(length, generator=g) * 3 - 2).tolist()),
                     reward=float(si % 2),
                     advantage=float(si) - 1.5 + 0.1 * gi,
+                    loss_mask=tuple(int(j % 3 != 1) for j in range(length)) if episodes else (),
                 )
             )
         out.append(TrainGroup(group_id=f"g{gi}", prompt_tokens=tuple(prompt), samples=tuple(samples)))
@@ -102,13 +104,15 @@ def run_ranks(algorithm: Algorithm, size: int, steps: list[list[TrainGroup]]) ->
     return results
 
 
-@pytest.mark.parametrize("name", ["grpo", "dr_grpo", "dapo", "gspo", "rloo", "custom"])
+@pytest.mark.parametrize("name", ["grpo", "dr_grpo", "dapo", "gspo", "rloo", "custom", "grpo-episodes"])
 def test_two_ranks_train_as_one_on_the_same_groups(name: str) -> None:
     """Catches a rank that trains another's groups or all of them, a loss normalised by the
     rank's own counts instead of the minibatch's, gradients not summed over the ranks, an
     optimizer shard not stepped or not shared, and metrics of one rank only."""
-    algorithm = variant(name)
-    steps = [groups(1), groups(2)]  # the second step runs on the sharded optimizer's moments
+    algorithm = variant(name.removesuffix("-episodes"))
+    episodes = name.endswith("-episodes")
+    # The second step runs on the sharded optimizer's moments.
+    steps = [groups(1, episodes=episodes), groups(2, episodes=episodes)]
     one = trainer(algorithm, model())
     expected = [one._train_step(batch) for batch in steps]
     weights = {n: p.detach() for n, p in one.model.named_parameters()}
@@ -124,6 +128,11 @@ def test_two_ranks_train_as_one_on_the_same_groups(name: str) -> None:
     first, second = ranks[0][1], ranks[1][1]
     assert all(torch.equal(first[k], second[k]) for k in first)  # replicas: bit for bit
     assert expected[0]["train/grad_norm"] > 0.5  # clipped: the clip scale is compared too
+    # The counts the loss is normalised by are of the model's tokens, not an environment's.
+    trained = [
+        sum(sum(s.loss_mask) if episodes else len(s.tokens) for g in b for s in g.samples) for b in steps
+    ]
+    assert [m["train/tokens"] for m in expected] == trained
 
 
 def test_shares_are_whole_groups_balanced_by_tokens() -> None:
