@@ -234,13 +234,15 @@ class Sampler:
         generator: torch.Generator,
         freeze: threading.Event | None = None,
         dropped: Callable[[Admission], bool] | None = None,
+        width: int = 0,
     ) -> None:
         """The continuous decode loop: a fixed number of slots (rows of the cache and of the
         decode step), filled from ``source`` and emptied into ``sink``; returns once no row is
         live and the source gives nothing.
 
         Slots. The first call ``source(None, None)`` gives what is waiting; the loop's width is
-        its rows (bucketed with graphs, so one captured step serves the whole loop) and the
+        its rows, or ``width`` if more (bucketed with graphs, so one captured step serves the
+        whole loop: a loop opened by a few rows that more will join), and the
         cache is grown, if it must, to fit its longest prompt plus ``max_new_tokens``. Growing
         happens only here, between loops. Every ``check_every`` steps (and once every live row
         must have reached its limit) the loop waits for the device, takes each finished row's
@@ -266,7 +268,7 @@ class Sampler:
         if not first:
             return
         dev = self.device
-        rows = self.width_for(sum(len(a.limits) for a in first))
+        rows = self.width_for(max(width, sum(len(a.limits) for a in first)))
         # Room for every row up to max_new_tokens, so later admissions of such prompts fit.
         self._ensure(rows, max(len(a.prompt) for a in first) + max_new_tokens)
         positions = self.cache.length
