@@ -267,6 +267,7 @@ class TorchEngine:
                 freeze=self._freeze if self.partial_rollouts else None,
                 dropped=lambda admission: admission.key[0].cancelled,
                 width=self.max_rows,
+                narrow=not self.max_rows,  # at `max_rows` the next batch fills the width
             )
         except Exception as error:
             for request in active:
