@@ -23,9 +23,9 @@ attention stays outside them (`Decoder.run_layers`, as every path runs the layer
 half precision the responses' attention is one variable-length flash call over the packed
 inputs (each row's keys: its prompt's real tokens, then its own; causal aligned bottom-right);
 elsewhere the inputs are spread to a padded [N, S] layout for SDPA with an explicit mask, and
-gathered back, so the padding costs attention only. ``checkpointed`` keeps only each layer's input for the backward pass and
-recomputes the layer there (activation checkpointing: about a third more compute for a few
-percent of the activation memory).
+gathered back, so the padding costs attention only. ``checkpointed`` keeps only each layer's
+input for the backward pass and recomputes the layer there (activation checkpointing: about a
+third more compute for a few percent of the activation memory).
 """
 
 from __future__ import annotations
@@ -89,9 +89,7 @@ def response_logprobs(
     flat = picked_logprobs(hidden, model.lm_head.weight, targets, temperature)
     where = (packing.target_row, packing.target_offset)
     logprobs = flat.new_zeros(len(responses), packing.longest).index_put(where, flat)
-    mask = torch.zeros(len(responses), packing.longest, device=device).index_put(
-        where, torch.ones_like(flat)
-    )
+    mask = torch.zeros(len(responses), packing.longest, device=device).index_put(where, torch.ones_like(flat))
     return logprobs, mask
 
 

@@ -47,7 +47,9 @@ class _Inputs:
 def _computed(inputs: _Inputs) -> int:
     """Tokens a micro-batch's forward computes: its prompts left-padded to the widest, and each
     response's inputs (all its tokens but the last), packed."""
-    return len(inputs.prompts) * max(len(p) for p in inputs.prompts) + sum(len(r) - 1 for r in inputs.responses)
+    return len(inputs.prompts) * max(len(p) for p in inputs.prompts) + sum(
+        len(r) - 1 for r in inputs.responses
+    )
 
 
 class TorchTrainer:

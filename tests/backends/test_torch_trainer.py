@@ -101,7 +101,11 @@ def test_micro_batches_take_whole_groups_in_order_up_to_the_sample_cap() -> None
         for g, length in enumerate([9, 2, 7, 3, 8, 1])
     ]
     minibatch = [chunk.inputs for chunk in trainer.micro_batches(groups)]
-    assert [[len(r) for r in chunk.responses] for chunk in minibatch] == [[9, 8, 2, 1], [7, 6, 3, 2], [8, 7, 1]]
+    assert [[len(r) for r in chunk.responses] for chunk in minibatch] == [
+        [9, 8, 2, 1],
+        [7, 6, 3, 2],
+        [8, 7, 1],
+    ]
     for chunk in minibatch:
         assert len(chunk.prompts) == len(set(chunk.owner))
 

@@ -49,7 +49,8 @@ def test_every_finished_group_is_trained_once_with_its_generated_lengths(
         for chunk in chunks:
             inputs = chunk.inputs
             computed.update(
-                (tuple(inputs.prompts[o]), len(r)) for o, r in zip(inputs.owner, inputs.responses, strict=True)
+                (tuple(inputs.prompts[o]), len(r))
+                for o, r in zip(inputs.owner, inputs.responses, strict=True)
             )
         return chunks
 
