@@ -225,7 +225,10 @@ class TorchTrainer:
         )
         # What one pass over the batch pushes through the layers (beside train/tokens, the
         # responses' own): the prompts once per micro-batch, padded to the longest there.
-        metrics["train/computed_tokens"] = float(self._computed_tokens)
+        computed = torch.tensor(float(self._computed_tokens), dtype=torch.float64)
+        if self.ranks is not None:  # the whole step's: every rank's micro-batches
+            self.ranks.all_sum(computed)
+        metrics["train/computed_tokens"] = float(computed)
         self.skipped_steps += skipped
         metrics["train/skipped_steps"] = float(self.skipped_steps)
         if self.parking is not None:

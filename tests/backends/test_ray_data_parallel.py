@@ -67,7 +67,8 @@ def test_two_trainer_actors_give_the_step_of_one(ray_cluster: Any) -> None:
     for metrics, want in zip(got, expected, strict=True):
         assert metrics.keys() == want.keys()
         for key, value in want.items():
-            assert metrics[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
+            if key != "train/computed_tokens":  # the work, which each rank's packing decides
+                assert metrics[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
     for name, value in like:
         torch.testing.assert_close(ranks[0][name], value, atol=1e-5, rtol=1e-5, msg=name)
         assert torch.equal(ranks[0][name], ranks[1][name]), name

@@ -122,6 +122,8 @@ def test_two_ranks_train_as_one_on_the_same_groups(name: str) -> None:
         for got, want in zip(metrics, expected, strict=True):
             assert got.keys() == want.keys()
             for key, value in want.items():
+                if key == "train/computed_tokens":  # the work, not the update: each rank packs its
+                    continue  # own micro-batches (its prompts padded to its own widest)
                 assert got[key] == pytest.approx(value, rel=1e-5, abs=1e-6), (name, key)
         for key, value in weights.items():
             torch.testing.assert_close(rank_weights[key], value, atol=1e-5, rtol=1e-5, msg=key)
