@@ -220,14 +220,17 @@ class MegatronTrainer:
 
     def apply(self, *, finite_loss: bool) -> float | None:
         """Clip and step at this update's learning rate (megatron's `Step` skips a non-finite
-        gradient norm itself); the gradient norm, or None when skipped."""
+        gradient norm itself); the gradient norm, or None when skipped (the schedule stays
+        where it was)."""
         if finite_loss:
             grad_norm = self.optimizer.step(self._lr(self.updates))
         else:
             self.optimizer.zero_grad()
             grad_norm = math.nan
-        self.updates += 1
-        return grad_norm if math.isfinite(grad_norm) else None
+        if not math.isfinite(grad_norm):
+            return None
+        self.updates += 1  # the schedule counts applied updates, as megatron-LM's does
+        return grad_norm
 
     def _train_step(self, groups: list[TrainGroup]) -> dict[str, float]:
         self.model.train()

@@ -223,11 +223,11 @@ class TorchTrainer:
 
     def apply(self, *, finite_loss: bool) -> float | None:
         """Clip and apply the accumulated gradients, then step the schedule; the gradient norm,
-        or None when the update was skipped."""
-        try:
-            return self._apply(finite_loss)
-        finally:
+        or None when the update was skipped (the schedule stays where it was)."""
+        grad_norm = self._apply(finite_loss)
+        if grad_norm is not None:  # the schedule counts applied updates, as megatron-LM's does
             self.scheduler.step()
+        return grad_norm
 
     def _apply(self, finite_loss: bool) -> float | None:
         if self.master is None:
