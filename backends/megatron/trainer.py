@@ -144,6 +144,7 @@ class MegatronTrainer:
         self.updates = 0
         self.skipped_steps = 0
         self.completed_steps = 0
+        self._reserved = False  # the snapshot buffer (`_host`) reserved
 
     async def train_step(self, groups: Sequence[TrainGroup]) -> dict[str, float]:
         return await self.compute.run(self._train_step, list(groups))
@@ -241,6 +242,9 @@ class MegatronTrainer:
         metrics["train/skipped_steps"] = float(self.skipped_steps)
         self.completed_steps += 1
         self.weights_changed()
+        if not self._reserved and dist.get_world_size() == 1:  # one rank snapshots (see there)
+            self._reserved = True  # the state's size is known once the optimizer has its moments
+            self._host.reserve(self._sharded_state(loading=False), leaf=checkpoint.sharded_leaf)
         return metrics
 
     def _sharded_state(self, *, loading: bool) -> dict[str, Any]:
