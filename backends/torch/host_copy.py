@@ -31,6 +31,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import threading
+import time
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable
@@ -72,10 +73,18 @@ class HostCopier:
         self._pinning.start()
 
     def _prepare(self, nbytes: int, pinned: bool) -> None:
+        start = time.perf_counter()
         arena = torch.empty(max(nbytes, 1), dtype=torch.uint8)
         arena.zero_()  # every page given now (the kernel zeroes each on first touch), not in a copy
+        touched = time.perf_counter()
         if pinned:
             _pin(arena)
+        log.debug(
+            "reserved %.2f GB for snapshots: touched in %.3f s, pinned in %.3f s",
+            nbytes / 1e9,
+            touched - start,
+            time.perf_counter() - touched,
+        )
         self._tried = arena
         self.arena = arena
         self.allocations += 1
@@ -84,9 +93,11 @@ class HostCopier:
         """`state` copied to host memory (see the module docstring). `leaf(value, copy)` may
         copy a type of its own (returning NotImplemented for the rest), with `copy` for values
         inside it."""
+        began = time.perf_counter()
         tensors, offset, gpu = _plan(state, leaf)
         cuda = [t.device for t, _ in tensors.values() if t.device.type == "cuda"]
         arena = self._arena(offset, pinned=gpu)
+        ready = time.perf_counter()
         copies: dict[tuple[Any, ...], torch.Tensor] = {}
         with torch.no_grad():
             for k, (tensor, start) in tensors.items():
@@ -96,6 +107,13 @@ class HostCopier:
                 copies[k] = _own_storage(view, arena)
         for device in set(cuda):
             torch.cuda.synchronize(device)
+        log.debug(
+            "host copy of %.2f GB: %.3f s for its buffer, %.3f s to copy (%s)",
+            offset / 1e9,
+            ready - began,
+            time.perf_counter() - ready,
+            ("pinned" if self._tried is arena else "pageable") if cuda else "host to host",
+        )
         if cuda and self._tried is not arena:
             # Pinning takes seconds a GB: a new arena takes its first copy pageable, and is
             # pinned beside the steps that follow, for the next copies.
