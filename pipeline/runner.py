@@ -15,14 +15,16 @@ import logging
 import math
 import signal
 import threading
-from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, Protocol
+from collections.abc import Callable, Coroutine, Sequence
+from typing import Any, ParamSpec, Protocol
 
 import anyio
 
 from pipeline.clock import DeadlineClock
 from pipeline.contracts.errors import PipelineError, StageFailed
 from pipeline.watchdog import Watchdog
+
+P = ParamSpec("P")
 
 log = logging.getLogger("pipeline.runner")
 
@@ -125,16 +127,16 @@ class StrayCancellation(RuntimeError):
     """A task raised the cancellation exception though no cancel scope around it was cancelled."""
 
 
-def strict(fn: Callable[..., Awaitable[None]]) -> Callable[..., Awaitable[None]]:
+def strict(fn: Callable[P, Coroutine[Any, Any, None]]) -> Callable[P, Coroutine[Any, Any, None]]:
     """`fn` as a task of a task group, with a cancellation nothing asked for raised as
     `StrayCancellation`: anyio takes a task's own `CancelledError` for a cancellation of its whole
     group, which then ends as if its work were done (a stage closing its channel early, a run
     looking finished)."""
 
     @functools.wraps(fn)
-    async def task(*args: Any) -> None:
+    async def task(*args: P.args, **kwargs: P.kwargs) -> None:
         try:
-            await fn(*args)
+            await fn(*args, **kwargs)
         except anyio.get_cancelled_exc_class() as error:
             if _cancelled_here():
                 raise

@@ -29,7 +29,7 @@ from pipeline.contracts.errors import RecipeError
 from pipeline.contracts.messages import Prompt
 from pipeline.contracts.sections import PositiveInt, Section
 from pipeline.contracts.text import NotText, decode
-from stages.tokenizer import CharTokenizer, Tokenizer
+from stages.tokenizer import CharTokenizer, ChatTokenizer, Tokenizer
 
 NonNegativeInt = Annotated[int, msgspec.Meta(ge=0)]
 FILE_ALPHABET = "0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ +-*/=?.,:;()'\"!"
@@ -205,15 +205,14 @@ def _longest(prompts: list[Prompt]) -> int:
 
 def _encoder(section: PromptsSection, tokenizer: Tokenizer) -> Encode:
     if section.chat_template:
-        encode_chat = getattr(tokenizer, "encode_chat", None)
-        if encode_chat is None:
+        if not isinstance(tokenizer, ChatTokenizer):
             raise RecipeError(
                 "prompts.chat_template: needs model.path (a Hugging Face model with a chat template); "
                 "the character tokenizer has none"
             )
 
         def chat(text: str, where: str) -> tuple[int, ...]:
-            return _nonempty(encode_chat(text, system=section.system_prompt, where=where), where)
+            return _nonempty(tokenizer.encode_chat(text, system=section.system_prompt, where=where), where)
 
         return chat
     return lambda text, where: _nonempty(tokenizer.encode(text, where=where), where)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from pipeline.contracts.errors import RecipeError
 from pipeline.contracts.text import NotText, read_text
@@ -33,6 +33,15 @@ class Tokenizer(Protocol):
     def stop_ids(self) -> tuple[int, ...]: ...
     def encode(self, text: str, *, where: str = "text") -> list[int]: ...
     def decode(self, ids: Sequence[int]) -> str: ...
+
+
+@runtime_checkable
+class ChatTokenizer(Tokenizer, Protocol):
+    """A tokenizer with a chat template (optional: the character tokenizer has none): `encode_chat`
+    encodes `text` as a user turn, after a system turn when `system` is given, ending where the
+    assistant's reply begins."""
+
+    def encode_chat(self, text: str, *, system: str | None = None, where: str = "text") -> list[int]: ...
 
 
 SPECIAL = 3  # padding (0), end of sequence (1), beginning of sequence (2)

@@ -59,7 +59,9 @@ class UpdateBackend(Protocol):
 
     device: torch.device
     generator: torch.Generator
-    has_reference: bool
+
+    @property
+    def has_reference(self) -> bool: ...
 
     def micro_batches(self, groups: list[TrainGroup]) -> list[Chunk]: ...
 

@@ -16,6 +16,7 @@ import torch
 from backends.torch.sampler import Sampler
 from pipeline.contracts.errors import RecipeError
 from pipeline.shell.model_files import OpenedModel
+from stages.tokenizer import ChatTokenizer
 
 log = logging.getLogger("pipeline.shell.generate")
 
@@ -59,10 +60,9 @@ def generate(
     if tokenizer is None:
         raise RecipeError(f"{opened.hf_dir}: no tokenizer.json, so the prompt cannot be tokenized")
     if chat:
-        encode_chat = getattr(tokenizer, "encode_chat", None)
-        if encode_chat is None:
+        if not isinstance(tokenizer, ChatTokenizer):
             raise RecipeError("--chat: this model has a character tokenizer, which has no chat template")
-        ids = encode_chat(prompt, system=system)
+        ids = tokenizer.encode_chat(prompt, system=system)
     else:
         ids = tokenizer.encode(prompt, where="--prompt")
     if not ids:

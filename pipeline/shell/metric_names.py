@@ -57,8 +57,8 @@ _TRAIN_STAGE = (
 # Seconds per batch from stages/timings.py (admission, rollout, reward) and from the engine
 # gate's transitions (pipeline/gate.py), each logged as timing/<name>_s.
 _TIMINGS = ("prompts", "generate", "reward", "stand_down", "train", "save", "wake", "refit")
-_QUEUES = ("batches", "generated", "scored")  # the channels stages/program.py builds
-# The run's running counts (stages/program.py's counters) and the metrics log's own marks.
+_QUEUES = ("batches", "generated", "scored")  # the channels stages/wiring.py builds
+# The run's running counts (stages/wiring.py's counters) and the metrics log's own marks.
 _COUNTERS = (
     "rollout/retries",
     "rollout/engine_errors",

@@ -16,7 +16,7 @@ from typing import Any
 import anyio
 import pytest
 
-import stages.program
+import stages.wiring
 from pipeline.channel import Channel
 from pipeline.contracts.errors import DropBudgetExceeded, NothingTrained, StageFailed
 from pipeline.contracts.messages import Batch, Dropped, Group, Sample, TrainGroup
@@ -100,7 +100,7 @@ def channels(monkeypatch: pytest.MonkeyPatch) -> dict[str, Channel[Any]]:
             super().__init__(name, capacity)
             made[name] = self
 
-    monkeypatch.setattr(stages.program, "Channel", RecordingChannel)
+    monkeypatch.setattr(stages.wiring, "Channel", RecordingChannel)
     return made
 
 
@@ -113,7 +113,7 @@ def tickets(monkeypatch: pytest.MonkeyPatch) -> list[TicketBox]:
             super().__init__(*args, **kwargs)
             made.append(self)
 
-    monkeypatch.setattr(stages.program, "TicketBox", RecordingTicketBox)
+    monkeypatch.setattr(stages.wiring, "TicketBox", RecordingTicketBox)
     return made
 
 
