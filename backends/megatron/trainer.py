@@ -260,9 +260,17 @@ class MegatronTrainer:
     def snapshot(self, directory: Path) -> Snapshot:
         """`save`'s state copied to host memory now (`pipeline.protocols.Snapshotting`), on the
         compute thread, written into `directory` by the snapshot's `write()` later, on another
-        thread. Under tensor parallelism the files are written now instead: the write's
-        collectives (dist_checkpointing's, the finiteness vote) would otherwise run beside the
-        next step's on the same process group, in an order that may differ between ranks."""
+        thread (its host buffer reserved after the first step, as the torch trainer's). Under
+        tensor parallelism the files are written now instead: the write's collectives
+        (dist_checkpointing's, the finiteness vote) would otherwise run beside the next step's
+        on the same process group, in an order that may differ between ranks. megatron-core's
+        own asynchronous save (`dist_checkpointing.save(..., async_sharded_save=True)`) does
+        not lift that: its write runs in a worker process, but the checkpoint is complete only
+        after `AsyncCallsQueue.maybe_finalize_async_calls`, which every rank must call at the
+        same point (it all-reduces whether each rank's write is done, then each finalize
+        function writes the metadata on rank 0 behind a barrier, on CUDA tensors), so the
+        commit could come only at a later train step's call on the compute thread, not when
+        this rank's write ends."""
         if dist.get_world_size() > 1:
             self.save(directory)
             return _Written()
