@@ -19,6 +19,8 @@ Parts (each can be picked with --parts):
   `graphs`', its logprobs against the recomputed ones), and its stand-down and wake, with the
   bytes each stand-down gave back to the driver, then the same with megatron's own
   `delete_cuda_graphs` in `suspend()` (`megatron_suspend`, what `serve.install_suspend` replaces).
+  `--megatron-graphs on,off` times it with its CUDA graphs (`rollout.graphs`, the default) and
+  without (`megatron_inference_eager`: one call; megatron's recompute handoffs).
 - `handoff`: `release` (stand-down) and `wake` times of the sampler's KV cache, a check that
   the captured graphs still
   give the same greedy tokens afterwards, and the handoff check's cost: the trainer's and the
@@ -145,10 +147,10 @@ def bench_generate(model: Decoder, args: argparse.Namespace) -> dict[str, Any]:
         del sampler
         torch.cuda.empty_cache()
     if args.megatron_inference:
-        out["megatron_inference"] = _megatron_inference(model, prompts, args)
-        out["megatron_inference"]["over_graphs"] = (
-            out["megatron_inference"]["tokens_per_s"] / out["graphs"]["tokens_per_s"]
-        )
+        for graphs in args.megatron_graphs:
+            name = "megatron_inference" if graphs else "megatron_inference_eager"
+            out[name] = _megatron_inference(model, prompts, args, graphs=graphs)
+            out[name]["over_graphs"] = out[name]["tokens_per_s"] / out["graphs"]["tokens_per_s"]
     if args.bench_lengths:
         out["long_tail"] = tail = _long_tail(model, args)
         fixed = out["graphs"]["tokens_per_s"]  # the fixed-length figure at the same width
@@ -158,12 +160,17 @@ def bench_generate(model: Decoder, args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-def _megatron_inference(model: Decoder, prompts: list[list[int]], args: argparse.Namespace) -> dict[str, Any]:
+def _megatron_inference(
+    model: Decoder, prompts: list[list[int]], args: argparse.Namespace, *, graphs: bool
+) -> dict[str, Any]:
     """`MegatronInference` as `rollout.engine: megatron` builds it (`serve.build_inference`, for
-    `recipes/bench-h200-colocated.yaml` with this batch), over a megatron `GPTModel` holding
-    `model`'s weights, on the same prompts: each a request of one row, no stop token. Then its
-    stand-down (`suspend()`) and wake (`resume()`), each timed through the adapter as the gate
-    times them."""
+    `recipes/bench-h200-colocated.yaml` with this batch and `rollout.graphs`), over a megatron
+    `GPTModel` holding `model`'s weights, on the same prompts: each a request of one row, no
+    stop token. Then its stand-down (`suspend()`) and wake (`resume()`), each timed through the
+    adapter as the gate times them. Without graphs only the first call is timed (nothing is
+    captured or compiled in it) and the handoffs are megatron's recompute ones, with megatron's
+    own `delete_cuda_graphs` beside. `--megatron-profile`: one more call under cProfile (the
+    engine thread's steps), its top functions printed."""
     import asyncio
     from unittest import mock
 
@@ -187,9 +194,12 @@ def _megatron_inference(model: Decoder, prompts: list[list[int]], args: argparse
             f"rollout.max_new_tokens={args.new_tokens}",
             f"rollout.samples_per_prompt={args.samples_per_prompt}",
             f"prompts.prompts_per_step={args.batch // args.samples_per_prompt}",
+            f"rollout.graphs={str(graphs).lower()}",
         ],
     )
+    start = _sync_time()
     engine = build_inference(gpt, QWEN_1_5B, recipe, stop_ids=(), device=device)
+    build = _sync_time() - start  # with graphs: their capture
 
     async def generate() -> tuple[float, list[Completion]]:
         start = _sync_time()
@@ -197,54 +207,88 @@ def _megatron_inference(model: Decoder, prompts: list[list[int]], args: argparse
         return _sync_time() - start, [c for (c,) in answers]
 
     async def handoffs() -> list[tuple[float, float, int]]:
-        """(stand-down s, wake s, bytes the stand-down gave back to the driver) per cycle."""
+        """(stand-down s, wake s, bytes the stand-down gave back to the driver) per cycle: torch's
+        reserved bytes, and the KV cache's where it is not torch's (graphs: a virtual memory
+        pool)."""
         times = []
         for _ in range(args.repeats):
             reserved = torch.cuda.memory_reserved()
+            held = engine.memory_in_use() if graphs else 0
             start = _sync_time()
             await engine.stand_down()
             down = _sync_time() - start
             released = reserved - torch.cuda.memory_reserved()
+            if graphs:
+                released += held - engine.memory_in_use()
             start = _sync_time()
             await engine.wake()
             times.append((down, _sync_time() - start, released))
         return times
 
     try:
-        first, _ = asyncio.run(generate())
-        runs = [asyncio.run(generate()) for _ in range(args.repeats)]
+        first, outs = asyncio.run(generate())
+        runs = [asyncio.run(generate()) for _ in range(args.repeats)] if graphs else [(first, outs)]
         outs = runs[-1][1]
         tokens = sum(len(o.tokens) for o in outs)
         best = min(t for t, _ in runs)
         memory = engine.memory_in_use()
         handoff = asyncio.run(handoffs())
-        # megatron's own suspend, as it was before `serve.install_suspend`, side by side.
-        with mock.patch.object(engine_module, "delete_cuda_graphs", cuda_graphs.delete_cuda_graphs):
-            handoff_megatron = asyncio.run(handoffs())
-        after, _ = asyncio.run(generate())
+        result: dict[str, Any] = {"build_s": build, "first_call_s": first, "call_s": [t for t, _ in runs]}
+        if not graphs:
+            # megatron's own suspend, as it was before `serve.install_suspend`, side by side.
+            with mock.patch.object(engine_module, "delete_cuda_graphs", cuda_graphs.delete_cuda_graphs):
+                handoff_megatron = asyncio.run(handoffs())
+            result["megatron_suspend"] = {
+                "stand_down_ms": [1000 * d for d, _, _ in handoff_megatron],
+                "wake_ms": [1000 * w for _, w, _ in handoff_megatron],
+                "released_bytes": [r for _, _, r in handoff_megatron],
+            }
+        else:
+            result["call_after_wakes_s"] = asyncio.run(generate())[0]
+        if args.megatron_profile:
+            result["profiled_call_s"] = _profiled(engine, lambda: asyncio.run(generate())[0])
     finally:
         engine.close()
-    result = {
-        "first_call_s": first,
-        "call_s": [t for t, _ in runs],
+    result |= {
         "tokens": tokens,
         "tokens_per_s": tokens / best,
         "kv_cache_bytes": memory,
         "stand_down_ms": [1000 * d for d, _, _ in handoff],
         "wake_ms": [1000 * w for _, w, _ in handoff],
         "released_bytes": [r for _, _, r in handoff],
-        "megatron_suspend": {
-            "stand_down_ms": [1000 * d for d, _, _ in handoff_megatron],
-            "wake_ms": [1000 * w for _, w, _ in handoff_megatron],
-            "released_bytes": [r for _, _, r in handoff_megatron],
-        },
-        "call_after_wakes_s": after,
         "mismatch": _mismatch(model, prompts, outs),
     }
-    print("megatron_inference", json.dumps(result), flush=True)
+    print("megatron_inference" if graphs else "megatron_inference_eager", json.dumps(result), flush=True)
     del gpt
     torch.cuda.empty_cache()
     return result
+
+
+def _profiled(engine: Any, call: Callable[[], float]) -> float:
+    """`call()` with the megatron engine's steps under cProfile (on the engine's thread, which
+    steps it); prints the functions with the most time, cumulative and own."""
+    import cProfile
+    import pstats
+
+    profile = cProfile.Profile()
+    step = engine.engine.step_modern
+
+    def profiled_step(*args: Any, **kwargs: Any) -> Any:
+        profile.enable()
+        try:
+            return step(*args, **kwargs)
+        finally:
+            profile.disable()
+
+    engine.engine.step_modern = profiled_step
+    try:
+        seconds = call()
+    finally:
+        engine.engine.step_modern = step
+    stats = pstats.Stats(profile)
+    stats.sort_stats("cumulative").print_stats(40)
+    stats.sort_stats("tottime").print_stats(25)
+    return seconds
 
 
 def _long_tail(model: Decoder, args: argparse.Namespace) -> dict[str, Any]:
@@ -572,6 +616,17 @@ def main() -> None:
         "--megatron-inference",
         action="store_true",
         help="generate: also time megatron's dynamic engine (rollout.engine megatron) on the same batch",
+    )
+    parser.add_argument(
+        "--megatron-graphs",
+        type=lambda text: [{"on": True, "off": False}[v] for v in text.split(",")],
+        default=[True],
+        help="with --megatron-inference: comma list of on (rollout.graphs: true; the default here) and off",
+    )
+    parser.add_argument(
+        "--megatron-profile",
+        action="store_true",
+        help="with --megatron-inference: one more call with the engine's steps under cProfile",
     )
     parser.add_argument("--residual", choices=["model", "float32"], default="model")
     parser.add_argument(

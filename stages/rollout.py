@@ -74,6 +74,9 @@ class RolloutSection(Section, frozen=True):
     engine: Literal["torch", "megatron"] = "torch"
     # engine megatron: its KV cache in GiB; 0 derives it from the batch (backends/megatron/serve.py).
     kv_cache_gb: NonNegativeFloat = 0.0
+    # engine megatron: replay its decode steps from CUDA graphs (false: each step launched from
+    # Python); the torch engine always does on CUDA (backends/megatron/serve.py).
+    graphs: bool = False
 
 
 class GiveUp(Exception):

@@ -11,7 +11,9 @@ these two functions with each call's blocks gathered into one contiguous run per
 Megatron's block table has a column for every block of its longest possible sequence; only the
 blocks of the step's longest row are gathered (`_used`), so the copy follows the rows' lengths,
 not the context's `max_sequence_length` (decode steps find that length on the device: one
-host sync per layer).
+host sync per layer). A call being captured into a CUDA graph (megatron's decode graphs) can
+neither sync nor size its copy to the rows it will replay for: it gathers every column, so a
+graphed step copies `max_sequence_length` keys per row whatever the rows hold.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from __future__ import annotations
 import importlib.machinery
 import sys
 import types
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -62,10 +65,13 @@ def _gathered(cache: Tensor, block_table: Tensor) -> Tensor:
     return cache.index_select(0, block_table.reshape(-1).clamp(min=0)).flatten(0, 1)
 
 
-def _used(block_table: Tensor, rows: int, longest: int, block_tokens: int) -> Tensor:
-    """The first `rows` rows of a block table, cut to the blocks a row of `longest` tokens
-    uses (later columns are unused by every row)."""
-    return block_table[:rows, : -(-longest // block_tokens)]
+def _used(block_table: Tensor, rows: int, longest: Callable[[], int], block_tokens: int) -> Tensor:
+    """The first `rows` rows of a block table, cut to the blocks a row of `longest()` tokens
+    uses (later columns are unused by every row); every column while a CUDA graph is being
+    captured (`longest` is not asked: it may sync with the device)."""
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        return block_table[:rows]
+    return block_table[:rows, : -(-longest() // block_tokens)]
 
 
 def _paged(
@@ -142,7 +148,7 @@ def flash_attn_varlen_func(
             cu_seqlens_k.diff(),
             softmax_scale,
             causal,
-            _used(block_table, rows, max_seqlen_k, k.shape[1]),
+            _used(block_table, rows, lambda: max_seqlen_k, k.shape[1]),
         )
     return (out, lse, None) if return_attn_probs else out
 
@@ -174,7 +180,7 @@ def flash_attn_with_kvcache(
         cache_seqlens,
         softmax_scale,
         causal,
-        _used(block_table, b, int(cache_seqlens[:b].max()), k_cache.shape[1]),
+        _used(block_table, b, lambda: int(cache_seqlens[:b].max()), k_cache.shape[1]),
     )
     out = out.view(b, s, h, d)
     return (out, lse) if return_softmax_lse else out

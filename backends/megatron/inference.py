@@ -11,10 +11,14 @@ carries a future of the caller's loop that the thread settles with `call_soon_th
     generate   -> ("add", ...)      n requests of one prompt; settled when all n finish
     stand_down -> ("suspend", ...)  `engine.suspend()`: KV cache released, requests in flight
                                     kept (recomputed or restored at resume, as the engine's
-                                    `kv_cache_management_mode` says)
-    wake       -> ("resume", ...)   `engine.resume()`: memory back, frozen requests re-added
-    close      -> ("close", None)   a serving engine is suspended, the thread ends (requests
-                                    still pending fail)
+                                    `kv_cache_management_mode` says), then `handoff.release`
+    wake       -> ("resume", ...)   `handoff.restore`, then `engine.resume()`: memory back,
+                                    frozen requests re-added
+    close      -> ("close", None)   a serving engine is suspended, then `handoff.close`; the
+                                    thread ends (requests still pending fail)
+
+The optional `handoff` (`Handoff`) is what a graphed engine does with its cache's memory beside
+megatron's own calls (`serve.KVHandoff`).
 
 States: serving -> suspending -> down -> resuming -> serving; closed at the end. The thread
 steps the engine only while serving and holding unfinished requests, and otherwise blocks on
@@ -47,12 +51,21 @@ import threading
 from collections.abc import Callable, Sequence
 from enum import Enum
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from backends.bench_lengths import LengthDraw
 from backends.torch.state_file import ENGINE_FILE, load_state, save_state
 from pipeline.contracts.errors import RequestRejected
 from pipeline.contracts.messages import Completion
+
+
+class Handoff(Protocol):
+    """What the engine thread does beside the engine's own suspend/resume/close (the cache's
+    memory of a graphed engine, `serve.KVHandoff`)."""
+
+    def release(self, engine: Any) -> None: ...  # after engine.suspend()
+    def restore(self, engine: Any) -> None: ...  # before engine.resume()
+    def close(self, engine: Any) -> None: ...  # after the last engine.suspend()
 
 
 class State(Enum):
@@ -102,8 +115,10 @@ class MegatronInference:
         memory_in_use: Callable[[Any], int | None] = lambda engine: None,
         generator: Callable[[Any], Any] = lambda engine: None,
         serving: Callable[[], None] = lambda: None,
+        handoff: Handoff | None = None,
     ) -> None:
         self.engine: Any = None
+        self._handoff = handoff
         self._serving = serving  # on the engine thread, before it serves: once built, each resume
         self.sampling = sampling
         self.stop_token_ids = frozenset(stop_token_ids)
@@ -219,6 +234,8 @@ class MegatronInference:
                 if command == "close":
                     if self.state is State.SERVING:
                         self.engine.suspend()
+                    if self._handoff is not None:
+                        self._handoff.close(self.engine)
                     break
                 self._handle(command, *payload)
         except Exception as error:  # a bug: every caller gets it (with its traceback), once each
@@ -248,10 +265,14 @@ class MegatronInference:
             if self.state is State.SERVING:
                 self.state = State.SUSPENDING
                 self.engine.suspend()
+                if self._handoff is not None:
+                    self._handoff.release(self.engine)
                 self.state = State.DOWN
         elif command == "resume":
             if self.state is State.DOWN:
                 self.state = State.RESUMING
+                if self._handoff is not None:
+                    self._handoff.restore(self.engine)
                 self.engine.resume()
                 self._serving()
                 held, self._held = self._held, []

@@ -12,14 +12,18 @@ def check_engine(recipe: Any) -> None:
     """Cross-field rules of `rollout.engine` against the rest of the recipe (ValueError naming
     both). megatron's engine serves the megatron trainer's module where it lies: one process,
     colocated, CUDA (its dynamic context allocates with CUDA only), bf16 (its attention runs
-    flash-attention kernels); its logprobs are those of the tempered distribution it samples
-    from, which matches ours only without a top-p cut."""
+    flash-attention kernels)."""
     rollout = recipe.rollout
     if rollout.engine == "torch":
         if rollout.kv_cache_gb:
             raise ValueError(
                 f"rollout.kv_cache_gb: {rollout.kv_cache_gb:g} sizes the KV cache of rollout.engine "
                 "megatron; the torch engine sizes its own for each decode loop: leave it at 0"
+            )
+        if rollout.graphs:
+            raise ValueError(
+                "rollout.graphs: true turns on the CUDA graphs of rollout.engine megatron; the "
+                "torch engine always replays its decode steps from graphs on CUDA: leave it at false"
             )
         return
     if recipe.train.backend != "megatron":
@@ -54,16 +58,4 @@ def check_engine(recipe: Any) -> None:
         raise ValueError(
             "rollout.partial: true needs rollout.engine: torch (the weights version of each token of "
             "a continued request is the torch engine's bookkeeping); set rollout.partial: false"
-        )
-    if rollout.temperature == 0:
-        raise ValueError(
-            "rollout.temperature: 0 needs rollout.engine: torch (megatron's sampler divides the "
-            "logits by the temperature, and its greedy mode reports logprob 0 for every token): "
-            "set a temperature above 0"
-        )
-    if rollout.top_p < 1:
-        raise ValueError(
-            f"rollout.top_p: {rollout.top_p:g} needs rollout.engine: torch (megatron's engine reports "
-            "the logprobs of the nucleus it renormalised, the trainer those of the whole tempered "
-            "distribution): set rollout.top_p: 1.0"
         )

@@ -9,7 +9,25 @@ the pipeline passes token ids) and the `DynamicInferenceEngine`. Attention insid
 flash-attn's functions, answered by torch's flash kernels where flash-attn is missing
 (`flash_adapter`).
 
-- KV cache: `kv_cache_management_mode` recompute. The gate drains the requests in flight
+- CUDA graphs (`rollout.graphs`, off by default until the GPU tests have run it; `KVHandoff`):
+  megatron captures its decoder block (all layers) once per decode batch size, a power of two
+  rows up to `max_requests`
+  (`num_cuda_graphs` -1), when the engine is built, and replays them for decode-only steps;
+  prefill steps, the embedding, the output layer, sampling and megatron's bookkeeping run
+  eagerly. The graphs are set on the trainer's model for as long as the engine serves
+  (`KVHandoff.attach`: `cuda_graph_impl` "local", `inference_cuda_graph_scope` block, a graph
+  manager on the block kept outside its children); the block replays only with megatron's
+  inference mode on and an inference context, so the trainer's forward stays eager. A graphed
+  step cannot size the flash adapter's key copy to its rows: it copies `max_sequence_length`
+  keys per row, which is bounded to a row's room in the derived cache (`row_tokens`, 2 x
+  max_new_tokens: a longer prompt is refused). The RNG tracker's tensor states are left out of
+  each capture (`_graph_safe_rng_states`): nothing in the block draws random numbers.
+- KV cache, graphed: `kv_cache_management_mode` persist (megatron keeps the cache's tensor and
+  the graphs across `suspend()`), with the cache's memory in a `VirtualMemoryPool`
+  (`pool_cache`) that `KVHandoff` unmaps after each `suspend()` and maps again at the same
+  address before each `resume()`, so the graphs stay valid with the memory back with the
+  driver while the trainer steps. A request still in the cache at a stand-down (the gate drains
+  them first) keeps it mapped. Without graphs: recompute. The gate drains the requests in flight
   before each stand-down, so `suspend()` frees the cache with nothing to recompute, where offload
   would copy the whole cache to host memory and back at every step. Its size
   (`kv_cache_bytes`): `rollout.kv_cache_gb` when set, else the rows in flight at once
@@ -19,29 +37,29 @@ flash-attn's functions, answered by torch's flash kernels where flash-attn is mi
   model's KV bytes per token (2 x layers x kv_heads x head_dim x the dtype's bytes). Rows past
   that wait in megatron's queue (it pauses requests the cache cannot hold); a single row longer
   than the whole cache could never run, so `max_sequence_length` is bounded by it too.
-- Stand-down: megatron's `suspend()` frees the cache's tensors, then calls
+- Stand-down without graphs: megatron's `suspend()` frees the cache's tensors, then calls
   `delete_cuda_graphs()`, which also runs `gc.collect()` and `torch.cuda.empty_cache()`
   whether or not any graph was captured: 146-354 ms a stand-down on the H200 with the pipeline's
-  heap. This engine captures no graphs (megatron's `cuda_graph_impl` is left off), so
-  `install_suspend` puts `empty_cache_unless_graphs` in its place in the engine's module: the
-  cache still goes back to the driver, the collection is skipped, and an engine that did capture
-  graphs has them deleted by megatron's own function as before.
-- Sampling (`sampling_params`): the recipe's temperature with neither top-k nor top-p
-  (`backends/megatron/rules.py` refuses top_p < 1 and temperature 0); greedy requests (evaluation) take
-  megatron's greedy draw, top_k 1. One termination id, the tokenizer's one stop token (megatron
-  takes no more: several are refused).
-- Logprobs: `logprobs_mode` "processed_logprobs", the log-softmax of the logits divided by the
-  temperature, which is what the torch engine reports and the trainer recomputes (megatron's
-  default, "raw_logprobs", is the temperature-1 distribution's). A greedy token's logprob is 0
-  (the top-1 distribution's), where the torch engine gives the temperature-1 one; only
-  evaluations generate greedily, and they read no logprobs.
+  heap. Such an engine captures no graphs, so `install_suspend` puts `empty_cache_unless_graphs`
+  in its place in the engine's module: the cache still goes back to the driver, the collection
+  is skipped, and an engine that did capture graphs has them deleted by megatron's own function
+  as before. A graphed engine's `suspend()` (persist) deletes nothing; its close does
+  (`KVHandoff.close`).
+- Sampling (`sampling_params`): the recipe's temperature and top-p; greedy requests
+  (evaluation, or `rollout.temperature: 0`) take megatron's greedy draw, top_k 1. One
+  termination id, the tokenizer's one stop token (megatron takes no more: several are refused).
+- Logprobs: `logprobs_mode` "processed_logprobs" through `TemperedLogprobs` (the controller's
+  sampler, its draw megatron's own): the log-softmax of the logits divided by the temperature,
+  before any top-p cut, and at temperature 1 for a greedy token, which is what the torch engine
+  reports and the trainer recomputes. megatron's own processed logprobs are the renormalised
+  nucleus's (0 for a greedy token), its default "raw_logprobs" the temperature-1 distribution's.
 """
 
 from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -52,16 +70,20 @@ from megatron.core.inference.engines.dynamic_engine import DynamicInferenceEngin
 from megatron.core.inference.model_inference_wrappers.gpt.gpt_inference_wrapper import (
     GPTInferenceWrapper,
 )
+from megatron.core.inference.sampling.torch_sampling import TorchSampling
 from megatron.core.inference.sampling_params import SamplingParams
 from megatron.core.inference.text_generation_controllers.text_generation_controller import (
     TextGenerationController,
 )
+from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 from megatron.core.transformer import cuda_graphs
+from megatron.core.transformer.enums import InferenceCudaGraphScope
 
 from backends.bench_lengths import length_draw
 from backends.megatron import flash_adapter
 from backends.megatron.inference import MegatronInference
 from backends.torch.config import ModelConfig
+from backends.torch.kv_pool import KVPool, VirtualMemoryPool
 from pipeline.contracts.errors import RecipeError
 
 BLOCK_TOKENS = 256  # megatron's default KV block
@@ -83,12 +105,18 @@ def rows_in_flight(recipe: Any) -> int:
     )
 
 
+def row_tokens(recipe: Any, config: ModelConfig) -> int:
+    """One row's room in the derived cache: 2 x max_new_tokens (a prompt as long as the
+    response), within the model's positions, in whole blocks."""
+    tokens = min(2 * recipe.rollout.max_new_tokens, config.max_position_embeddings)
+    return math.ceil(tokens / BLOCK_TOKENS) * BLOCK_TOKENS
+
+
 def kv_cache_bytes(recipe: Any, config: ModelConfig, dtype: torch.dtype) -> int:
     """The KV cache's size (module docstring); with megatron's one reserved block."""
     if recipe.rollout.kv_cache_gb:
         return int(recipe.rollout.kv_cache_gb * 2**30)
-    tokens = min(2 * recipe.rollout.max_new_tokens, config.max_position_embeddings)
-    blocks = rows_in_flight(recipe) * math.ceil(tokens / BLOCK_TOKENS) + 1
+    blocks = rows_in_flight(recipe) * row_tokens(recipe, config) // BLOCK_TOKENS + 1
     return blocks * BLOCK_TOKENS * kv_bytes_per_token(config, dtype)
 
 
@@ -104,17 +132,47 @@ def termination_id(stop_ids: Sequence[int]) -> int:
     return stop_ids[0] if stop_ids else -1
 
 
-def sampling_params(greedy: bool, limit: int, *, temperature: float, termination: int) -> SamplingParams:
-    """One request's parameters: `limit` new tokens at most, each with its logprob."""
+def sampling_params(
+    greedy: bool, limit: int, *, temperature: float, top_p: float, termination: int
+) -> SamplingParams:
+    """One request's parameters: `limit` new tokens at most, each with its logprob. Greedy (an
+    evaluation's, or temperature 0) is megatron's top-1 draw; else the recipe's temperature and
+    top-p (megatron's top_p 0 is "off")."""
+    greedy = greedy or temperature == 0
     return SamplingParams(
         temperature=1.0 if greedy else temperature,
         top_k=1 if greedy else 0,
-        top_p=0.0,  # megatron's "off"
+        top_p=0.0 if greedy or top_p >= 1 else top_p,
         return_log_probs=True,
         skip_prompt_log_probs=True,
         num_tokens_to_generate=limit,
         termination_id=termination,
     )
+
+
+class TemperedLogprobs(TorchSampling):
+    """megatron's torch sampler (its draw unchanged), with the logprobs the torch engine reports
+    and the trainer recomputes: of the tempered distribution before any top-p cut (a greedy,
+    top-1 row has temperature 1: `sampling_params`). megatron's own "processed" logprobs are
+    those of the filtered, renormalised distribution (0 for a greedy token)."""
+
+    def log_probs_kernel(
+        self, logits: torch.Tensor, context: Any, *, token_to_request_index: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        rows = context.total_request_count - context.paused_request_count
+        metadata = context.active_request_metadata
+        temperature = metadata["temperature"][:rows]
+        if token_to_request_index is not None:  # prefill rows: one per token
+            temperature = temperature[token_to_request_index]
+        buckets: dict[float, list[int]] = {}
+        for row, t in enumerate(temperature.tolist()):
+            buckets.setdefault(t, []).append(row)
+        log_probs = torch.empty_like(logits)
+        for t, bucket in buckets.items():
+            index = torch.tensor(bucket, device=logits.device, dtype=torch.long)
+            picked = logits[index]
+            log_probs[index] = torch.log_softmax(picked / t if t != 1.0 else picked, dim=-1)
+        return log_probs
 
 
 class _Tokens:
@@ -146,6 +204,8 @@ def inference_config(recipe: Any, config: ModelConfig, dtype: torch.dtype) -> In
     cache = kv_cache_bytes(recipe, config, dtype)
     block_bytes = BLOCK_TOKENS * kv_bytes_per_token(config, dtype)
     max_sequence_length = min(config.max_position_embeddings, (cache // block_bytes - 1) * BLOCK_TOKENS)
+    if rollout.graphs:  # a graphed step gathers this many keys per row (module docstring)
+        max_sequence_length = min(max_sequence_length, row_tokens(recipe, config))
     if max_sequence_length <= rollout.max_new_tokens:
         raise RecipeError(
             f"rollout.kv_cache_gb: {rollout.kv_cache_gb:g} holds {max(max_sequence_length, 0)} tokens "
@@ -160,7 +220,13 @@ def inference_config(recipe: Any, config: ModelConfig, dtype: torch.dtype) -> In
         # Prefill takes whole prompts (no chunking): any that fits a row fits a step.
         max_tokens=max(DynamicInferenceContext.DEFAULT_MAX_TOKENS, max_sequence_length, rows),
         max_sequence_length=max_sequence_length,
-        kv_cache_management_mode=KVCacheManagementMode.RECOMPUTE,
+        # Graphs: megatron keeps the cache and its graphs across suspend(); `KVHandoff` hands
+        # the cache's memory back to the driver itself, at the same address.
+        kv_cache_management_mode=(
+            KVCacheManagementMode.PERSIST if rollout.graphs else KVCacheManagementMode.RECOMPUTE
+        ),
+        num_cuda_graphs=-1 if rollout.graphs else None,  # -1: a decode graph per power of 2 rows
+        use_cuda_graphs_for_non_decode_steps=False,  # prefill steps run eagerly
         materialize_only_last_token_logits=True,
         logprobs_mode="processed_logprobs",
     )
@@ -181,17 +247,122 @@ def install_suspend() -> None:
     engine_module.delete_cuda_graphs = empty_cache_unless_graphs
 
 
+def pool_cache(context: Any, pool: KVPool) -> None:
+    """Move the context's KV cache (`memory_buffer`, empty yet) into `pool`: same shape and
+    dtype, its memory the pool's. Done after megatron builds the context, not by a subclass
+    allocating there: megatron's capture takes its own context class alone as a graph input."""
+    cache = context.memory_buffer
+    flat = pool.allocate(cache.numel() * cache.element_size())
+    context.memory_buffer = flat.view(cache.dtype).view(cache.shape)
+    del cache
+    if flat.is_cuda:
+        torch.cuda.empty_cache()  # megatron's own allocation, back to the driver
+
+
+class KVHandoff:
+    """The graphs of a graphed engine (`attach`, on the engine thread as it is built) and what
+    it does beside megatron's suspend/resume, which keep the cache and the graphs (PERSIST):
+    after `suspend()` the cache's memory goes back to the driver when no request holds any of
+    it (the gate drains the requests in flight first; a request left in the cache keeps it
+    resident and valid); before `resume()` it is mapped again at the same address
+    (`VirtualMemoryPool`), so the graphs captured over it stay valid. `close` ends the graphs
+    and the cache for good and gives the model back as it was built."""
+
+    def __init__(self, model: Any, make_pool: Callable[[], KVPool]) -> None:
+        self.model = model
+        self._make_pool = make_pool
+        self._pool: KVPool | None = None
+        self._fields: dict[str, Any] = {}
+
+    @property
+    def pool(self) -> KVPool:
+        """The cache's memory (made at first use: on the engine thread, on CUDA)."""
+        if self._pool is None:
+            self._pool = self._make_pool()
+        return self._pool
+
+    def attach(self) -> KVPool:
+        """Make megatron's engine capture and replay the model's decoder block
+        (`cuda_graph_impl` "local", `inference_cuda_graph_scope` block) on a model built
+        without graphs (the trainer's), and return the pool for its cache. The block replays a
+        graph only with megatron's inference mode active and an inference context (between
+        resume and suspend): the trainer's forward runs it eagerly, and its layers get no graph
+        manager. The manager is kept outside the module's children, so the model's parameters,
+        state dict and checkpoints are those of the model without it."""
+        config = self.model.config
+        self._fields = {name: getattr(config, name) for name in _GRAPH_FIELDS}
+        config.cuda_graph_impl = "local"
+        config.inference_cuda_graph_scope = InferenceCudaGraphScope.block
+        tracker = get_cuda_rng_tracker()
+        # megatron's manager asks for an RNG tracker it could capture (its check reads this
+        # flag alone in megatron 0.19); a decode step draws no random numbers inside the block
+        # (dropout is off, sampling runs after it), so the trainer's tracker serves as it is.
+        marked = tracker.is_inference_rng_tracker
+        tracker.is_inference_rng_tracker = True
+        try:
+            manager = cuda_graphs.CudaGraphManager(config, need_backward=False)
+        finally:
+            tracker.is_inference_rng_tracker = marked
+        object.__setattr__(self.model.decoder, "cudagraph_manager", manager)
+        cuda_graphs.get_all_rng_states = _graph_safe_rng_states
+        return self.pool
+
+    def release(self, engine: Any) -> None:
+        if engine.context.total_request_count == 0:
+            self.pool.release()
+
+    def restore(self, engine: Any) -> None:
+        self.pool.restore()
+
+    def close(self, engine: Any) -> None:
+        cuda_graphs.delete_cuda_graphs()
+        self.pool.free()
+        self.model.decoder.__dict__.pop("cudagraph_manager", None)
+        for name, value in self._fields.items():
+            setattr(self.model.config, name, value)
+
+    def memory_in_use(self, engine: Any) -> int:
+        return self.pool.resident_bytes
+
+
+_GRAPH_FIELDS = ("cuda_graph_impl", "inference_cuda_graph_scope")
+_all_rng_states = cuda_graphs.get_all_rng_states
+
+
+def _graph_safe_rng_states() -> dict[str, Any]:
+    """What megatron's capture registers with each graph, of its RNG tracker's states: the
+    generators alone. The trainer's tracker keeps its states as tensors (not graph safe), which
+    megatron's capture cannot register (`get_state` of a tensor); a decode step draws from none
+    of them (dropout is off), and the default generators megatron registers beside stay."""
+    return {name: state for name, state in _all_rng_states().items() if isinstance(state, torch.Generator)}
+
+
 def dynamic_engine(
-    model: Any, inference: InferenceConfig, *, tokens: _Tokens, seed: int, device: torch.device
+    model: Any,
+    inference: InferenceConfig,
+    *,
+    tokens: _Tokens,
+    seed: int,
+    device: torch.device,
+    graphs: KVHandoff | None = None,
 ) -> DynamicInferenceEngine:
-    """megatron's engine over `model`; called on the engine's own thread."""
+    """megatron's engine over `model`; called on the engine's own thread. With `graphs` its
+    decode steps are captured into CUDA graphs, over a cache in the handoff's pool."""
     flash_adapter.install()
     install_suspend()
     torch.cuda.set_device(device)  # this thread's: megatron allocates on the current device
-    context = DynamicInferenceContext(model.config, inference)
+    if graphs is None:
+        context = DynamicInferenceContext(model.config, inference)
+    else:
+        pool = graphs.attach()  # megatron's manager moves this thread to a stream of its own:
+        torch.cuda.synchronize()  # the weights as the caller's stream wrote them
+        model.eval()  # the engine's constructor captures the graphs: a forward, in eval mode
+        context = DynamicInferenceContext(model.config, inference)
+        pool_cache(context, pool)
     controller = TextGenerationController(GPTInferenceWrapper(model, context), tokens)
     controller.sampling_rng.manual_seed(seed)
-    return DynamicInferenceEngine(controller, context)
+    controller._sampling = TemperedLogprobs(controller.sampling_rng, tokens.vocab_size)
+    return DynamicInferenceEngine(controller, context)  # captures the graphs
 
 
 def build_inference(
@@ -203,14 +374,18 @@ def build_inference(
     inference = inference_config(recipe, config, model.config.params_dtype)
     tokens = _Tokens(termination, config.vocab_size)
     seed = recipe.run.seed + 1  # the torch engine's
+    handoff = KVHandoff(model, lambda: VirtualMemoryPool(device)) if rollout.graphs else None
     return MegatronInference(
-        lambda: dynamic_engine(model, inference, tokens=tokens, seed=seed, device=device),
-        sampling=functools.partial(sampling_params, temperature=rollout.temperature, termination=termination),
+        lambda: dynamic_engine(model, inference, tokens=tokens, seed=seed, device=device, graphs=handoff),
+        handoff=handoff,
+        sampling=functools.partial(
+            sampling_params, temperature=rollout.temperature, top_p=rollout.top_p, termination=termination
+        ),
         stop_token_ids=stop_ids,
         max_new_tokens=rollout.max_new_tokens,
         max_sequence_length=inference.max_sequence_length,
         lengths=length_draw(rollout, seed=recipe.run.seed),
-        memory_in_use=_kv_cache_in_use,
+        memory_in_use=_kv_cache_in_use if handoff is None else handoff.memory_in_use,
         generator=lambda engine: engine.controller.sampling_rng,
         # megatron's inference attention asserts eval mode; the trainer's step sets train mode
         # again (colocated, the two never run at once).

@@ -82,6 +82,36 @@ async def test_the_model_is_made_ready_to_serve_once_built_and_at_every_wake() -
     ]  # fmt: skip
 
 
+class _RecordingHandoff:
+    """A graphed engine's cache handoff that writes what it is asked into the engine's events."""
+
+    def release(self, engine: FakeDynamicEngine) -> None:
+        engine.events.append("release")
+
+    def restore(self, engine: FakeDynamicEngine) -> None:
+        engine.events.append("restore")
+
+    def close(self, engine: FakeDynamicEngine) -> None:
+        engine.events.append("close")
+
+
+async def test_a_graphed_engines_cache_goes_after_each_suspend_and_returns_before_each_resume() -> None:
+    """The cache's memory is let go once megatron's suspend is done with it, mapped again before
+    its resume re-adds requests into it, and freed for good after the close's suspend."""
+    engine = FakeDynamicEngine(length=1)
+    adapter = _adapter(engine, handoff=_RecordingHandoff())
+    try:
+        await adapter.generate([1], 1)
+        await adapter.stand_down()
+        await adapter.wake()
+        await adapter.generate([1], 1)
+    finally:
+        adapter.close()
+    assert engine.events == [
+        "add 0", "step", "suspend", "release", "restore", "resume", "add 1", "step", "suspend", "close",
+    ]  # fmt: skip
+
+
 async def test_a_request_made_while_down_enters_the_engine_at_the_wake() -> None:
     engine = FakeDynamicEngine(length=1)
     adapter = _adapter(engine)

@@ -15,22 +15,25 @@ pytest.importorskip("megatron.core")
 
 from megatron.core.inference.config import KVCacheManagementMode  # noqa: E402
 from megatron.core.inference.sampling.torch_sampling import TorchSampling  # noqa: E402
+from megatron.core.tensor_parallel.random import get_cuda_rng_tracker  # noqa: E402
+from megatron.core.transformer.enums import InferenceCudaGraphScope  # noqa: E402
 
 import pipeline  # noqa: E402
 from backends.megatron import serve  # noqa: E402
 from backends.megatron.build import build_backend  # noqa: E402
 from backends.megatron.inference import MegatronInference  # noqa: E402
 from backends.megatron.model import compile_layers  # noqa: E402
+from backends.torch.kv_pool import PlainPool  # noqa: E402
 from backends.torch.sampling import draw  # noqa: E402
 from pipeline.contracts.errors import RecipeError  # noqa: E402
 from pipeline.testing import FakeDynamicEngine  # noqa: E402
 
 
-def _processed_logprobs(logits: torch.Tensor, params) -> torch.Tensor:
-    """megatron's `log_probs_kernel` (logprobs_mode "processed_logprobs") for rows of one request's
-    parameters, over a stand-in for the context's per-request metadata."""
+def _context(logits: torch.Tensor, params) -> SimpleNamespace:
+    """A stand-in for megatron's context: its per-request metadata, rows of one request's
+    parameters."""
     rows = logits.shape[0]
-    context = SimpleNamespace(
+    return SimpleNamespace(
         total_request_count=rows,
         paused_request_count=0,
         active_request_metadata={
@@ -39,32 +42,59 @@ def _processed_logprobs(logits: torch.Tensor, params) -> torch.Tensor:
             "top_p": torch.full((rows,), params.top_p),
         },
     )
-    return TorchSampling(torch.Generator(), logits.shape[1]).log_probs_kernel(logits, context)
 
 
-def test_the_engines_logprobs_are_the_torch_engines_at_the_recipes_temperature() -> None:
-    """What the pipeline's token_mult_prob_error compares: megatron's processed logprobs of the
-    tokens are the torch engine's (the tempered distribution's); its raw ones are not."""
-    logits = 3 * torch.randn(8, 32, generator=torch.Generator().manual_seed(0))
-    params = serve.sampling_params(False, 5, temperature=0.7, termination=1)
-    tokens, ours = draw(logits, 0.7, 1.0, torch.Generator().manual_seed(1))
-    picked = _processed_logprobs(logits, params).gather(-1, tokens[:, None]).squeeze(-1)
-    torch.testing.assert_close(picked, ours)
-    raw = torch.log_softmax(logits, dim=-1).gather(-1, tokens[:, None]).squeeze(-1)
-    assert not torch.allclose(raw, ours, atol=1e-3)
+def _params(temperature: float, top_p: float, *, greedy: bool = False):
+    return serve.sampling_params(greedy, 5, temperature=temperature, top_p=top_p, termination=1)
+
+
+@pytest.mark.parametrize(
+    ("temperature", "top_p"),
+    [(0.7, 1.0), (0.7, 0.5), (1.3, 0.9), (0.0, 1.0)],
+    ids=["temperature", "top-p", "temperature-top-p", "greedy"],
+)
+def test_the_engines_logprobs_are_the_torch_engines(temperature: float, top_p: float) -> None:
+    """What the pipeline's token_mult_prob_error compares: megatron's sampler draws from the
+    recipe's distribution (top-p cut included; temperature 0: its top-1 draw), and
+    `TemperedLogprobs` reports the logprobs the torch engine reports for the same tokens (the
+    tempered distribution before the cut; temperature 1 for a greedy token), where megatron's own
+    processed ones are the renormalised nucleus's (0 for a greedy token): the same without both."""
+    logits = 3 * torch.randn(64, 32, generator=torch.Generator().manual_seed(0))
+    params = _params(temperature, top_p)
+    drawn = TorchSampling.sample_from_logits(
+        logits, params.temperature, params.top_k, params.top_p, generator=torch.Generator().manual_seed(1)
+    )
+    ours = draw(logits, temperature, top_p, torch.Generator().manual_seed(1))[1]  # any token: its logprob
+    ours_of_drawn = (
+        torch.log_softmax(logits / (temperature or 1.0), dim=-1).gather(-1, drawn[:, None]).squeeze(-1)
+    )
+    sampler = serve.TemperedLogprobs(torch.Generator(), logits.shape[1])
+    picked = sampler.log_probs_kernel(logits, _context(logits, params)).gather(-1, drawn[:, None]).squeeze(-1)
+    torch.testing.assert_close(picked, ours_of_drawn)
+    if temperature == 0:  # the torch engine's greedy token and logprob
+        torch.testing.assert_close(picked, ours)
+        assert torch.equal(drawn, logits.argmax(dim=-1))
+    if top_p < 1:  # every draw inside the nucleus: the cut is megatron's
+        probs = torch.softmax(logits / temperature, dim=-1)
+        sorted_probs, _ = probs.sort(dim=-1, descending=True)
+        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+        smallest_kept = sorted_probs.masked_fill(mass_before >= top_p, 2.0).min(dim=-1).values
+        assert (probs.gather(-1, drawn[:, None]).squeeze(-1) >= smallest_kept).all()
+    megatrons = TorchSampling(torch.Generator(), logits.shape[1]).log_probs_kernel(
+        logits, _context(logits, params)
+    )
+    same = torch.allclose(megatrons.gather(-1, drawn[:, None]).squeeze(-1), picked, atol=1e-3)
+    assert same == (temperature > 0 and top_p == 1)  # megatron's differ where a cut or greedy
 
 
 def test_a_request_asks_for_its_limit_and_logprobs_and_greedy_ones_take_the_top_token() -> None:
-    sampled = serve.sampling_params(False, 7, temperature=0.7, termination=1)
+    sampled = _params(0.7, 1.0)
     assert (sampled.temperature, sampled.top_k, sampled.top_p) == (0.7, 0, 0.0)
-    assert (sampled.num_tokens_to_generate, sampled.termination_id) == (7, 1)
+    assert (sampled.num_tokens_to_generate, sampled.termination_id) == (5, 1)
     assert sampled.return_log_probs and sampled.skip_prompt_log_probs
-    greedy = serve.sampling_params(True, 7, temperature=0.7, termination=1)
-    logits = torch.randn(4, 16, generator=torch.Generator().manual_seed(0))
-    drawn = TorchSampling.sample_from_logits(
-        logits, greedy.temperature, greedy.top_k, greedy.top_p, generator=torch.Generator()
-    )
-    assert torch.equal(drawn, logits.argmax(dim=-1))
+    assert (_params(0.7, 0.9).top_k, _params(0.7, 0.9).top_p) == (0, 0.9)
+    for greedy in (_params(0.7, 0.9, greedy=True), _params(0.0, 0.9)):  # an evaluation's; temperature 0
+        assert (greedy.temperature, greedy.top_k, greedy.top_p) == (1.0, 1, 0.0)
 
 
 def _bench(*overrides: str):
@@ -83,14 +113,29 @@ def test_the_kv_cache_holds_a_batchs_rows_at_twice_max_new_tokens() -> None:
     # reserved block: 7.0 GiB.
     assert inference.buffer_size_gb * 2**30 == (256 * 4 + 1) * 256 * per_token
     assert (inference.max_requests, inference.block_size_tokens) == (256, 256)
-    assert inference.max_sequence_length == 32768  # the model's positions, not the cache's 262144
-    assert inference.kv_cache_management_mode is KVCacheManagementMode.RECOMPUTE
     assert inference.logprobs_mode == "processed_logprobs"
     assert inference.materialize_only_last_token_logits
     set_by_hand = serve.inference_config(_bench("rollout.kv_cache_gb=2.5"), config, torch.bfloat16)
     assert set_by_hand.buffer_size_gb == 2.5
     capped = serve.inference_config(_bench("rollout.max_rows=64"), config, torch.bfloat16)
     assert capped.max_requests == 64 and capped.buffer_size_gb * 2**30 == (64 * 4 + 1) * 256 * per_token
+
+
+def test_graphs_keep_the_cache_across_suspend_and_bound_each_row_to_its_room() -> None:
+    """Graphed (`rollout.graphs`): megatron keeps its cache and graphs across suspend (the handoff
+    gives the memory back), captures a decode graph per power of two rows and none for prefill,
+    and a row is at most its room in the cache (a graphed step gathers that many keys a row).
+    Without graphs (the default): recompute, no graphs, rows up to the model's positions."""
+    recipe = _bench("rollout.graphs=true")
+    graphed = serve.inference_config(recipe, recipe.model.config, torch.bfloat16)
+    assert graphed.kv_cache_management_mode is KVCacheManagementMode.PERSIST
+    assert (graphed.num_cuda_graphs, graphed.use_cuda_graphs_for_non_decode_steps) == (-1, False)
+    assert graphed.max_sequence_length == 1024  # 2 x max_new_tokens 512, in 256-token blocks
+    eager = serve.inference_config(_bench(), recipe.model.config, torch.bfloat16)
+    assert eager.kv_cache_management_mode is KVCacheManagementMode.RECOMPUTE
+    assert eager.num_cuda_graphs is None
+    assert eager.max_sequence_length == 32768  # the model's positions, not the cache's 262144
+    assert eager.buffer_size_gb == graphed.buffer_size_gb
 
 
 def test_a_kv_cache_too_small_for_one_row_is_refused() -> None:
@@ -103,22 +148,22 @@ def test_a_kv_cache_too_small_for_one_row_is_refused() -> None:
     )
 
 
-def _on_cpu(*overrides: str):
-    """The quickstart with train.backend megatron and rollout.engine megatron, as the builder
-    would see it on a GPU, here on the CPU: the recipe refuses the CPU for this engine, so its
-    fields are taken past that check."""
+def _on_cpu(*overrides: str, **rollout):
+    """The quickstart with train.backend megatron and rollout.engine megatron (and the `rollout`
+    fields given), as the builder would see it on a GPU, here on the CPU: the recipe refuses
+    the CPU for this engine, so its fields are taken past that check."""
     recipe = pipeline.load_recipe(
         "recipes/quickstart.yaml", ["run.progress=false", "train.backend=megatron", *overrides]
     )
     fields = {name: getattr(recipe, name) for name in recipe.__struct_fields__}
-    fields["rollout"] = msgspec.structs.replace(recipe.rollout, engine="megatron")
+    fields["rollout"] = msgspec.structs.replace(recipe.rollout, engine="megatron", **rollout)
     return SimpleNamespace(**fields)
 
 
 async def test_the_builder_hands_the_trainers_own_model_to_megatrons_engine(monkeypatch) -> None:
     made = []
 
-    def engine_on_cpu(model, inference, *, tokens, seed, device):
+    def engine_on_cpu(model, inference, *, tokens, seed, device, graphs):
         made.append((model, inference, tokens, seed))
         return FakeDynamicEngine(length=5, vocab=16)
 
@@ -186,3 +231,107 @@ def test_suspend_empties_torchs_cache_without_collecting_garbage_when_no_graph_w
     monkeypatch.setattr(cuda_graphs, "delete_cuda_graphs", lambda: calls.append("megatron's"))
     dynamic_engine.delete_cuda_graphs()
     assert calls == ["empty_cache", "megatron's"]
+
+
+class _Context:
+    def __init__(self, requests: int) -> None:
+        self.total_request_count = requests
+
+
+def test_a_stand_down_gives_the_cache_back_only_when_no_request_holds_any_of_it() -> None:
+    """After megatron's suspend (which keeps the cache: PERSIST), the handoff unmaps its memory
+    when the cache holds no request; a request left in it (not drained) keeps it resident, so
+    it resumes over valid keys. The wake maps the memory again."""
+    handoff = serve.KVHandoff(model=None, make_pool=lambda: PlainPool(torch.device("cpu")))
+    handoff.pool.allocate(4096)
+    handoff.release(SimpleNamespace(context=_Context(requests=1)))
+    assert handoff.memory_in_use(None) == 4096
+    handoff.release(SimpleNamespace(context=_Context(requests=0)))
+    assert handoff.memory_in_use(None) == 0
+    handoff.restore(None)
+    assert handoff.memory_in_use(None) == 4096
+
+
+def test_graphs_attach_to_the_decoder_block_and_close_gives_the_model_back_as_built(monkeypatch) -> None:
+    """The trainer's model gets megatron's block-scope inference graphs while served: a manager
+    on its decoder block that is no child module (parameters, state dict, checkpoints unchanged)
+    and no layer manager (the training forward stays eager); its RNG tracker passes megatron's
+    check only while the manager is made. Close undoes it all."""
+    monkeypatch.setattr(serve, "dynamic_engine", lambda *args, **kwargs: FakeDynamicEngine())
+    engine, trainer = build_backend(_on_cpu(), vocab_size=16, stop_ids=[1])
+    engine.close()
+    model = trainer.model
+    built = {name: getattr(model.config, name) for name in serve._GRAPH_FIELDS}
+    keys = list(model.state_dict())
+    made = []
+
+    class Manager:
+        def __init__(self, config, *, need_backward):
+            made.append((config.cuda_graph_impl, config.inference_cuda_graph_scope, need_backward))
+            made.append(get_cuda_rng_tracker().is_inference_rng_tracker)
+
+    monkeypatch.setattr(serve.cuda_graphs, "CudaGraphManager", Manager)
+    monkeypatch.setattr(serve.cuda_graphs, "delete_cuda_graphs", lambda: made.append("deleted"))
+    monkeypatch.setattr(serve.cuda_graphs, "get_all_rng_states", serve.cuda_graphs.get_all_rng_states)
+    tracker = get_cuda_rng_tracker()
+    monkeypatch.setattr(tracker, "is_inference_rng_tracker", False)  # the trainer's, on CUDA
+    handoff = serve.KVHandoff(model, lambda: PlainPool(torch.device("cpu")))
+    try:
+        assert isinstance(handoff.attach(), PlainPool)
+        assert made == [("local", InferenceCudaGraphScope.block, False), True]
+        assert isinstance(model.decoder.cudagraph_manager, Manager)
+        assert not tracker.is_inference_rng_tracker
+        assert serve.cuda_graphs.get_all_rng_states is serve._graph_safe_rng_states  # what captures register
+        assert list(model.state_dict()) == keys
+        assert not any(isinstance(m, Manager) for m in model.modules())
+        assert not any(hasattr(layer, "cudagraph_manager") for layer in model.decoder.layers)
+        handoff.pool.allocate(64)
+    finally:
+        handoff.close(None)
+        trainer.close()
+    assert made[-1] == "deleted" and handoff.memory_in_use(None) == 0
+    assert not hasattr(model.decoder, "cudagraph_manager")
+    assert {name: getattr(model.config, name) for name in serve._GRAPH_FIELDS} == built
+    assert built["cuda_graph_impl"] == "none"
+
+
+def test_the_contexts_kv_cache_moves_into_the_pool_with_its_shape_and_dtype() -> None:
+    context = SimpleNamespace(memory_buffer=torch.empty(2, 3, 4, 256, 2, 8, dtype=torch.bfloat16))
+    pool = PlainPool(torch.device("cpu"))
+    serve.pool_cache(context, pool)
+    cache = context.memory_buffer
+    assert (cache.shape, cache.dtype) == ((2, 3, 4, 256, 2, 8), torch.bfloat16)
+    assert cache.data_ptr() == pool.restore().data_ptr()
+    assert pool.resident_bytes == cache.numel() * 2
+
+
+def test_a_capture_registers_the_trackers_generators_and_not_its_tensor_states(monkeypatch) -> None:
+    """The trainer's RNG tracker keeps its states as tensors (not graph safe), which megatron's
+    capture cannot register; generators (a graph-safe tracker's) are registered as before."""
+    generator = torch.Generator()
+    monkeypatch.setattr(
+        serve, "_all_rng_states", lambda: {"model-parallel-rng": torch.zeros(8), "graph-safe": generator}
+    )
+    assert serve._graph_safe_rng_states() == {"graph-safe": generator}
+
+
+def test_megatrons_controller_reports_the_tempered_logprobs(monkeypatch) -> None:
+    """The engine as `dynamic_engine` wires it (megatron's classes, which need CUDA, replaced by
+    stand-ins): its controller samples with `TemperedLogprobs` over the controller's seeded RNG."""
+
+    class Controller:
+        def __init__(self, wrapped, tokens) -> None:
+            self.sampling_rng = torch.Generator()
+            self._sampling = None
+
+    monkeypatch.setattr(serve, "DynamicInferenceContext", lambda config, inference: None)
+    monkeypatch.setattr(serve, "GPTInferenceWrapper", lambda model, context: None)
+    monkeypatch.setattr(serve, "TextGenerationController", Controller)
+    monkeypatch.setattr(serve, "DynamicInferenceEngine", lambda controller, context: controller)
+    monkeypatch.setattr(serve.torch.cuda, "set_device", lambda device: None)
+    model = SimpleNamespace(config=None)
+    tokens = serve._Tokens(1, 32)
+    controller = serve.dynamic_engine(model, None, tokens=tokens, seed=7, device=torch.device("cpu"))
+    assert isinstance(controller._sampling, serve.TemperedLogprobs)
+    assert controller._sampling._rng is controller.sampling_rng
+    assert controller._sampling._vocab_size == 32

@@ -6,7 +6,9 @@ train mode (megatron's engine itself needs CUDA: tests/gpu/test_megatron_gpu.py 
 - Eval mode: the engine serves the trainer's own module, which each train step puts in train
   mode; every wake (and the build) puts it back in eval mode before the engine steps it.
 - Stand-down memory: with handoff checks the gate reads the engine's KV bytes after each
-  stand-down; a cache that was not let go fails the step.
+  stand-down; a cache that was not let go fails the step. Without graphs megatron's suspend
+  drops the cache (recompute); with them (`rollout.graphs`) megatron keeps it
+  (persist) and the builder's `KVHandoff` gives its memory back unless a request still holds it.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ pytest.importorskip("megatron.core")
 
 from backends.megatron import serve  # noqa: E402
 from backends.megatron.build import build_backend  # noqa: E402
+from backends.torch.kv_pool import PlainPool  # noqa: E402
 from pipeline.clock import DeadlineClock, MonotonicTime  # noqa: E402
 from pipeline.contracts.errors import HandoffMismatch  # noqa: E402
 from pipeline.contracts.messages import TrainGroup, TrainSample  # noqa: E402
@@ -34,13 +37,17 @@ KV_BYTES = 4096
 class ServingEngine(FakeDynamicEngine):
     """A `FakeDynamicEngine` over the trainer's model: its KV buffer sits at
     `context.memory_buffer` as megatron's does, let go at `suspend()` unless `keeps_cache`; a
-    step on a model in train mode fails as megatron's inference attention does."""
+    step on a model in train mode fails as megatron's inference attention does. Graphed (a
+    `pool`): the buffer is the pool's and `suspend()` keeps it, as megatron's persist mode does;
+    `keeps_cache` then leaves a request in the context."""
 
-    def __init__(self, model: Any, *, keeps_cache: bool) -> None:
+    def __init__(self, model: Any, *, keeps_cache: bool, pool: Any = None) -> None:
         super().__init__(length=3, vocab=16)
         self.model = model
         self.keeps_cache = keeps_cache
-        self.context = SimpleNamespace(memory_buffer=torch.empty(KV_BYTES, dtype=torch.uint8))
+        self.pool = pool
+        buffer = torch.empty(KV_BYTES, dtype=torch.uint8) if pool is None else pool.allocate(KV_BYTES)
+        self.context = SimpleNamespace(memory_buffer=buffer, total_request_count=0)
         self.modes: list[bool] = []  # the model's `training` at each step
 
     def step_modern(self) -> dict[str, Any]:
@@ -51,23 +58,31 @@ class ServingEngine(FakeDynamicEngine):
 
     def suspend(self) -> None:
         super().suspend()
-        if not self.keeps_cache:
+        if self.pool is not None:
+            self.context.total_request_count = int(self.keeps_cache)
+        elif not self.keeps_cache:
             self.context.memory_buffer = None
 
     def resume(self) -> None:
         super().resume()
-        self.context.memory_buffer = torch.empty(KV_BYTES, dtype=torch.uint8)
+        if self.pool is None:
+            self.context.memory_buffer = torch.empty(KV_BYTES, dtype=torch.uint8)
 
 
-def _backend(monkeypatch: pytest.MonkeyPatch, *, keeps_cache: bool = False) -> tuple[Any, Any, ServingEngine]:
+def _backend(
+    monkeypatch: pytest.MonkeyPatch, *, keeps_cache: bool = False, graphs: bool = False
+) -> tuple[Any, Any, ServingEngine]:
     made: list[ServingEngine] = []
 
-    def engine_on_cpu(model, inference, *, tokens, seed, device):
-        made.append(ServingEngine(model, keeps_cache=keeps_cache))
+    def engine_on_cpu(model, inference, *, tokens, seed, device, graphs):
+        pool = None if graphs is None else graphs.pool
+        made.append(ServingEngine(model, keeps_cache=keeps_cache, pool=pool))
         return made[-1]
 
     monkeypatch.setattr(serve, "dynamic_engine", engine_on_cpu)
-    engine, trainer = build_backend(_on_cpu("async_rl.handoff_checks=true"), vocab_size=16, stop_ids=[1])
+    monkeypatch.setattr(serve, "VirtualMemoryPool", PlainPool)  # the driver's, on CUDA
+    recipe = _on_cpu("async_rl.handoff_checks=true", graphs=graphs)
+    engine, trainer = build_backend(recipe, vocab_size=16, stop_ids=[1])
     return engine, trainer, made[0]
 
 
@@ -103,11 +118,12 @@ async def test_the_engine_steps_the_trainers_model_in_eval_mode_after_each_train
         trainer.close()
 
 
+@pytest.mark.parametrize("graphs", [False, True], ids=["recompute", "graphs"])
 @pytest.mark.parametrize("keeps_cache", [False, True])
 async def test_a_stand_down_that_keeps_the_kv_cache_fails_the_handoff_check(
-    monkeypatch: pytest.MonkeyPatch, keeps_cache: bool
+    monkeypatch: pytest.MonkeyPatch, keeps_cache: bool, graphs: bool
 ) -> None:
-    engine, trainer, _ = _backend(monkeypatch, keeps_cache=keeps_cache)
+    engine, trainer, _ = _backend(monkeypatch, keeps_cache=keeps_cache, graphs=graphs)
     gate = EngineGate(engine, DeadlineClock(MonotonicTime()), checks=trainer)
     try:
         assert engine.memory_in_use() == KV_BYTES  # serving: the cache is held

@@ -89,3 +89,28 @@ def test_a_block_table_as_wide_as_megatrons_gives_the_same_attention() -> None:
     flat = q.flatten(0, 1)
     prefill = flash_attn_varlen_func(flat, k, v, cu_q, cu, 1, max(lengths), causal=True, block_table=wide)
     assert torch.equal(prefill, out.flatten(0, 1))
+
+
+def test_a_decode_captured_in_a_cuda_graph_replays_for_other_lengths() -> None:
+    """megatron's decode graphs capture this call once and replay it as the rows grow: the
+    capture gathers every column of the table (no sync), so a replay with longer rows attends
+    over all their keys."""
+    k, v, table = _paged([777, 777, 777, 777])
+    q = torch.randn(4, 1, HEADS, D, device="cuda", dtype=torch.bfloat16)
+    seqlens = torch.tensor([1, 2, 3, 4], dtype=torch.int32, device="cuda")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm up off the capture, as torch asks
+        flash_attn_with_kvcache(q, k, v, cache_seqlens=seqlens, causal=True, block_table=table)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = flash_attn_with_kvcache(q, k, v, cache_seqlens=seqlens, causal=True, block_table=table)
+    lengths = [1, 300, 777, 256]
+    seqlens.copy_(torch.tensor(lengths, dtype=torch.int32))
+    graph.replay()
+    torch.cuda.synchronize()
+    for row, n in enumerate(lengths):
+        torch.testing.assert_close(
+            out[row].float(), _reference(q[row], k, v, table, row, n, True), atol=2e-2, rtol=2e-2
+        )

@@ -80,10 +80,13 @@ async def test_a_saved_step_loads_into_a_fresh_backend_and_trains_on_alike(tmp_p
         trainer.close()
 
 
-def test_megatron_inference_generates_colocated_on_the_trained_model(tmp_path) -> None:
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
+def test_megatron_inference_generates_colocated_on_the_trained_model(tmp_path, graphs: bool) -> None:
     """The quickstart, on-policy (L = 0), with megatron's dynamic engine: it stands down
     (suspend) for each step and wakes (resume) serving the new weights; its logprobs are the
-    trainer's to bf16 rounding; evaluations (greedy) and checkpoints (its RNG) run too."""
+    trainer's to bf16 rounding; evaluations (greedy) and checkpoints (its RNG) run too. With
+    `rollout.graphs` its decode steps replay CUDA graphs captured once, over a KV cache whose
+    memory goes back to the driver at each stand-down."""
     recipe = pipeline.load_recipe(
         "recipes/quickstart.yaml",
         [
@@ -95,6 +98,7 @@ def test_megatron_inference_generates_colocated_on_the_trained_model(tmp_path) -
             "model.dtype=bfloat16",
             "train.backend=megatron",
             "rollout.engine=megatron",
+            f"rollout.graphs={str(graphs).lower()}",
             "async_rl.max_lookahead_versions=0",
             "eval.every_steps=2",
             "eval.num_prompts=32",

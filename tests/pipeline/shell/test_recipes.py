@@ -275,6 +275,12 @@ VALID_RUN_FIELDS = "dir, steps, seed, stop_grace_s, progress, log_every_steps, p
             id="kv-cache-gb-for-the-torch-engine",
         ),
         pytest.param(
+            "rollout:\n  graphs: true\n",
+            "rollout.graphs: true turns on the CUDA graphs of rollout.engine megatron; the torch engine "
+            "always replays its decode steps from graphs on CUDA: leave it at false",
+            id="graphs-for-the-torch-engine",
+        ),
+        pytest.param(
             "rollout:\n  engine: megatron\n",
             "rollout.engine: megatron needs train.backend: megatron (it serves the megatron trainer's own "
             "model), got torch; set train.backend: megatron or rollout.engine: torch",
@@ -311,20 +317,6 @@ VALID_RUN_FIELDS = "dir, steps, seed, stop_grace_s, progress, log_every_steps, p
             "rollout.partial: true needs rollout.engine: torch (the weights version of each token of a "
             "continued request is the torch engine's bookkeeping); set rollout.partial: false",
             id="megatron-engine-partial",
-        ),
-        pytest.param(
-            MEGATRON_ON_GPU.replace("engine: megatron", "engine: megatron\n  temperature: 0"),
-            "rollout.temperature: 0 needs rollout.engine: torch (megatron's sampler divides the logits by "
-            "the temperature, and its greedy mode reports logprob 0 for every token): set a temperature "
-            "above 0",
-            id="megatron-engine-greedy-rollouts",
-        ),
-        pytest.param(
-            MEGATRON_ON_GPU.replace("engine: megatron", "engine: megatron\n  top_p: 0.9"),
-            "rollout.top_p: 0.9 needs rollout.engine: torch (megatron's engine reports the logprobs of the "
-            "nucleus it renormalised, the trainer those of the whole tempered distribution): set "
-            "rollout.top_p: 1.0",
-            id="megatron-engine-top-p",
         ),
         pytest.param("train:\n  lr: .inf\n", "train.lr: Expected a finite number, got inf", id="lr-infinite"),
         pytest.param(
@@ -488,6 +480,10 @@ def test_megatron_inference_loads_where_it_can_run(tmp_path: Path) -> None:
     path.write_text(MEGATRON_ON_GPU + "  kv_cache_gb: 2.5\n  bench_lengths: {median_tokens: 4}\n")
     rollout = pipeline.load_recipe(path).rollout
     assert (rollout.engine, rollout.kv_cache_gb) == ("megatron", 2.5)
+    # Greedy rollouts, a top-p cut and graphs too (their logprobs: tests/backends/test_megatron_serve.py).
+    path.write_text(MEGATRON_ON_GPU + "  temperature: 0\n  top_p: 0.9\n  graphs: true\n")
+    rollout = pipeline.load_recipe(path).rollout
+    assert (rollout.temperature, rollout.top_p, rollout.graphs) == (0, 0.9, True)
 
 
 def test_a_lookahead_past_the_run_sizes_nothing_past_the_run(tmp_path: Path) -> None:
