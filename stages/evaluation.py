@@ -1,5 +1,9 @@
 """Held-out evaluation: greedy generation on prompts never trained on, scored by the reward.
 
+With an environment (`rollout.environment`), each held-out prompt is one greedy episode,
+scored by the environment (an episode it fails scores 0); `eval/reward` is their mean and the
+final observations' `info` keys are logged as `eval/<key>`.
+
 Generation is retried as rollout's is (`rollout.max_retries` attempts under `generation_s`);
 the scoring runs under `reward.reward_s` of wall time for each `rollout.samples_per_prompt`
 held-out answers (one training group's budget per group's worth of answers). When a prompt's
@@ -14,6 +18,7 @@ import math
 from collections import Counter
 from collections.abc import Callable, Sequence
 from statistics import fmean
+from typing import TYPE_CHECKING
 
 import anyio
 
@@ -25,6 +30,9 @@ from pipeline.gate import EngineGate
 from pipeline.rewards.scoring import RewardFn, score_all
 from pipeline.runner import strict
 from stages.rollout import GiveUp, RolloutSection, with_retries
+
+if TYPE_CHECKING:
+    from stages.episodes import Episodes
 
 
 class EvalSection(Section, frozen=True):
@@ -49,8 +57,10 @@ class Evaluation:
         rollout: RolloutSection,
         reward_s: float,
         clock: DeadlineClock,
+        episodes: Episodes | None = None,
     ) -> None:
         self.section = section
+        self.episodes = episodes
         self.prompts = list(prompts)[: section.num_prompts]
         self.fn = fn
         self.decode = decode
@@ -66,6 +76,8 @@ class Evaluation:
 
     async def run(self, gate: EngineGate) -> dict[str, float]:
         """The evaluation's figures; raises `EvaluationSkipped` when it cannot finish."""
+        if self.episodes is not None:
+            return await self._episodes(self.episodes)
         texts: list[str] = [""] * len(self.prompts)
         failures: list[str] = []
 
@@ -97,6 +109,31 @@ class Evaluation:
             per = self.rollout.samples_per_prompt
             raise EvaluationSkipped(f"{error} (reward.reward_s for each {per} answers)") from None
         # A reward that fails on a held-out answer scores it 0 rather than hiding the prompt.
-        records = [result if isinstance(result, dict) else {"reward": 0.0} for result in scored]
-        keys = sorted({key for r in records for key in r})
-        return {f"eval/{key}": fmean(r.get(key, 0.0) for r in records) for key in keys}
+        return _means([result if isinstance(result, dict) else {"reward": 0.0} for result in scored])
+
+    async def _episodes(self, episodes: Episodes) -> dict[str, float]:
+        """One greedy episode per held-out prompt, scored by its environment."""
+        records: list[dict[str, float]] = [{}] * len(self.prompts)
+        failures: list[str] = []
+
+        async def one(i: int, prompt: Prompt, scope: anyio.CancelScope) -> None:
+            try:
+                episode = await episodes.run(prompt, counts=self.counts, greedy=True)
+            except GiveUp as failed:
+                failures.append(f"{prompt.prompt_id}: {failed.reason}")
+                scope.cancel()
+                return
+            records[i] = {"reward": episode.reward or 0.0, **episode.info}  # failed: 0
+
+        async with anyio.create_task_group() as tg:
+            for i, prompt in enumerate(self.prompts):
+                tg.start_soon(strict(one), i, prompt, tg.cancel_scope)
+        if failures:
+            self.counts["skipped"] += 1
+            raise EvaluationSkipped(f"generation for {failures[0]}")
+        return _means(records)
+
+
+def _means(records: list[dict[str, float]]) -> dict[str, float]:
+    keys = sorted({key for r in records for key in r})
+    return {f"eval/{key}": fmean(r.get(key, 0.0) for r in records) for key in keys}

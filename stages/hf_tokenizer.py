@@ -94,6 +94,10 @@ class HFTokenizer:
     def encode(self, text: str, *, where: str = "text") -> list[int]:
         return self._tokenizer.encode(text, add_special_tokens=True).ids
 
+    def encode_plain(self, text: str, *, where: str = "text") -> list[int]:
+        """`text` as it continues a sequence: no special tokens added."""
+        return self._tokenizer.encode(text, add_special_tokens=False).ids
+
     def encode_chat(self, text: str, *, system: str | None = None, where: str = "text") -> list[int]:
         """Ids of `text` as a user turn (after `system`, if given) rendered by the chat template."""
         rendered = self.render_chat(text, system=system)

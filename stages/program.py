@@ -24,6 +24,7 @@ from pipeline.algorithms.presets import algorithm_of
 from pipeline.clock import DeadlineClock, TimeSource
 from pipeline.contracts.errors import BackendLost, PipelineError
 from pipeline.contracts.protocols import Engine, Trainer
+from pipeline.environments import EnvironmentFactory
 from pipeline.logs import reset_warnings
 from pipeline.metrics import MetricsLog
 from pipeline.recipe import dump
@@ -134,6 +135,7 @@ async def run_program(
             resumed=resumed,
             prompts=prompts,
             reward_fn=reward_fn,
+            environment=checked.environment,
             engine=engine,
             trainer=trainer,
             placed=placed,
@@ -164,6 +166,7 @@ async def _run_locked(
     resumed: Resumed | None,
     prompts: PromptSet,
     reward_fn: RewardFn,
+    environment: EnvironmentFactory | None,
     engine: Engine,
     trainer: Trainer,
     placed: Placed | None,
@@ -211,6 +214,7 @@ async def _run_locked(
         state=state,
         prompts=prompts,
         reward_fn=reward_fn,
+        environment=environment,
         engine=engine,
         trainer=trainer,
         placed=placed,

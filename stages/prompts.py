@@ -16,6 +16,7 @@ tokenizer over the source's alphabet.
 
 from __future__ import annotations
 
+import itertools
 import json
 import random
 import string
@@ -44,19 +45,24 @@ class SyntheticSource(Section, tag="synthetic", tag_field="kind", frozen=True):
     """Digit-string tasks: `reverse` ("12345=" -> "54321") or `increment` each digit mod 10
     ("12349=" -> "23450"). Increment keeps every answer digit at a fixed distance from its
     source, which rotary attention learns fast; reverse needs the distance to change with the
-    output position, which a tiny model learns far more slowly."""
+    output position, which a tiny model learns far more slowly. `guess`: every prompt is `?` and
+    its answer a hidden number 0..`high` that the prompt does not reveal, drawn for each training
+    prompt from the seed (held-out prompt i hides i mod (high + 1), so every number is evaluated
+    alike; the digit counts do not apply): the game of `pipeline.environments.guess` (the
+    alphabet adds `<>?`)."""
 
-    task: Literal["reverse", "increment"] = "reverse"
+    task: Literal["reverse", "increment", "guess"] = "reverse"
     min_digits: PositiveInt = 5
     max_digits: PositiveInt = 5
     num_heldout: NonNegativeInt = 256
+    high: Annotated[int, msgspec.Meta(ge=1, le=9)] = 9  # task guess: the largest hidden number
 
     def __post_init__(self) -> None:
         if self.min_digits > self.max_digits:
             raise ValueError(f"min_digits ({self.min_digits}) must be <= max_digits ({self.max_digits})")
         # Held-out prompts are distinct strings, made up front: they must leave some to train on.
         distinct = sum(10**d for d in range(self.min_digits, min(self.max_digits, 12) + 1))
-        if self.max_digits <= 12 and self.num_heldout >= distinct:
+        if self.task != "guess" and self.max_digits <= 12 and self.num_heldout >= distinct:
             raise ValueError(
                 f"num_heldout ({self.num_heldout}) must be below the {distinct} distinct prompts of "
                 f"{self.min_digits}-{self.max_digits} digits (the others are trained on)"
@@ -173,7 +179,9 @@ def build_tokenizer(section: PromptsSection, model_path: str | None) -> Tokenize
 
         return HFTokenizer(model_path)
     source = section.source
-    return CharTokenizer(DIGITS + "=" if isinstance(source, SyntheticSource) else source.alphabet)
+    if isinstance(source, SyntheticSource):
+        return CharTokenizer(DIGITS + ("=<>?" if source.task == "guess" else "="))
+    return CharTokenizer(source.alphabet)
 
 
 def build_prompts(section: PromptsSection, seed: int, *, model_path: str | None = None) -> PromptSet:
@@ -181,6 +189,8 @@ def build_prompts(section: PromptsSection, seed: int, *, model_path: str | None 
     encode = _encoder(section, tokenizer)
     source = section.source
     if isinstance(source, SyntheticSource):
+        if source.task == "guess":
+            return _guess_task(source, seed, tokenizer, encode)
         return _digit_task(source, seed, tokenizer, encode)
     if isinstance(source, ReasoningGymSource):
         return _reasoning_gym(source, seed, tokenizer, encode)
@@ -259,6 +269,22 @@ def _digit_task(source: SyntheticSource, seed: int, tokenizer: Tokenizer, encode
 
     longest = len(encode("0" * source.max_digits + "=", "prompts.source"))
     return PromptSet(tokenizer, train(), heldout, longest=longest)
+
+
+def _guess_task(source: SyntheticSource, seed: int, tokenizer: Tokenizer, encode: Encode) -> PromptSet:
+    tokens = encode("?", "prompts.source")
+
+    def make(number: int, prompt_id: str) -> Prompt:
+        return Prompt(prompt_id=prompt_id, text="?", tokens=tokens, answer=str(number))
+
+    heldout = [make(i % (source.high + 1), f"heldout-{i}") for i in range(source.num_heldout)]
+
+    def train() -> Iterator[Prompt]:
+        rng = random.Random(f"guess-{seed}")
+        for index in itertools.count():
+            yield make(rng.randint(0, source.high), f"train-{index}")
+
+    return PromptSet(tokenizer, train(), heldout, longest=len(tokens))
 
 
 def _digits(rng: random.Random, source: SyntheticSource) -> str:

@@ -61,8 +61,12 @@ class RewardStage:
         inp: Channel[Group | Dropped],
         out: Channel[Group | Dropped],
         context: RunContext,
+        scored_upstream: bool = False,
     ) -> None:
+        """`scored_upstream`: groups arrive scored by their episodes' environment (multi-turn
+        rollouts) and pass through unchanged."""
         self.section = section
+        self.scored_upstream = scored_upstream
         self.trace = context.trace
         self.timings = context.timings
         self.fn = fn
@@ -83,7 +87,7 @@ class RewardStage:
             async with anyio.create_task_group() as scoring:
                 with self.watchdog.waiting(self.name, "a group from rollout"):
                     async for item in self.inp:
-                        if not isinstance(item, Group):
+                        if not isinstance(item, Group) or self.scored_upstream:
                             await self.out.send(item)
                         elif self.cheap:  # scored in passing: no task, no slot
                             await self._score_and_send(item, None)

@@ -17,7 +17,7 @@ import logging
 import math
 from collections import Counter
 from collections.abc import Awaitable, Callable
-from typing import Annotated, Literal, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeVar
 
 import anyio
 import msgspec
@@ -43,6 +43,9 @@ from pipeline.gate import EngineGate
 from pipeline.logs import warn_once
 from pipeline.runner import strict
 from stages.context import RunContext
+
+if TYPE_CHECKING:
+    from stages.episodes import Episode, Episodes
 
 log = logging.getLogger("stages.rollout")
 
@@ -77,6 +80,28 @@ class RolloutSection(Section, frozen=True):
     # engine megatron: replay its decode steps from CUDA graphs (false: each step launched from
     # Python); the torch engine always does on CUDA (backends/megatron/serve.py).
     graphs: bool = False
+    # Multi-turn rollouts (stages/episodes.py): `module:Class` of an environment
+    # (pipeline/contracts/environments.py), built once per episode with `environment_args` as
+    # its keyword arguments. Its episodes' rewards replace `reward.function`.
+    environment: str | None = None
+    environment_args: dict[str, Any] = msgspec.field(default_factory=dict)
+    episode_reward: Literal["sum", "final"] = "final"  # the sum of the turns' rewards, or the last
+    max_turns: PositiveInt = 8  # generation turns an episode may take (past it: truncated)
+    # Tokens after the prompt an episode may hold, its turns' and the environment's (a turn
+    # starts only if `max_new_tokens` more still fit; past it: truncated).
+    max_episode_tokens: PositiveInt = 256
+    turn_s: PositiveFloat = 300.0  # one generation turn, retries included (service time)
+    env_s: PositiveFloat = 60.0  # one environment call (wall time: not suspended at a stand-down)
+    max_env_failures: NonNegativeInt = 64  # episodes failed by their environment; past it the run stops
+
+    def __post_init__(self) -> None:
+        if self.environment is None and self.environment_args:
+            raise ValueError("environment_args: given without rollout.environment (module:Class)")
+        if self.environment is not None and self.max_new_tokens > self.max_episode_tokens:
+            raise ValueError(
+                f"max_new_tokens ({self.max_new_tokens}) must be <= max_episode_tokens "
+                f"({self.max_episode_tokens}): no turn would fit in an episode"
+            )
 
 
 class GiveUp(Exception):
@@ -141,8 +166,12 @@ class RolloutStage:
         inp: Channel[Batch],
         out: Channel[Group | Dropped],
         context: RunContext,
+        episodes: Episodes | None = None,
     ) -> None:
+        """`episodes`: play multi-turn episodes against an environment (`rollout.environment`),
+        each scored by it, instead of generating single completions."""
         self.section = section
+        self.episodes = episodes
         self.gate = gate
         self.clock = context.clock
         self.inp = inp
@@ -178,7 +207,10 @@ class RolloutStage:
         start = self.clock.source.now()
         try:
             with self.clock.fail_after(self.section.sample_s, f"group {group_id}"):
-                completions, versions = await self._generate(prompt, group_id)
+                if self.episodes is not None:
+                    episodes = await self._play(prompt, group_id, batch)
+                else:
+                    completions, versions = await self._generate(prompt, group_id)
         except DeadlineExceeded:
             self.counts["timeouts"] += 1
             await self._drop(prompt, group_id, batch, "sample_timeout", pending)
@@ -186,22 +218,26 @@ class RolloutStage:
         except GiveUp as give_up:
             await self._drop(prompt, group_id, batch, give_up.reason, pending)
             return
-        samples = tuple(
-            Sample(
-                prompt_id=prompt.prompt_id,
-                group_id=group_id,
-                sample_index=i,
-                target_step=batch,
-                gen_version=(stretches[0][1], stretches[-1][1]) if c.segments else versions,
-                tokens=c.tokens,
-                logprobs=c.logprobs,
-                finish_reason=c.finish_reason,
-                poisoned=not all(math.isfinite(x) for x in c.logprobs),
-                versions=stretches,
-                reprefilled_tokens=c.reprefilled_tokens,
+        samples = (
+            episodes
+            if self.episodes is not None
+            else tuple(
+                Sample(
+                    prompt_id=prompt.prompt_id,
+                    group_id=group_id,
+                    sample_index=i,
+                    target_step=batch,
+                    gen_version=(stretches[0][1], stretches[-1][1]) if c.segments else versions,
+                    tokens=c.tokens,
+                    logprobs=c.logprobs,
+                    finish_reason=c.finish_reason,
+                    poisoned=not all(math.isfinite(x) for x in c.logprobs),
+                    versions=stretches,
+                    reprefilled_tokens=c.reprefilled_tokens,
+                )
+                for i, c in enumerate(completions)
+                for stretches in [self._versions(c, versions[0])]
             )
-            for i, c in enumerate(completions)
-            for stretches in [self._versions(c, versions[0])]
         )
         self.timings.span(batch, "generate", start, self.clock.source.now())
         self.counts["poisoned_samples"] += sum(s.poisoned for s in samples)
@@ -209,6 +245,52 @@ class RolloutStage:
             await self.out.send(Group(prompt=prompt, group_id=group_id, target_step=batch, samples=samples))
         # Only once sent: a batch timeout during the send drops the group instead of losing it.
         del pending[group_id]
+
+    async def _play(self, prompt: Prompt, group_id: str, batch: int) -> tuple[Sample, ...]:
+        """The group's episodes, played at once (multi-turn); raises `GiveUp` when one of
+        them gives up its generation (the group is dropped, as a single-turn one would be)."""
+        assert self.episodes is not None
+        played: list[Episode | None] = [None] * self.section.samples_per_prompt
+        gave_up: list[GiveUp] = []
+
+        async def one(i: int, scope: anyio.CancelScope) -> None:
+            try:
+                played[i] = await self.episodes.run(prompt, counts=self.counts)  # type: ignore[union-attr]
+            except GiveUp as give_up:
+                gave_up.append(give_up)
+                scope.cancel()
+
+        with self.watchdog.waiting(self.name, "the episodes of a group"):
+            async with anyio.create_task_group() as episodes:
+                for i in range(len(played)):
+                    episodes.start_soon(strict(one), i, episodes.cancel_scope)
+        if gave_up:
+            raise gave_up[0]
+        samples = []
+        for i, episode in enumerate(played):
+            assert episode is not None
+            versions = tuple(sorted(set(episode.versions))) or ((0, self.gate.engine_version),)
+            samples.append(
+                Sample(
+                    prompt_id=prompt.prompt_id,
+                    group_id=group_id,
+                    sample_index=i,
+                    target_step=batch,
+                    gen_version=(versions[0][1], versions[-1][1]),
+                    tokens=episode.tokens,
+                    logprobs=episode.logprobs,
+                    finish_reason=episode.finish_reason,
+                    poisoned=not all(math.isfinite(x) for x in episode.logprobs),
+                    text=self.episodes.tokenizer.decode(episode.tokens),
+                    reward=episode.reward,
+                    reward_info=episode.info,
+                    versions=versions if len(versions) > 1 else (),
+                    reprefilled_tokens=episode.continued_tokens,
+                    loss_mask=episode.loss_mask,
+                    episode=episode.stats,
+                )
+            )
+        return tuple(samples)
 
     async def _generate(self, prompt: Prompt, group_id: str) -> tuple[list[Completion], tuple[int, int]]:
         async def attempt(number: int) -> tuple[list[Completion], tuple[int, int]]:

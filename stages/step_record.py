@@ -22,7 +22,7 @@ from statistics import fmean
 from typing import Any
 
 from pipeline.algorithms.advantages import population_std
-from pipeline.contracts.messages import Dropped, Group, Sample
+from pipeline.contracts.messages import Dropped, EpisodeStats, Group, Sample
 from pipeline.logs import warn_once
 from stages.context import RunContext
 
@@ -95,6 +95,7 @@ class StepRecorder:
             # Partial rollouts: samples continued after a stand-down, and what that re-prefilled.
             "rollout/partial_samples": sum(s.reprefilled_tokens > 0 for s in samples),
             "rollout/reprefilled_tokens": sum(s.reprefilled_tokens for s in samples),
+            **_episode_figures([s.episode for g in groups for s in g.samples if s.episode is not None]),
         }
 
     def _flat_groups(self, step: int, groups: Sequence[Group]) -> int:
@@ -166,6 +167,22 @@ def _length_figures(samples: Sequence[Sample]) -> dict[str, float]:
         "rollout/response_len_p50": rank(0.5),
         "rollout/response_len_p90": rank(0.9),
         "rollout/response_len_max": lengths[-1],
+    }
+
+
+def _episode_figures(episodes: Sequence[EpisodeStats]) -> dict[str, float]:
+    """Multi-turn figures over every episode of the step's groups (failed ones included): turns,
+    episodes truncated by a limit, wall seconds per environment call, and the context tokens
+    prefilled again for turns after the first. None for single-turn samples."""
+    if not episodes:
+        return {}
+    calls = sum(e.env_calls for e in episodes)
+    return {
+        "env/turns_mean": fmean(e.turns for e in episodes),
+        "env/turns_max": max(e.turns for e in episodes),
+        "env/truncated": sum(e.truncated for e in episodes),
+        "env/step_s": sum(e.env_s for e in episodes) / calls if calls else 0.0,
+        "env/reprefilled_tokens": sum(e.reprefilled_tokens for e in episodes),
     }
 
 

@@ -32,6 +32,10 @@ class Tokenizer(Protocol):
     @property
     def stop_ids(self) -> tuple[int, ...]: ...
     def encode(self, text: str, *, where: str = "text") -> list[int]: ...
+    def encode_plain(self, text: str, *, where: str = "text") -> list[int]:
+        """`text` as it continues a sequence (an environment's reply): no special tokens added."""
+        ...
+
     def decode(self, ids: Sequence[int]) -> str: ...
 
 
@@ -88,6 +92,9 @@ class CharTokenizer:
             raise RecipeError(
                 f"{where}: character {error.args[0]!r} is not in the tokenizer's alphabet {self.alphabet!r}"
             ) from None
+
+    def encode_plain(self, text: str, *, where: str = "text") -> list[int]:
+        return self.encode(text, where=where)[1:]  # without the beginning-of-sequence token
 
     def decode(self, ids: Sequence[int]) -> str:
         """Text of `ids` up to the first end-of-sequence token.

@@ -315,7 +315,13 @@ def train_group(group: Group, algorithm: Algorithm) -> TrainGroup:
         group_id=group.group_id,
         prompt_tokens=group.prompt.tokens,
         samples=tuple(
-            TrainSample(tokens=s.tokens, logprobs=s.logprobs, reward=reward, advantage=advantage)
+            TrainSample(
+                tokens=s.tokens,
+                logprobs=s.logprobs,
+                reward=reward,
+                advantage=advantage,
+                loss_mask=s.loss_mask,
+            )
             for (s, reward), advantage in zip(scored, advantages, strict=True)
         ),
     )

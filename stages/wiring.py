@@ -25,6 +25,7 @@ from pipeline.algorithms.presets import algorithm_of
 from pipeline.channel import Channel
 from pipeline.contracts.messages import Batch, Dropped, Group
 from pipeline.contracts.protocols import Engine, Fingerprinted, SlotStatistics, Trainer
+from pipeline.environments import EnvironmentFactory
 from pipeline.gate import EngineGate
 from pipeline.rewards.scoring import RewardFn
 from pipeline.runner import Stage, StopRequest, run_stages
@@ -34,6 +35,7 @@ from stages.batch_assembly import BatchAssembler
 from stages.checkpoint import Checkpointer, PipelineState
 from stages.checkpoint_writer import CheckpointWriter
 from stages.context import RunContext
+from stages.episodes import Episodes
 from stages.evaluation import Evaluation
 from stages.faults import FaultyEngine
 from stages.progress import Progress
@@ -63,6 +65,7 @@ class Pipeline:
         state: PipelineState | None,
         prompts: PromptSet,
         reward_fn: RewardFn,
+        environment: EnvironmentFactory | None,
         engine: Engine,
         trainer: Trainer,
         placed: Placed | None,
@@ -105,8 +108,17 @@ class Pipeline:
         generated: Channel[Group | Dropped] = Channel("generated", per_step * (lookahead + 1))
         scored: Channel[Group | Dropped] = Channel("scored", per_step * (lookahead + 1))
         self.channels = (batches, generated, scored)
+        episodes = None
+        if environment is not None:  # multi-turn: the environment scores its episodes
+            episodes = Episodes(
+                recipe.rollout,
+                factory=environment,
+                tokenizer=prompts.tokenizer,
+                gate=self.gate,
+                clock=context.clock,
+            )
         self.rollout = RolloutStage(
-            recipe.rollout, gate=self.gate, inp=batches, out=generated, context=context
+            recipe.rollout, gate=self.gate, inp=batches, out=generated, context=context, episodes=episodes
         )
         self.reward = RewardStage(
             recipe.reward,
@@ -116,6 +128,7 @@ class Pipeline:
             inp=generated,
             out=scored,
             context=context,
+            scored_upstream=episodes is not None,
         )
         if state is not None:
             self.rollout.counts.update(state.rollout_counts)
@@ -130,6 +143,7 @@ class Pipeline:
                 rollout=recipe.rollout,
                 reward_s=recipe.reward.reward_s,
                 clock=context.clock,
+                episodes=episodes,
             )
         every = recipe.checkpoint.every_steps
         self.assembler = BatchAssembler(scored, prompts_per_step=per_step, first_batch=first_batch)
@@ -211,6 +225,7 @@ class Pipeline:
             "rollout/dropped_groups_total": rollout["dropped_groups"],
             "rollout/poisoned_samples_total": rollout["poisoned_samples"],
             "reward/failures": reward["failures"],
+            **({"env/failures": rollout["env_failures"]} if self.recipe.rollout.environment else {}),
             **({"eval/skipped": self.evaluation.counts["skipped"]} if self.evaluation is not None else {}),
             **(self.placed.counters() if self.placed is not None else {}),
             **self.saves.figures(),

@@ -43,14 +43,18 @@ class Chunk:
     @classmethod
     def of(cls, samples: Sequence[TrainSample], inputs: Any, device: torch.device) -> Chunk:
         longest = max(len(s.tokens) for s in samples)
-        lengths = torch.tensor([len(s.tokens) for s in samples], device=device)
+        # The loss mask: 1 on each sample's own tokens that the model generated, 0 on padding
+        # and on an environment's tokens (multi-turn), which are context and never trained.
+        mask = [list(s.loss_mask or (1,) * len(s.tokens)) for s in samples]
         return cls(
             inputs=inputs,
             gen=torch.tensor(
                 [list(s.logprobs) + [0.0] * (longest - len(s.logprobs)) for s in samples], device=device
             ),
             advantages=torch.tensor([s.advantage for s in samples], device=device),
-            mask=(torch.arange(longest, device=device) < lengths[:, None]).to(torch.get_default_dtype()),
+            mask=torch.tensor([row + [0] * (longest - len(row)) for row in mask], device=device).to(
+                torch.get_default_dtype()
+            ),
         )
 
 

@@ -39,6 +39,19 @@ class Completion(msgspec.Struct, frozen=True, kw_only=True):
     reprefilled_tokens: int = 0
 
 
+class EpisodeStats(msgspec.Struct, frozen=True, kw_only=True):
+    """How a multi-turn episode went (`Sample.episode`)."""
+
+    turns: int  # generation turns
+    truncated: bool  # it hit rollout.max_turns or rollout.max_episode_tokens before done
+    failed: str = ""  # why its environment failed it (then it has no reward), "" if it did not
+    env_s: float = 0.0  # wall seconds its environment's start and steps took, in all
+    env_calls: int = 0  # its environment's start and step calls
+    # Context tokens prefilled again for its turns after the first (the engine keeps no KV
+    # cache between turns: each turn's request is the whole context so far).
+    reprefilled_tokens: int = 0
+
+
 class Sample(msgspec.Struct, frozen=True, kw_only=True):
     prompt_id: str
     group_id: str
@@ -56,6 +69,12 @@ class Sample(msgspec.Struct, frozen=True, kw_only=True):
     # than one when a partial rollout continued after a train step. Empty: all gen_version[0].
     versions: tuple[tuple[int, int], ...] = ()
     reprefilled_tokens: int = 0  # tokens prefilled again to continue it (partial rollouts)
+    # Multi-turn episodes (`rollout.environment`): `tokens` holds every token after the prompt,
+    # the model's turns and the environment's observations in order; `loss_mask` is 1 on the
+    # model's tokens and 0 on the environment's, whose `logprobs` are 0.0 placeholders never
+    # read. Empty: every token is the model's (single-turn, `episode` None).
+    loss_mask: tuple[int, ...] = ()
+    episode: EpisodeStats | None = None
 
     @property
     def usable(self) -> bool:
@@ -91,6 +110,9 @@ class TrainSample(msgspec.Struct, frozen=True, kw_only=True):
     logprobs: tuple[float, ...]  # behaviour logprob of each token, as generated
     reward: float
     advantage: float
+    # 1: a model token, trained and in the mismatch metrics; 0: an environment's token, context
+    # only (its logprob a placeholder). Empty: every token is the model's.
+    loss_mask: tuple[int, ...] = ()
 
 
 class TrainGroup(msgspec.Struct, frozen=True, kw_only=True):

@@ -33,6 +33,7 @@ from pipeline.logs import DATE_FORMAT, NARRATION
 # (record key, label, format)
 _FIELDS = (
     ("reward/mean", "reward", "{:.3f}"),
+    ("env/turns_mean", "turns", "{:.2f}"),  # multi-turn runs only
     ("train/loss", "loss", "{:+.4f}"),
     ("rollout/max_lag", "lag", "{}"),
     ("throughput/tokens_per_s_per_gpu", "tok/s", "{:,.0f}"),

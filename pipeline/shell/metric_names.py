@@ -83,6 +83,19 @@ _TRAINER = (
     "timing/optimizer_reload_s",
     "timing/optimizer_offload_s",
 )
+# The info keys of the built-in environments (pipeline/environments/).
+_BUILTIN_ENVIRONMENT_INFO: dict[str, tuple[str, ...]] = {
+    "pipeline.environments.guess:GuessNumber": ("success", "guesses"),
+}
+# stages/step_record.py's multi-turn figures and the run's env/failures (rollout.environment).
+_ENVIRONMENT = (
+    "env/turns_mean",
+    "env/turns_max",
+    "env/truncated",
+    "env/step_s",
+    "env/reprefilled_tokens",
+    "env/failures",
+)
 _DYNAMIC_SAMPLING = ("rollout/filtered_groups", "rollout/surplus_groups")  # stages/train.py's dynamic_sample
 _EVAL = ("step", "policy_version", "eval/reward", "timing/eval_s")  # stages/train.py's evaluations
 # The info keys of the built-in rewards (stages/reward.py, pipeline/rewards/math.py).
@@ -96,7 +109,12 @@ class MetricNames(msgspec.Struct, frozen=True, kw_only=True):
 
     @classmethod
     def for_recipe(cls, recipe: Recipe) -> MetricNames:
-        info = _BUILTIN_INFO.get(recipe.reward.function, ())
+        # With an environment, its episodes' rewards replace reward.function's (and its keys).
+        environment = recipe.rollout.environment
+        if environment is not None:
+            info = _BUILTIN_ENVIRONMENT_INFO.get(environment, ())
+        else:
+            info = _BUILTIN_INFO.get(recipe.reward.function, ())
         steps = {
             *REQUIRED_KEYS,
             *_TRAIN_STAGE,
@@ -111,9 +129,15 @@ class MetricNames(msgspec.Struct, frozen=True, kw_only=True):
             ),
             *(f"reward/{key}" for key in info),
             *(_DYNAMIC_SAMPLING if knob(recipe.train, "dynamic_sampling") else ()),
+            *(_ENVIRONMENT if recipe.rollout.environment else ()),
         }
         evals = {*_EVAL, *(f"eval/{key}" for key in info)}
-        return cls(steps=frozenset(steps), evals=frozenset(evals), open_info=":" in recipe.reward.function)
+        # A user's environment's info keys, as a module:function reward's, are known once it has run.
+        if environment is not None:
+            open_info = environment not in _BUILTIN_ENVIRONMENT_INFO
+        else:
+            open_info = ":" in recipe.reward.function
+        return cls(steps=frozenset(steps), evals=frozenset(evals), open_info=open_info)
 
     def known(self, name: str) -> bool:
         if name in self.steps or name in self.evals:

@@ -189,7 +189,9 @@ def write_report(run_dirs: Sequence[Path], out: Path) -> Path:
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=7)
     mismatch.set_yscale("symlog", linthresh=1e-6)  # exact agreement (0) stays on the axis
-    reward.set_ylim(-0.02, 1.02)
+    # Rewards of 0-1, unless a run's go higher (a multi-turn episode's sum of turn rewards).
+    highest = [r["reward/mean"] for _, steps, _ in runs for r in steps if "reward/mean" in r]
+    reward.set_ylim(-0.02, max([1.02, *(v * 1.02 for v in highest)]))
     if tops and all(top is not None for top in tops):
         timing.set_ylim(0, max(t for t in tops if t is not None))
         timing.set_title(

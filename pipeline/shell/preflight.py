@@ -21,6 +21,8 @@ from backends.placement import RayPlacement, check_ray
 from backends.torch.config import ModelConfig
 from pipeline.algorithms.presets import algorithm_of
 from pipeline.contracts.errors import RecipeError
+from pipeline.environments import EnvironmentFactory
+from pipeline.environments import resolve as resolve_environment
 from pipeline.rewards.scoring import RewardFn, resolve
 from pipeline.shell.recipe import Recipe
 from pipeline.sinks import check_installed
@@ -32,6 +34,7 @@ from stages.prompts import PromptSet, SyntheticSource, build_prompts
 class Checked:
     prompts: PromptSet
     reward_fn: RewardFn
+    environment: EnvironmentFactory | None = None  # rollout.environment's, one per episode
 
 
 def preflight(recipe: Recipe, *, model: bool = True, resume: bool = True) -> Checked:
@@ -60,7 +63,17 @@ def preflight(recipe: Recipe, *, model: bool = True, resume: bool = True) -> Che
             f"prompt ({prompts.longest} tokens) exceed model.config.max_position_embeddings "
             f"{limit.positions} ({limit.why}); set it to at most {max(limit.positions - prompts.longest, 0)}"
         )
-    return Checked(prompts, reward_fn)
+    environment = None
+    if recipe.rollout.environment is not None:
+        environment = resolve_environment(recipe.rollout.environment, recipe.rollout.environment_args)
+        if limit is not None and prompts.longest + recipe.rollout.max_episode_tokens > limit.positions:
+            raise RecipeError(
+                f"rollout.max_episode_tokens: {recipe.rollout.max_episode_tokens} tokens after the "
+                f"longest prompt ({prompts.longest} tokens) exceed model.config.max_position_embeddings "
+                f"{limit.positions} ({limit.why}); set it to at most "
+                f"{max(limit.positions - prompts.longest, 0)}"
+            )
+    return Checked(prompts, reward_fn, environment)
 
 
 @dataclass(frozen=True)

@@ -132,8 +132,9 @@ def test_a_kill_during_a_save_leaves_the_previous_checkpoint_intact(
     assert [r["step"] for r in read(run_dir / "metrics.jsonl") if "train/loss" in r] == [1, 2, 3, 4]
 
 
+@pytest.mark.parametrize("recipe_path", ["recipes/quickstart.yaml", "recipes/multi-turn-cpu.yaml"])
 def test_every_prompt_is_trained_exactly_once_across_stop_and_resume(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, recipe_path: str
 ) -> None:
     trained: list[str] = []
     scored: dict[str, Group] = {}  # the latest group sent under each id (a resume regenerates some)
@@ -151,7 +152,7 @@ def test_every_prompt_is_trained_exactly_once_across_stop_and_resume(
 
     overrides = ["async_rl.max_lookahead_versions=2", "run.steps=8", "prompts.prompts_per_step=3"]
     recipe = pipeline.load_recipe(
-        "recipes/quickstart.yaml", [f"run.dir={tmp_path / 'run'}", "run.progress=false", *overrides]
+        recipe_path, [f"run.dir={tmp_path / 'run'}", "run.progress=false", "run.plot=false", *overrides]
     )
     stop = StopRequest()
 

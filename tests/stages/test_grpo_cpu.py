@@ -11,9 +11,9 @@ import pipeline
 from pipeline.metrics import read
 
 
-def _run(tmp_path: Path, *overrides: str) -> list[dict]:
+def _run(tmp_path: Path, *overrides: str, recipe_path: str = "recipes/quickstart.yaml") -> list[dict]:
     recipe = pipeline.load_recipe(
-        "recipes/quickstart.yaml", [f"run.dir={tmp_path / 'run'}", "run.progress=false", *overrides]
+        recipe_path, [f"run.dir={tmp_path / 'run'}", "run.progress=false", "run.plot=false", *overrides]
     )
     anyio.run(pipeline.run, recipe)
     return read(tmp_path / "run" / "metrics.jsonl")
@@ -43,6 +43,25 @@ def test_on_policy_step_engine_and_trainer_agree(tmp_path: Path) -> None:
         assert abs(record["train/token_mult_prob_error"] - 1.0) < 1e-3
         assert record["train/gen_kl_error"] < 1e-4
         assert record["train/applied_updates"] == 1  # what the train stage's skip limit reads
+
+
+def test_multi_turn_engine_and_trainer_agree_on_the_models_tokens_only(tmp_path: Path) -> None:
+    """Multi-turn on the real backend, on-policy: the trainer's recomputed logprobs of the model's
+    tokens equal the engine's over whole episodes (up to four turns, each continuing the context
+    with the game's replies in it), and only the model's tokens are trained (one per turn)."""
+    records = _run(
+        tmp_path,
+        "run.steps=2",
+        "eval.every_steps=0",
+        "async_rl.max_lookahead_versions=0",
+        "prompts.prompts_per_step=8",
+        recipe_path="recipes/multi-turn-cpu.yaml",
+    )
+    for record in (r for r in records if "train/loss" in r):
+        assert abs(record["train/token_mult_prob_error"] - 1.0) < 1e-3
+        assert record["train/gen_kl_error"] < 1e-4
+        assert record["env/turns_max"] > 1
+        assert record["train/tokens"] == record["env/turns_mean"] * record["rollout/samples"]
 
 
 @pytest.mark.slow

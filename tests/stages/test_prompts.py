@@ -30,6 +30,18 @@ def test_synthetic_held_out_strings_never_reach_training() -> None:
     assert not heldout & {p.text for p in islice(prompts.train, 2000)}
 
 
+def test_guess_prompts_hide_their_number_and_held_out_ones_cover_every_number() -> None:
+    """Every guess prompt is the same `?`: only the environment, through its replies, can tell
+    the hidden number (the answer); held-out prompt i hides i mod 10."""
+    prompts = build_prompts(PromptsSection(source=SyntheticSource(task="guess", num_heldout=20)), seed=0)
+    trained = list(islice(prompts.train, 1000))
+    assert {p.tokens for p in [*trained, *prompts.heldout]} == {tuple(prompts.tokenizer.encode("?"))}
+    assert [p.answer for p in prompts.heldout] == [str(i % 10) for i in range(20)]
+    assert {p.answer for p in trained} == {str(i) for i in range(10)}
+    again = build_prompts(PromptsSection(source=SyntheticSource(task="guess")), seed=0)
+    assert [p.answer for p in islice(again.train, 1000)] == [p.answer for p in trained]  # the seed's
+
+
 def _write_jsonl(path: Path, rows: list[object]) -> Path:
     path.write_text("".join((row if isinstance(row, str) else json.dumps(row)) + "\n" for row in rows))
     return path

@@ -80,10 +80,43 @@ def fake_run(tmp_path: Path) -> tuple[Recipe, Path]:
     return recipe, tmp_path / "fake"
 
 
+def multi_turn_run(tmp_path: Path) -> tuple[Recipe, Path]:
+    """Multi-turn (rollout.environment) on fakes: the env/* figures and the game's info keys."""
+    recipe = convert(
+        {
+            "run": {"dir": str(tmp_path / "multi"), "steps": 1, "progress": False},
+            "prompts": {
+                "prompts_per_step": 2,
+                "source": {"kind": "synthetic", "task": "guess", "num_heldout": 4},
+            },
+            "rollout": {
+                "samples_per_prompt": 2,
+                "max_new_tokens": 1,
+                "environment": "pipeline.environments.guess:GuessNumber",
+            },
+            "eval": {"every_steps": 0},
+        },
+        Recipe,
+        source="test",
+    )
+    fake = FakeTime()
+
+    async def drive() -> None:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(fake.autojump)
+            engine = FakeEngine(time=fake, latency=1.0, response_len=1)
+            await run_program(recipe, engine=engine, trainer=FakeTrainer(time=fake), time_source=fake)
+            tg.cancel_scope.cancel()
+
+    anyio.run(drive)
+    return recipe, tmp_path / "multi"
+
+
 def test_every_name_a_run_logs_is_known_and_every_known_name_is_logged(tmp_path: Path) -> None:
     all_steps: set[str] = set()
     all_evals: set[str] = set()
-    for recipe, run_dir in (real_run(tmp_path), fake_run(tmp_path)):
+    # The last one's names are checked against what all of them logged.
+    for recipe, run_dir in (real_run(tmp_path), multi_turn_run(tmp_path), fake_run(tmp_path)):
         names = MetricNames.for_recipe(recipe)
         steps, evals = logged(run_dir)
         assert steps - names.steps == set()

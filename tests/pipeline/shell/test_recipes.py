@@ -27,6 +27,7 @@ def test_the_recipes_with_figures_in_the_readme_carry_gates() -> None:
     gated = {path.name for path in RECIPES if pipeline.load_recipe(path).gates.checks}
     assert gated == {
         "quickstart.yaml",
+        "multi-turn-cpu.yaml",
         "reverse-digits.yaml",
         "bench-h200-colocated.yaml",
         "bench-h200-separate.yaml",
@@ -345,6 +346,16 @@ VALID_RUN_FIELDS = "dir, steps, seed, stop_grace_s, progress, log_every_steps, p
             "prompts.source: num_heldout (1000000000000) must be at most 100000 (held-out prompts are "
             "made up front and kept in memory)",
             id="heldout-huge",
+        ),
+        pytest.param(
+            "rollout:\n  environment_args: {high: 3}\n",
+            "rollout: environment_args: given without rollout.environment (module:Class)",
+            id="environment-args-alone",
+        ),
+        pytest.param(
+            "rollout:\n  environment: a:B\n  max_new_tokens: 8\n  max_episode_tokens: 4\n",
+            "rollout: max_new_tokens (8) must be <= max_episode_tokens (4): no turn would fit in an episode",
+            id="episode-budget-below-a-turn",
         ),
         pytest.param(
             "placement:\n  backend: ray\n  weights: nccl\n",
