@@ -43,8 +43,8 @@ class Listed(msgspec.Struct, frozen=True):
 def checksum(path: Path) -> int:
     """The CRC-32 of `path`'s bytes, as `zlib.crc32` of the whole file. A large file is read and
     summed in pieces on several threads (zlib and the reads release the interpreter lock), the
-    pieces' checksums then combined: one thread sums about 1-2 GB/s, and a checkpoint's optimizer
-    state is tens of GB."""
+    pieces' checksums then combined: one thread alone takes seconds for each few GB, and a
+    checkpoint's optimizer state can be tens of GB."""
     size = path.stat().st_size
     pieces = [(start, min(_CHUNK, size - start)) for start in range(0, size, _CHUNK)]
     if len(pieces) <= 1:

@@ -14,7 +14,7 @@ as it writes a tensor of its own, never the whole arena.
 
 A fresh arena is slow to fill: the kernel gives its pages on first touch (zeroing each), a copy
 from a GPU into memory that is not pinned goes through the driver's staging buffer, and pinning
-takes seconds a GB (1.5B parameters' state: 12 s in the step that saved, on an H200).
+takes seconds a GB: together, many seconds for a large model's state, inside the step that saves.
 `reserve(state)` does all of that ahead, off the caller's path: on a thread of its own it
 allocates the arena for `state`'s size, touches every page and pins it (GPU states), and the
 next `copy` waits only for what is left of it. Without a reservation a new arena takes its first
