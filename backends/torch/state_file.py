@@ -91,8 +91,8 @@ def load_state(path: Path, *, mmap: bool = False) -> Any:
 
 def nonfinite_on_device(value: Any) -> str | None:
     """`nonfinite(value)` for a state on a GPU, in one synchronization: the sum of each floating
-    tensor (on its device, where it costs milliseconds), then `nonfinite`'s own walk only when a
-    sum is not finite (a NaN, an infinity, or a finite tensor whose sum overflows)."""
+    tensor, on its device, then `nonfinite`'s own walk only when a sum is not finite (a NaN, an
+    infinity, or a finite tensor whose sum overflows)."""
     sums: dict[torch.device, list[torch.Tensor]] = {}
 
     def collect(item: Any) -> None:

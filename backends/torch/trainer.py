@@ -287,8 +287,8 @@ class TorchTrainer:
         gate calls it after the step), written into `directory` by the snapshot's `write()`
         later (`pipeline.protocols.Snapshotting`). The host buffer is reused by every snapshot
         (pinned memory on GPU), reserved after the first step. The state is verified finite
-        here, where it lives (`NonFiniteState`: milliseconds on a GPU, against seconds for the
-        write's thread on the host copy)."""
+        here, where it lives (`NonFiniteState`; on a GPU one sum a tensor and one
+        synchronization), so the write's thread need not walk the host copy."""
         path = directory / TRAINER_FILE
 
         def take() -> StateSnapshot:
