@@ -83,23 +83,21 @@ class FakeTime:
         work is done, so how long it takes on the wall clock (a loaded machine) cannot change
         what the fake clock shows. Work on threads of their own (rewards, which deadlines may
         abandon) is not waited for."""
-        original = anyio.to_thread.run_sync
-
-        async def counted(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-            self._threads += 1
-            try:
-                return await original(fn, *args, **kwargs)
-            finally:
-                self._threads -= 1
-                if not self._threads:
-                    self._threads_idle.set()
-                    self._threads_idle = anyio.Event()
-
-        anyio.to_thread.run_sync = counted  # type: ignore[assignment]
+        _JUMPING.append(self)
+        if len(_JUMPING) == 1:
+            anyio.to_thread.run_sync = _counted  # type: ignore[assignment]
         try:
             await self._autojump()
         finally:
-            anyio.to_thread.run_sync = original  # type: ignore[assignment]
+            _JUMPING.remove(self)
+            if not _JUMPING:
+                anyio.to_thread.run_sync = _RUN_SYNC  # type: ignore[assignment]
+
+    def _thread_done(self) -> None:
+        self._threads -= 1
+        if not self._threads:
+            self._threads_idle.set()
+            self._threads_idle = anyio.Event()
 
     async def _autojump(self) -> None:
         while True:
@@ -113,6 +111,22 @@ class FakeTime:
                 await self._new_sleeper.wait()
                 continue
             self.advance(max(0.0, wakeup - self._now))
+
+
+_RUN_SYNC = anyio.to_thread.run_sync
+_JUMPING: list[FakeTime] = []  # the fake times whose `autojump` runs: each counts thread calls
+
+
+async def _counted(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """`anyio.to_thread.run_sync`, counted by every running `FakeTime.autojump` while it runs."""
+    counting = list(_JUMPING)
+    for fake in counting:
+        fake._threads += 1
+    try:
+        return await _RUN_SYNC(fn, *args, **kwargs)
+    finally:
+        for fake in counting:
+            fake._thread_done()
 
 
 class EngineCrash(RetryableEngineError):
