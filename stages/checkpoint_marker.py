@@ -17,6 +17,7 @@ presence only.
 from __future__ import annotations
 
 import os
+import threading
 import zlib
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -51,14 +52,17 @@ def checksum(path: Path) -> int:
         with path.open("rb") as handle:
             return zlib.crc32(handle.read())
     fd = os.open(path, os.O_RDONLY)
+    buffers = threading.local()  # one buffer a thread, reused: a fresh one is paged in each time
     try:
 
         def piece(where: tuple[int, int]) -> int:
             start, length = where
-            data = os.pread(fd, length, start)
-            if len(data) != length:
+            if not hasattr(buffers, "view"):
+                buffers.view = memoryview(bytearray(_CHUNK))
+            view = buffers.view[:length]
+            if os.preadv(fd, [view], start) != length:
                 raise OSError(f"{path}: shorter than its size while being read")
-            return zlib.crc32(data)
+            return zlib.crc32(view)
 
         with ThreadPoolExecutor(max_workers=_THREADS, thread_name_prefix="checksum") as pool:
             sums = list(pool.map(piece, pieces))
