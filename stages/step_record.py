@@ -154,6 +154,15 @@ class StepRecorder:
         trace = self.context.trace
         trace.counters("queues", queue_depths)
         trace.counters("lag", {"mean": record["rollout/mean_lag"], "max": record["rollout/max_lag"]})
+        # Where a long tail's time goes: the decode loop's slots left idle since the last step,
+        # and what the trainer's passes computed beside the responses' own tokens.
+        if "rollout/idle_slot_fraction" in record:
+            trace.counters("decode slots", {"idle fraction": record["rollout/idle_slot_fraction"]})
+        if "train/computed_tokens" in record:
+            trace.counters(
+                "train tokens",
+                {"trained": record["train/tokens"], "computed": record["train/computed_tokens"]},
+            )
 
 
 def _length_figures(samples: Sequence[Sample]) -> dict[str, float]:

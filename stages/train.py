@@ -56,9 +56,9 @@ class TrainSection(Section, frozen=True):
     min_lr_ratio: Annotated[float, msgspec.Meta(ge=0, le=1)] = 0.1
     grad_clip: PositiveFloat = 1.0
     micro_batch_samples: PositiveInt = 256
-    # Also cap a micro-batch's computed tokens (prompts once, padding included); 0: no cap.
-    # With a cap, micro-batches bucket samples by length across groups (a prompt computed once
-    # in each micro-batch holding its samples), not whole groups padded to their longest.
+    # Also cap a micro-batch's computed tokens (its prompts once each, plus its responses'
+    # tokens: responses are packed at their own lengths, never padded); 0: no cap. A group
+    # over the cap is split into runs of its samples, each computing the prompt again.
     micro_batch_tokens: NonNegativeInt = 0
     updates_per_step: PositiveInt = 1
     # The RL algorithm: a preset (pipeline/algorithms/presets.py), and each of its knobs, which

@@ -14,8 +14,11 @@ deadline never orphans the others; a request whose caller gave up (a timeout, a 
 its slots back at the next check; when the loop ends, a caller still waiting starts the next. A
 request of the other mode, one that does not fit, more rows waiting than twice the loop's
 width (unless the loop is at `max_rows`), a stand-down and a refit all make the loop admit
-nothing more, so it ends once its rows finish. `max_rows` (`rollout.max_rows`) caps a loop's
-slots: it opens with the requests that fit under it, and the rest enter as rows finish.
+nothing more, so it ends once its rows finish. `max_rows` (`rollout.max_rows`) sets a loop's
+slots: it opens that wide with the requests that fit under it, and the rest enter as rows
+finish; a loop opened by a few rows (those frozen at a stand-down, continuing after the wake)
+is that wide too, so the next batch's requests enter at once rather than wait for those rows,
+the long tail of the last batch, to end.
 
 Colocated (`shared=True`) the engine samples from the trainer's own parameter tensors: it must
 stand down for training (its KV cache's memory is released) and waking it maps the cache again
@@ -145,7 +148,7 @@ class TorchEngine:
         self.sampler = sampler
         self.partial_rollouts = partial
         self.lengths = lengths
-        self.max_rows = max_rows  # a loop's most slots (0: its first admission's rows)
+        self.max_rows = max_rows  # a loop's slots (0: its first admission's rows)
         self.wakes = 0  # `wake` calls served (tags partial rollouts' stretches)
         self._freeze = threading.Event()  # read by the sampler's loop (partial rollouts)
         self._down = False
@@ -263,6 +266,8 @@ class TorchEngine:
                 generator=self.generator,
                 freeze=self._freeze if self.partial_rollouts else None,
                 dropped=lambda admission: admission.key[0].cancelled,
+                width=self.max_rows,
+                narrow=not self.max_rows,  # at `max_rows` the next batch fills the width
             )
         except Exception as error:
             for request in active:
@@ -321,8 +326,8 @@ class TorchEngine:
                             row.frozen = False
                     limits = [row.limit - len(row.tokens) for row in same]
                     admissions.append(Admission(prompt, limits, (request, same)))
-            if rows is None:
-                self._width = self.sampler.width_for(self._width)
+            if rows is None:  # the loop opens `max_rows` wide, whatever opens it (`serve`'s width)
+                self._width = self.sampler.width_for(max(self._width, self.max_rows))
         return admissions
 
     def _finish(self, admission: Admission, out: list[Completion]) -> None:

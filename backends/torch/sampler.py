@@ -234,13 +234,16 @@ class Sampler:
         generator: torch.Generator,
         freeze: threading.Event | None = None,
         dropped: Callable[[Admission], bool] | None = None,
+        width: int = 0,
+        narrow: bool = True,
     ) -> None:
         """The continuous decode loop: a fixed number of slots (rows of the cache and of the
         decode step), filled from ``source`` and emptied into ``sink``; returns once no row is
         live and the source gives nothing.
 
         Slots. The first call ``source(None, None)`` gives what is waiting; the loop's width is
-        its rows (bucketed with graphs, so one captured step serves the whole loop) and the
+        its rows, or ``width`` if more (bucketed with graphs, so one captured step serves the
+        whole loop: a loop opened by a few rows that more will join), and the
         cache is grown, if it must, to fit its longest prompt plus ``max_new_tokens``. Growing
         happens only here, between loops. Every ``check_every`` steps (and once every live row
         must have reached its limit) the loop waits for the device, takes each finished row's
@@ -261,12 +264,18 @@ class Sampler:
         admission to ``sink`` at once, the rows that had not finished with finish_reason
         "frozen" and their tokens so far (partial rollouts), and returns without asking the
         source again.
+
+        ``narrow`` (bucketed loops): at a check where the source gave nothing and the live rows
+        fit half the slots, the loop moves them (their cache rows, tokens so far and state) to
+        the lowest slots and goes on at their bucket's width (`_narrowed`), so a long tail's
+        last rows decode in a narrow step instead of the full width's. A caller that expects
+        more requests to fill the width (`width`) passes False.
         """
         first = list(source(None, None))
         if not first:
             return
         dev = self.device
-        rows = self.width_for(sum(len(a.limits) for a in first))
+        rows = self.width_for(max(width, sum(len(a.limits) for a in first)))
         # Room for every row up to max_new_tokens, so later admissions of such prompts fit.
         self._ensure(rows, max(len(a.prompt) for a in first) + max_new_tokens)
         positions = self.cache.length
@@ -318,9 +327,8 @@ class Sampler:
                 checked = count
                 if dropped is not None and (freed := loop.drop(dropped)):
                     done[torch.tensor(freed, device=dev)] = True  # no longer generating
-                self._hand_over(
-                    loop, done.tolist(), generated, tokens, logprobs, stop_token_ids, sink, frozen
-                )
+                done_list = done.tolist()
+                self._hand_over(loop, done_list, generated, tokens, logprobs, stop_token_ids, sink, frozen)
                 if frozen:
                     break
                 if loop.free:
@@ -331,6 +339,19 @@ class Sampler:
                     ), "the source broke its bounds"
                 if not loop.live and not pending:
                     break
+                if narrow and not pending and self._bucketed:
+                    live = sorted(slot for _, _, slot in loop.finished(done_list, everything=True))
+                    narrower = self.width_for(len(live))
+                    if narrower <= rows // 2:
+                        old_step = step
+                        step = self.steps.get(narrower, draws=old_step.draws)
+                        state = (tokens, logprobs, generated, limit, done, token, logprob)
+                        tokens, logprobs, generated, limit, done, token, logprob = self._narrowed(
+                            live, narrower, loop, old_step, step, state
+                        )
+                        rows = narrower
+                        if greedy and step.draws and not step.race:
+                            step.noise.fill_(1.0)
             if token is not step.token:
                 step.token.copy_(token)
             if step.draws and not greedy:
@@ -347,6 +368,39 @@ class Sampler:
             else:
                 # step.logits holds logits / temperature.
                 token, logprob = draw(step.logits, 1.0, top_p, generator)
+
+    def _narrowed(
+        self,
+        live: list[int],
+        width: int,
+        loop: _Slots,
+        old: DecodeStep,
+        step: DecodeStep,
+        state: tuple[Tensor, ...],
+    ) -> tuple[Tensor, ...]:
+        """Move the rows in slots ``live`` (ascending) to slots 0.. of a loop ``width`` wide
+        decoding with ``step``: their keys and values (the positions written so far), the
+        loop's per-slot ``state`` tensors (new ones, ``width`` rows; the rest as never-filled
+        slots: done, at position 0) and the slots' book."""
+        dev = self.device
+        index = torch.tensor(live, device=dev)
+        n = len(live)
+        span = int(old.position[index].max()) + 1 if n else 0
+        for layer in range(self.cache.layers):
+            for kv in (self.cache.keys[layer], self.cache.values[layer]):
+                kv[:n, :, :span] = kv[index, :, :span]  # the gather copies before the write
+        step.position.zero_()
+        step.position[:n] = old.position[index]
+        step.inv_temperature.copy_(old.inv_temperature)
+        step.noisy.copy_(old.noisy)
+        moved = []
+        for tensor in state:
+            shape = (width, *tensor.shape[1:])
+            fresh = tensor.new_ones(shape) if tensor.dtype == torch.bool else tensor.new_zeros(shape)
+            fresh[:n] = tensor[index]
+            moved.append(fresh)
+        loop.renumber({slot: new for new, slot in enumerate(live)}, width)
+        return tuple(moved)
 
     def _first_tokens(
         self,
@@ -500,6 +554,14 @@ class _Slots:
         self.live = [live for live in self.live if any(c is None for c in live.out)]
         self._bounds()
         return back
+
+    def renumber(self, slots: dict[int, int], width: int) -> None:
+        """The rows still out move to ``slots[old]``; the loop is ``width`` wide, the slots
+        they do not take free."""
+        for live in self.live:
+            live.slots = [slots[s] if live.out[row] is None else -1 for row, s in enumerate(live.slots)]
+        taken = set(slots.values())
+        self.free = [slot for slot in range(width) if slot not in taken]
 
     def drop(self, dropped: Callable[[Admission], bool]) -> list[int]:
         """Forget the live admissions ``dropped`` says to; the slots their rows held, freed."""

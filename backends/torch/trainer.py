@@ -4,8 +4,9 @@ micro-batching, optimizer offload.
 `train_step(groups)` runs one pipeline step on the trainer's compute thread through the shared
 update loop (`pipeline.algorithms.update.run_update`: minibatches, the recipe's algorithm, the
 skip on a non-finite loss or gradient norm, the `train/*` metrics); this backend supplies the
-forward (each group's prompt computed once per micro-batch), the micro-batch packing (by samples,
-and by computed tokens with `micro_batch_tokens`) and the optimizer step.
+forward (each group's prompt computed once per micro-batch, its responses packed without
+padding), the micro-batch packing (by samples, and by computed tokens with `micro_batch_tokens`)
+and the optimizer step.
 """
 
 from __future__ import annotations
@@ -41,6 +42,14 @@ class _Inputs:
     prompts: list[tuple[int, ...]]
     owner: list[int]
     responses: list[tuple[int, ...]]
+
+
+def _computed(inputs: _Inputs) -> int:
+    """Tokens a micro-batch's forward computes: its prompts left-padded to the widest, and each
+    response's inputs (all its tokens but the last), packed."""
+    return len(inputs.prompts) * max(len(p) for p in inputs.prompts) + sum(
+        len(r) - 1 for r in inputs.responses
+    )
 
 
 class TorchTrainer:
@@ -119,6 +128,7 @@ class TorchTrainer:
         self.skipped_steps = 0
         self.completed_steps = 0
         self._reserved = False  # the snapshot buffer (`_host`) reserved
+        self._computed_tokens = 0  # this step's, by `micro_batches`
 
     async def train_step(self, groups: Sequence[TrainGroup]) -> dict[str, float]:
         return await self.compute.run(self._train_step, list(groups))
@@ -128,40 +138,43 @@ class TorchTrainer:
         return self.reference is not None
 
     def micro_batches(self, groups: list[TrainGroup]) -> list[Chunk]:
-        """One minibatch's micro-batches.
-
-        Its groups go to micro-batches in order of their longest response (length bucketing),
-        so short responses are not padded to long ones, and whole: each micro-batch computes
-        each of its prompts once. A micro-batch holds at most `micro_batch_samples` samples.
-        With `micro_batch_tokens` (computed tokens: prompts once, padding included) the pieces
-        are samples instead of whole groups, in order of length: a group's samples (long-tailed
-        lengths: one of 2048 tokens beside seven of 300) go to micro-batches of their own
-        length, each computing the prompt again, rather than all padding to the longest; a
-        sample over the budget alone still makes a micro-batch of its own.
+        """One minibatch's micro-batches: its groups in order, whole, each group's prompt
+        computed once per micro-batch and its responses packed at their own lengths
+        (`grouped.response_logprobs`: no padding). A micro-batch holds at most
+        `micro_batch_samples` samples and, with `micro_batch_tokens`, at most that many computed
+        tokens (its prompts once each, plus its responses' tokens); a group over the budget is
+        split into runs of its samples, each computing the prompt again, and a sample over it
+        alone still makes a micro-batch of its own.
         """
-        if self.micro_batch_tokens:
-            pieces = [(group, [s]) for group in groups for s in group.samples]
-        else:
-            pieces = [(group, list(group.samples)) for group in groups]
-        pieces.sort(key=lambda piece: max(len(s.tokens) for s in piece[1]))  # stable
+        budget = self.micro_batch_tokens
+        pieces: list[tuple[TrainGroup, list[TrainSample]]] = []
+        for group in groups:
+            prompt = len(group.prompt_tokens)
+            run: list[TrainSample] = []
+            for sample in group.samples:
+                cost = prompt + sum(len(s.tokens) for s in run) + len(sample.tokens)
+                if run and budget and cost > budget:
+                    pieces.append((group, run))
+                    run = []
+                run.append(sample)
+            pieces.append((group, run))
         chunks: list[list[tuple[TrainGroup, list[TrainSample]]]] = []
         current: list[tuple[TrainGroup, list[TrainSample]]] = []
-        rows, width, prompts = 0, 0, set[int]()
+        rows = tokens = 0
         for group, samples in pieces:
-            longest = max(len(s.tokens) for s in samples)
-            # Tokens the pass computes: each prompt once, padded to the widest, and every
-            # response padded to the longest (this piece's: they come in length order).
-            with_it = prompts | {id(group)}
-            wide = max(width, len(group.prompt_tokens))
-            tokens = len(with_it) * wide + (rows + len(samples)) * longest
-            over_tokens = self.micro_batch_tokens and tokens > self.micro_batch_tokens
+            new_prompt = all(g is not group for g, _ in current)
+            cost = (len(group.prompt_tokens) if new_prompt else 0) + sum(len(s.tokens) for s in samples)
+            over_tokens = budget and tokens + cost > budget
             if current and (rows + len(samples) > self.micro_batch_samples or over_tokens):
                 chunks.append(current)
-                current, rows, width, with_it = [], 0, 0, {id(group)}
+                current, rows, tokens = [], 0, 0
+                cost = len(group.prompt_tokens) + sum(len(s.tokens) for s in samples)
             current.append((group, samples))
-            rows, width, prompts = rows + len(samples), max(width, len(group.prompt_tokens)), with_it
+            rows, tokens = rows + len(samples), tokens + cost
         chunks.append(current)
-        return [self._chunk(c) for c in chunks]
+        made = [self._chunk(c) for c in chunks]
+        self._computed_tokens += sum(_computed(chunk.inputs) for chunk in made)
+        return made
 
     def _chunk(self, pieces: list[tuple[TrainGroup, list[TrainSample]]]) -> Chunk:
         """One micro-batch: samples of one or more groups, each group's prompt stored once."""
@@ -197,9 +210,13 @@ class TorchTrainer:
 
     def _train_step(self, groups: list[TrainGroup]) -> dict[str, float]:
         self.model.train()
+        self._computed_tokens = 0
         metrics, skipped = run_update(
             self, groups, algorithm=self.algorithm, updates_per_step=self.updates_per_step
         )
+        # What one pass over the batch pushes through the layers (beside train/tokens, the
+        # responses' own): the prompts once per micro-batch, padded to the longest there.
+        metrics["train/computed_tokens"] = float(self._computed_tokens)
         self.skipped_steps += skipped
         metrics["train/skipped_steps"] = float(self.skipped_steps)
         if self.parking is not None:

@@ -78,6 +78,7 @@ _TRAINER = (
     "train/skipped_steps",
     "train/applied_updates",
     "train/tokens",
+    "train/computed_tokens",
     "train/kl_ref",
     "train/offloaded_gb",
     "timing/optimizer_reload_s",

@@ -168,3 +168,42 @@ def test_flash_layout_of_the_responses_attention_matches_the_masked_one(monkeypa
     torch.testing.assert_close(flash, masked, atol=1e-5, rtol=0)
     for ours, reference in zip(flash_grads, masked_grads, strict=True):
         torch.testing.assert_close(ours, reference, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("flash", [False, True], ids=["masked", "flash-layout"])
+def test_packed_long_tailed_responses_give_the_padded_logprobs_loss_and_gradients(flash, monkeypatch) -> None:
+    """Responses of very different lengths (one of 40 tokens beside ones of 1-5), packed at
+    their own lengths, give the logprobs, a weighted loss and its gradients of the full
+    sequences padded to the longest (float32). With ``flash`` the GPU's variable-length layout
+    over the packed inputs runs, flash's kernel written out."""
+    from backends.torch import grouped
+
+    if flash:
+        monkeypatch.setattr(grouped, "_flash_usable", lambda x: True)
+        monkeypatch.setattr(grouped, "_flash_attend", _varlen_causal_attention)
+    torch.manual_seed(0)
+    config = ModelConfig(
+        vocab_size=23, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2
+    )
+    model = Decoder(config)
+    prompts = [(2, 5, 7, 9), (3, 11)]
+    owner = [0, 0, 0, 1, 1, 1]
+    lengths = [1, 40, 3, 5, 2, 1]
+    responses = [tuple((3 * i + j) % 23 for j in range(n)) for i, n in enumerate(lengths)]
+    weights = torch.linspace(-1.0, 1.0, len(responses))[:, None]
+
+    def loss(lp: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        model.zero_grad()
+        value = (lp * mask * weights).sum() / mask.sum()
+        value.backward()
+        return value.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    packed, mask = response_logprobs(model, prompts, owner, responses, 0.7)
+    assert packed.shape == (6, 40) and mask.sum(1).tolist() == lengths
+    packed_loss, packed_grads = loss(packed, mask)
+    full = _full(model, prompts, owner, responses, 0.7)
+    full_loss, full_grads = loss(full, mask)
+    torch.testing.assert_close(packed.detach(), full.detach(), atol=1e-5, rtol=0)
+    torch.testing.assert_close(packed_loss, full_loss, atol=1e-6, rtol=0)
+    for name, grad in packed_grads.items():
+        torch.testing.assert_close(grad, full_grads[name], atol=1e-5, rtol=1e-4, msg=name)

@@ -520,3 +520,33 @@ def test_a_dropped_admission_frees_its_slots_at_the_next_check_and_is_never_hand
             sampler, [(admission.prompt, 1)], temperature=0.0, max_new_tokens=admission.limits[0]
         )
         assert handed[admission.key].tokens == alone.tokens
+
+
+def test_a_long_tail_s_last_rows_decode_in_a_narrower_step() -> None:
+    """A bucketed loop of 12 rows (16 slots): ten end after 1-2 tokens, two run to 9. Once
+    nothing waits and the live rows fit half the slots, the loop moves them (keys and values,
+    tokens so far, positions) to the lowest slots and goes on 8 wide: the same tokens and
+    logprobs as each row alone (greedy), in fewer slot-steps than the full width's 16 x 9."""
+    from backends.torch.sampler import Admission
+
+    sampler = _samplers()[1]
+    limits = [1, 2, 9, 1, 2, 1, 2, 1, 2, 9, 1, 2]
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(limits))]
+    handed: dict[int, Completion] = {}
+
+    def source(rows: int | None, positions: int | None) -> list[Admission]:
+        if rows is None:
+            return [Admission(p, [n], i) for i, (p, n) in enumerate(zip(prompts, limits, strict=True))]
+        return []
+
+    def sink(admission: Admission, out: list[Completion]) -> None:
+        (handed[admission.key],) = out
+
+    sampler.serve(source, sink, max_new_tokens=9, temperature=0.0, generator=torch.Generator().manual_seed(0))
+    # Checked after each step: seven rows live after step 1 (five ended at their first
+    # token), so steps 2-9 run 8 wide.
+    assert sampler.slot_steps == 16 * 1 + 8 * 8
+    for i, (prompt, n) in enumerate(zip(prompts, limits, strict=True)):
+        ((alone,),) = _requests(sampler, [(prompt, 1)], temperature=0.0, max_new_tokens=n)
+        assert handed[i].tokens == alone.tokens and len(alone.tokens) == n, i
+        assert handed[i].logprobs == pytest.approx(alone.logprobs, abs=1e-5), i

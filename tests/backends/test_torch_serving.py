@@ -229,6 +229,44 @@ async def test_max_rows_caps_a_loop_and_the_rest_enter_as_its_rows_finish(
     assert (engine.calls, stats.slot_steps, stats.busy_slot_steps) == (1, slot_steps, 8 + 6 * 2)
 
 
+async def test_at_max_rows_a_loop_opened_by_one_row_takes_a_crowd_at_once() -> None:
+    """A loop opened by one long row (8 tokens: a row frozen at a stand-down, continuing after
+    the wake) under `max_rows` 4 is four slots wide, so three requests queued while it runs
+    (2 tokens each: the next batch) enter at its next check and are answered while the long
+    row still decodes, in the same loop: the next batch never waits for the last one's tail.
+    A loop as wide as its one row would admit none of them (more than twice its width waits)
+    and end with its row first."""
+    model = _model()
+    engine = _engine(model, lengths=_Scripted([8], [2], [2], [2]), max_rows=4)
+    started, go = _hold_draw(model, 1)
+    finish, resolved = engine._finish, []
+
+    def resolving(admission: Any, out: Any) -> None:  # the sink, on the compute thread
+        finish(admission, out)
+        if admission.key[0].done:
+            resolved.append(admission.key[0].prompt)
+
+    engine._finish = resolving  # type: ignore[method-assign]
+    try:
+        with anyio.fail_after(60):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(engine.generate, PROMPT, 1)
+                while not started.is_set():
+                    await anyio.sleep(0.01)
+                for _ in range(3):
+                    tg.start_soon(engine.generate, [5, 6, 7], 1)
+                while len(engine._queue) < 3:
+                    await anyio.sleep(0.01)
+                go.set()
+            await engine.compute.run(lambda: None)  # behind the loop: its sink calls are over
+    finally:
+        engine.close()
+    assert engine.calls == 1
+    assert resolved == [[5, 6, 7]] * 3 + [PROMPT]
+    stats = engine.statistics()
+    assert (stats.slot_steps, stats.busy_slot_steps) == (4 * 8, 8 + 3 * 2)
+
+
 def test_max_rows_below_a_group_is_refused() -> None:
     import pipeline
 

@@ -91,48 +91,52 @@ def _group(g: int, prompt: tuple[int, ...], lengths: list[int]) -> TrainGroup:
     )
 
 
-def test_micro_batches_bucket_groups_by_response_length() -> None:
-    """One update's micro-batches take groups in order of their longest response, so a
-    micro-batch pads short responses only to similar lengths."""
+def test_micro_batches_take_whole_groups_in_order_up_to_the_sample_cap() -> None:
+    """Without a token budget, a micro-batch takes whole groups in the minibatch's order (no
+    length bucketing: responses are packed at their own lengths, so none pads to another) and
+    holds each of its groups' prompts once, owned by that group's samples."""
     trainer = _trainer(vocab_size=23, micro_batch_samples=4, updates_per_step=1)
     groups = [
         _group(g, (2, 3), [length - i for i in range(2 if length > 1 else 1)])
         for g, length in enumerate([9, 2, 7, 3, 8, 1])
     ]
     minibatch = [chunk.inputs for chunk in trainer.micro_batches(groups)]
-    assert [max(len(r) for r in chunk.responses) for chunk in minibatch] == [2, 7, 9]
-    assert sorted(len(r) for chunk in minibatch for r in chunk.responses) == sorted(
-        len(s.tokens) for g in groups for s in g.samples
-    )
-    # Each micro-batch holds each of its groups' prompts once, owned by that group's samples.
+    assert [[len(r) for r in chunk.responses] for chunk in minibatch] == [
+        [9, 8, 2, 1],
+        [7, 6, 3, 2],
+        [8, 7, 1],
+    ]
     for chunk in minibatch:
         assert len(chunk.prompts) == len(set(chunk.owner))
 
 
-def test_micro_batches_keep_to_a_token_budget() -> None:
-    """With `micro_batch_tokens`, a micro-batch closes before its prompts (once each) and
-    padded responses would pass the budget; a sample over it alone still gets one."""
+def test_micro_batches_keep_to_a_token_budget_of_unpadded_tokens() -> None:
+    """With `micro_batch_tokens`, a micro-batch closes before its prompts (once each) plus its
+    responses' own tokens (unpadded) would pass the budget; a group over it is split into runs
+    of its samples (each beside its own prompt), and a sample over it alone still gets one."""
     trainer = _trainer(vocab_size=23, micro_batch_samples=256, micro_batch_tokens=30, updates_per_step=1)
     groups = [_group(g, (2,) * 3, [length, length]) for g, length in enumerate([2, 4, 5, 20])]
     minibatch = [chunk.inputs for chunk in trainer.micro_batches(groups)]
-    # lengths 2, 2, 4, 4: 2 x 3 + 4 x 4 = 22; adding a 5: 3 x 3 + 5 x 5 = 34 > 30; the 5s:
-    # 3 + 2 x 5 = 13; a 20: 3 + 20 = 23, both 20s 3 + 40 > 30 (they share a prompt).
+    # 3 + 2 + 2 = 7; + 3 + 4 + 4 = 18; + 3 + 5 + 5 = 31 > 30; 13; + 3 + 20 = 36 > 30; the 20s
+    # alone: 3 + 40 > 30, so one run each.
     assert [[len(r) for r in chunk.responses] for chunk in minibatch] == [[2, 2, 4, 4], [5, 5], [20], [20]]
     assert [len(chunk.prompts) for chunk in minibatch] == [2, 1, 1, 1]
 
 
-def test_under_a_token_budget_a_long_tailed_group_is_split_by_length() -> None:
-    """A group of short samples and one long one: under a token budget its short samples go
-    with the other groups' short ones (each micro-batch computing their prompts once) and the
-    long one alone, instead of all four padding to the long one; every sample trained once,
-    beside its own prompt."""
+def test_under_a_token_budget_a_long_tailed_group_is_split_into_runs() -> None:
+    """A group of short samples and one long one, over the budget together: its short samples
+    make one run and the long one another, each computing the prompt; every sample is trained
+    once, beside its own prompt."""
     trainer = _trainer(vocab_size=23, micro_batch_samples=256, micro_batch_tokens=40, updates_per_step=1)
     groups = [_group(0, (2, 3), [3, 3, 3, 30]), _group(1, (4,), [3, 4, 3, 4])]
     minibatch = [chunk.inputs for chunk in trainer.micro_batches(groups)]
-    assert [[len(r) for r in chunk.responses] for chunk in minibatch] == [[3, 3, 3, 3, 3, 4, 4], [30]]
-    first, second = minibatch
-    assert first.prompts == [(2, 3), (4,)] and first.owner == [0, 0, 0, 1, 1, 1, 1]
-    assert second.prompts == [(2, 3)] and second.owner == [0]
+    # 2 + 9 = 11; + 30 = 41 > 40: a run of 30 alone (32); + 1 + 14 > 40: group 1 alone.
+    assert [[len(r) for r in chunk.responses] for chunk in minibatch] == [[3, 3, 3], [30], [3, 4, 3, 4]]
+    assert [(chunk.prompts, chunk.owner) for chunk in minibatch] == [
+        ([(2, 3)], [0, 0, 0]),
+        ([(2, 3)], [0]),
+        ([(4,)], [0, 0, 0, 0]),
+    ]
 
 
 def test_a_checkpoint_with_another_parameter_list_is_refused_in_one_line(tmp_path: Path) -> None:

@@ -140,6 +140,24 @@ def test_trace_is_valid_chrome_json_whose_spans_nest(runs: dict[bool, Path], col
 
 
 @pytest.mark.parametrize("colocated", [True, False], ids=["colocated", "separate"])
+def test_trace_counts_each_steps_idle_decode_slots_and_trainer_tokens(
+    runs: dict[bool, Path], colocated: bool
+) -> None:
+    """The trace's counters show where a step's time goes: the decode loop's idle slots and
+    the tokens the trainer computed beside those it trained, one sample a step, as logged."""
+    trace = json.loads((runs[colocated] / "trace.json").read_text())
+    lines = strict_lines(runs[colocated] / "metrics.jsonl")
+
+    def samples(name: str) -> list[dict[str, float]]:
+        return [e["args"] for e in trace["traceEvents"] if e["ph"] == "C" and e["name"] == name]
+
+    assert samples("decode slots") == [{"idle fraction": r["rollout/idle_slot_fraction"]} for r in lines]
+    assert samples("train tokens") == [
+        {"trained": r["train/tokens"], "computed": r["train/computed_tokens"]} for r in lines
+    ]
+
+
+@pytest.mark.parametrize("colocated", [True, False], ids=["colocated", "separate"])
 def test_gate_spans_match_the_recorded_transitions(runs: dict[bool, Path], colocated: bool) -> None:
     train = spans_by_track(json.loads((runs[colocated] / "trace.json").read_text()))["train"]
     lines = {line["step"]: line for line in read(runs[colocated] / "metrics.jsonl")}
