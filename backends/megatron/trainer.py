@@ -143,6 +143,7 @@ class MegatronTrainer:
         self.generator = torch.Generator().manual_seed(seed)
         self.updates = 0
         self.skipped_steps = 0
+        self._computed_tokens = 0  # this step's, by `micro_batches`
         self.completed_steps = 0
         self._reserved = False  # the snapshot buffer (`_host`) reserved
 
@@ -205,6 +206,7 @@ class MegatronTrainer:
         for part in parts:
             samples = [(g.prompt_tokens, s) for g in part for s in g.samples]
             chunks.append(Chunk.of([s for _, s in samples], _Inputs(samples, self.device), self.device))
+        self._computed_tokens += sum(chunk.inputs.ids.numel() for chunk in chunks)
         return chunks
 
     def logprobs(self, chunk: Chunk, *, reference: bool = False) -> torch.Tensor:
@@ -235,9 +237,13 @@ class MegatronTrainer:
 
     def _train_step(self, groups: list[TrainGroup]) -> dict[str, float]:
         self.model.train()
+        self._computed_tokens = 0
         metrics, skipped = run_update(
             self, groups, algorithm=self.algorithm, updates_per_step=self.updates_per_step
         )
+        # What the micro-batches push through the layers (beside train/tokens, the responses'
+        # own): each sequence whole, right-padded to the longest of its micro-batch.
+        metrics["train/computed_tokens"] = float(self._computed_tokens)
         self.skipped_steps += skipped
         metrics["train/skipped_steps"] = float(self.skipped_steps)
         self.completed_steps += 1
