@@ -27,6 +27,7 @@ from typing import Any
 
 import anyio
 import anyio.lowlevel
+import anyio.to_thread
 
 from pipeline.contracts.errors import DamagedState, NonFiniteState, RequestRejected, RetryableEngineError
 from pipeline.contracts.messages import Completion, TrainGroup
@@ -41,6 +42,8 @@ class FakeTime:
         self._cancelled: set[int] = set()
         self._seq = itertools.count()
         self._new_sleeper = anyio.Event()
+        self._threads = 0  # `anyio.to_thread.run_sync` calls awaited now, while `autojump` runs
+        self._threads_idle = anyio.Event()
 
     def now(self) -> float:
         return self._now
@@ -73,15 +76,57 @@ class FakeTime:
         return self._sleepers[0][0] if self._sleepers else None
 
     async def autojump(self) -> None:
-        """Jump to the next wakeup whenever all other tasks are blocked. Runs until cancelled."""
+        """Jump to the next wakeup whenever all other tasks are blocked. Runs until cancelled.
+
+        A task awaiting `anyio.to_thread.run_sync` (a snapshot, the wait for a checkpoint's
+        write, start-up) counts as working, not blocked: time stands still until the thread's
+        work is done, so how long it takes on the wall clock (a loaded machine) cannot change
+        what the fake clock shows. Work on threads of their own (rewards, which deadlines may
+        abandon) is not waited for."""
+        _JUMPING.append(self)
+        if len(_JUMPING) == 1:
+            anyio.to_thread.run_sync = _counted  # type: ignore[assignment]
+        try:
+            await self._autojump()
+        finally:
+            _JUMPING.remove(self)
+            if not _JUMPING:
+                anyio.to_thread.run_sync = _RUN_SYNC  # type: ignore[assignment]
+
+    def _thread_done(self) -> None:
+        self._threads -= 1
+        if not self._threads:
+            self._threads_idle.set()
+            self._threads_idle = anyio.Event()
+
+    async def _autojump(self) -> None:
         while True:
             await anyio.wait_all_tasks_blocked()
+            if self._threads:
+                await self._threads_idle.wait()
+                continue
             wakeup = self._next_wakeup()
             if wakeup is None:
                 self._new_sleeper = anyio.Event()
                 await self._new_sleeper.wait()
                 continue
             self.advance(max(0.0, wakeup - self._now))
+
+
+_RUN_SYNC = anyio.to_thread.run_sync
+_JUMPING: list[FakeTime] = []  # the fake times whose `autojump` runs: each counts thread calls
+
+
+async def _counted(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """`anyio.to_thread.run_sync`, counted by every running `FakeTime.autojump` while it runs."""
+    counting = list(_JUMPING)
+    for fake in counting:
+        fake._threads += 1
+    try:
+        return await _RUN_SYNC(fn, *args, **kwargs)
+    finally:
+        for fake in counting:
+            fake._thread_done()
 
 
 class EngineCrash(RetryableEngineError):

@@ -46,7 +46,7 @@ from stages.checkpoint import (
 from stages.context import RunContext
 from stages.gates import Verdict, give_verdict
 from stages.prompts import PromptSet
-from stages.run_dir import RunDirLock, keep_earlier_runs
+from stages.run_dir import RunDirLock, keep_earlier_runs, record_stop
 from stages.run_state import restore
 from stages.timings import BatchTimings
 from stages.wiring import Pipeline
@@ -266,6 +266,8 @@ async def _run_locked(
         with anyio.CancelScope(shield=True):
             await anyio.to_thread.run_sync(lambda: _close_all(steps, failing=failing))
     stopped_at = wired.progress.steps_done if outcome.stopped else None
+    if stopped_at is not None:
+        record_stop(run_dir, stopped_at)  # `check` then skips the gates it never reached
     verdict = await anyio.to_thread.run_sync(
         give_verdict, run_dir, recipe.gates, recipe.run.steps, stopped_at
     )

@@ -11,11 +11,16 @@
   over a run's `metrics.jsonl` / `eval.jsonl` moves them to `metrics.N.jsonl` / `eval.N.jsonl`
   too, so a new run never appends to an earlier one's history. A resume keeps them: they are
   rewound to the checkpoint's step (`stages.program`).
+- `record_stop` notes in `run.dir/stopped.json` the step where a clean stop ended the run's
+  latest start, so that `check` skips the gates on steps it never reached, as the run's own
+  verdict did (`stopped_at`); each start removes the note, so a start that finishes, or one
+  that is killed, leaves none (its unreached gates fail).
 """
 
 from __future__ import annotations
 
 import fcntl
+import json
 import logging
 import os
 import re
@@ -32,6 +37,7 @@ log = logging.getLogger("stages.run_dir")
 LOCK_FILE = ".lock"
 TRACE_FILE = "trace.json"
 RECIPE_FILE = "recipe.yaml"
+STOP_FILE = "stopped.json"
 # What each start leaves: always archived, or only when the next start is fresh.
 _PER_START = (TRACE_FILE, RECIPE_FILE)
 _PER_HISTORY = (STEPS_FILE, EVAL_FILE)
@@ -89,6 +95,7 @@ class RunDirLock:
 
 def keep_earlier_runs(run_dir: Path, *, fresh: bool) -> None:
     """Move the previous start's files aside (numbered) before this start writes its own."""
+    (run_dir / STOP_FILE).unlink(missing_ok=True)  # the previous start's stop: this start goes on
     names = [*_PER_START, *(_PER_HISTORY if fresh else ())]
     present = [name for name in names if (run_dir / name).exists()]
     if not present:
@@ -113,3 +120,18 @@ def _next_number(run_dir: Path) -> int:
     pattern = re.compile(r"^(?:trace|recipe|metrics|eval)\.(\d+)\.(?:json|yaml|jsonl)$")
     numbers = [int(m.group(1)) for p in run_dir.iterdir() if (m := pattern.match(p.name))]
     return max(numbers, default=0) + 1
+
+
+def record_stop(run_dir: Path, step: int) -> None:
+    """Note that a clean stop ended this start after `step` train steps."""
+    (run_dir / STOP_FILE).write_text(json.dumps({"stopped_at": step}) + "\n")
+
+
+def stopped_at(run_dir: Path) -> int | None:
+    """The step where a clean stop ended the run's latest start, or None (it finished, was
+    killed, or still runs). A note that cannot be read counts as none: unreached gates fail."""
+    try:
+        step = json.loads((run_dir / STOP_FILE).read_text(encoding="utf-8"))["stopped_at"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return step if isinstance(step, int) and not isinstance(step, bool) else None

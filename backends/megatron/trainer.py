@@ -156,7 +156,9 @@ class MegatronTrainer:
         self.generator = torch.Generator().manual_seed(seed)
         self.updates = 0
         self.skipped_steps = 0
+        self._computed_tokens = 0  # this step's, by `micro_batches`
         self.completed_steps = 0
+        self._reserved = False  # the snapshot buffer (`_host`) reserved
 
     async def train_step(self, groups: Sequence[TrainGroup]) -> dict[str, float]:
         return await self.compute.run(self._train_step, list(groups))
@@ -217,6 +219,7 @@ class MegatronTrainer:
         for part in parts:
             samples = [(g.prompt_tokens, s) for g in part for s in g.samples]
             chunks.append(Chunk.of([s for _, s in samples], _Inputs(samples, self.device), self.device))
+        self._computed_tokens += sum(chunk.inputs.ids.numel() for chunk in chunks)
         return chunks
 
     def logprobs(self, chunk: Chunk, *, reference: bool = False) -> torch.Tensor:
@@ -233,17 +236,21 @@ class MegatronTrainer:
 
     def apply(self, *, finite_loss: bool) -> float | None:
         """Clip and step at this update's learning rate (megatron's `Step` skips a non-finite
-        gradient norm itself); the gradient norm, or None when skipped."""
+        gradient norm itself); the gradient norm, or None when skipped (the schedule stays
+        where it was)."""
         if finite_loss:
             grad_norm = self.optimizer.step(self._lr(self.updates))
         else:
             self.optimizer.zero_grad()
             grad_norm = math.nan
-        self.updates += 1
-        return grad_norm if math.isfinite(grad_norm) else None
+        if not math.isfinite(grad_norm):
+            return None
+        self.updates += 1  # the schedule counts applied updates, as megatron-LM's does
+        return grad_norm
 
     def _train_step(self, groups: list[TrainGroup]) -> dict[str, float]:
         self.model.train()
+        self._computed_tokens = 0
         metrics, skipped = run_update(
             self,
             groups,
@@ -251,10 +258,16 @@ class MegatronTrainer:
             updates_per_step=self.updates_per_step,
             parallel=data_parallel(),
         )
+        # What the micro-batches push through the layers (beside train/tokens, the responses'
+        # own): each sequence whole, right-padded to the longest of its micro-batch.
+        metrics["train/computed_tokens"] = float(self._computed_tokens)
         self.skipped_steps += skipped
         metrics["train/skipped_steps"] = float(self.skipped_steps)
         self.completed_steps += 1
         self.weights_changed()
+        if not self._reserved and dist.get_world_size() == 1:  # one rank snapshots (see there)
+            self._reserved = True  # the state's size is known once the optimizer has its moments
+            self._host.reserve(self._sharded_state(loading=False), leaf=checkpoint.sharded_leaf)
         return metrics
 
     def _sharded_state(self, *, loading: bool) -> dict[str, Any]:
@@ -270,9 +283,17 @@ class MegatronTrainer:
     def snapshot(self, directory: Path) -> Snapshot:
         """`save`'s state copied to host memory now (`pipeline.protocols.Snapshotting`), on the
         compute thread, written into `directory` by the snapshot's `write()` later, on another
-        thread. Under tensor parallelism the files are written now instead: the write's
-        collectives (dist_checkpointing's, the finiteness vote) would otherwise run beside the
-        next step's on the same process group, in an order that may differ between ranks."""
+        thread (its host buffer reserved after the first step, as the torch trainer's). Under
+        tensor parallelism the files are written now instead: the write's collectives
+        (dist_checkpointing's, the finiteness vote) would otherwise run beside the next step's
+        on the same process group, in an order that may differ between ranks. megatron-core's
+        own asynchronous save (`dist_checkpointing.save(..., async_sharded_save=True)`) does
+        not lift that: its write runs in a worker process, but the checkpoint is complete only
+        after `AsyncCallsQueue.maybe_finalize_async_calls`, which every rank must call at the
+        same point (it all-reduces whether each rank's write is done, then each finalize
+        function writes the metadata on rank 0 behind a barrier, on CUDA tensors), so the
+        commit could come only at a later train step's call on the compute thread, not when
+        this rank's write ends."""
         if dist.get_world_size() > 1:
             self.save(directory)
             return _Written()

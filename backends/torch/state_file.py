@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import shutil
+import threading
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -22,12 +23,25 @@ TRAINER_FILE = "trainer.pt"
 ENGINE_FILE = "engine.pt"
 
 
-def save_state(path: Path, state: Any) -> None:
-    where = nonfinite(state)
-    if where is not None:
-        raise NonFiniteState(f"{path.name} would hold non-finite values at {where}")
+_ZIP_CRC = threading.Lock()  # torch.save's CRC setting is process-wide: one save sets it at a time
+
+
+def save_state(path: Path, state: Any, *, checked: bool = False) -> None:
+    """Write `state` to `path` (`checked`: the caller verified it finite, see `refuse_nonfinite`).
+
+    torch.save's zip records go without their CRC-32: computing it (one more pass over the
+    bytes, on the writing thread) is not needed, since a checkpoint's commit marker lists a
+    checksum of each whole file (`stages.checkpoint_marker`) and torch.load never reads it."""
+    if not checked:
+        refuse_nonfinite(path, state)
     try:
-        torch.save(state, path)
+        with _ZIP_CRC:
+            crc = torch.serialization.get_crc32_options()
+            torch.serialization.set_crc32_options(False)
+            try:
+                torch.save(state, path)
+            finally:
+                torch.serialization.set_crc32_options(crc)
     except RuntimeError as error:
         # torch's zip writer reports a short write (a full disk) as a RuntimeError.
         if "inline_container" not in str(error) and "PytorchStreamWriter" not in str(error):
@@ -37,16 +51,25 @@ def save_state(path: Path, state: Any) -> None:
         raise OSError(f"writing {path.name} failed ({where}): {error}") from None
 
 
+def refuse_nonfinite(path: Path, state: Any) -> None:
+    """`NonFiniteState` naming the first NaN or infinity of `state`, were it written to `path`."""
+    where = nonfinite(state)
+    if where is not None:
+        raise NonFiniteState(f"{path.name} would hold non-finite values at {where}")
+
+
 class StateSnapshot:
     """A state copied apart from the live one (host memory), written to `path` later by
-    `write()` as `save_state` writes it (`pipeline.protocols.Snapshot`)."""
+    `write()` as `save_state` writes it (`pipeline.protocols.Snapshot`); `checked`: verified
+    finite when it was taken."""
 
-    def __init__(self, path: Path, state: Any) -> None:
+    def __init__(self, path: Path, state: Any, *, checked: bool = False) -> None:
         self.path = path
         self.state = state
+        self.checked = checked
 
     def write(self) -> None:
-        save_state(self.path, self.state)
+        save_state(self.path, self.state, checked=self.checked)
 
 
 def load_state(path: Path, *, mmap: bool = False) -> Any:
@@ -64,6 +87,30 @@ def load_state(path: Path, *, mmap: bool = False) -> Any:
     if where is not None:
         raise DamagedState(f"{path.name} holds non-finite values at {where}")
     return state
+
+
+def nonfinite_on_device(value: Any) -> str | None:
+    """`nonfinite(value)` for a state on a GPU, in one synchronization: the sum of each floating
+    tensor, on its device, then `nonfinite`'s own walk only when a sum is not finite (a NaN, an
+    infinity, or a finite tensor whose sum overflows)."""
+    sums: dict[torch.device, list[torch.Tensor]] = {}
+
+    def collect(item: Any) -> None:
+        if isinstance(item, torch.Tensor):
+            if item.is_floating_point() and item.numel():
+                sums.setdefault(item.device, []).append(item.sum(dtype=torch.float32))
+        elif isinstance(item, dict):
+            for v in item.values():
+                collect(v)
+        elif isinstance(item, list | tuple):
+            for v in item:
+                collect(v)
+        elif isinstance(item, float) and not math.isfinite(item):
+            sums.setdefault(torch.device("cpu"), []).append(torch.tensor(item))
+
+    collect(value)
+    finite = all(bool(torch.isfinite(torch.stack(each)).all()) for each in sums.values())
+    return None if finite else nonfinite(value)
 
 
 def nonfinite(value: Any, where: str = "") -> str | None:

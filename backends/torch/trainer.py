@@ -29,11 +29,11 @@ from backends.torch.model import Decoder
 from backends.torch.precision import MasterWeights, StreamedParking
 from backends.torch.schedule import lr_factor
 from backends.torch.section import TrainerOptions
-from backends.torch.state_file import TRAINER_FILE, StateSnapshot, load_state, save_state
+from backends.torch.state_file import TRAINER_FILE, StateSnapshot, load_state, nonfinite_on_device, save_state
 from pipeline.algorithms.config import Algorithm
 from pipeline.algorithms.update import Chunk, run_update
 from pipeline.contracts.backend_input import Batching, Optimizer
-from pipeline.contracts.errors import RecipeError
+from pipeline.contracts.errors import NonFiniteState, RecipeError
 from pipeline.contracts.messages import TrainGroup, TrainSample
 
 
@@ -133,6 +133,7 @@ class TorchTrainer:
         self.generator = torch.Generator().manual_seed(seed)
         self.skipped_steps = 0
         self.completed_steps = 0
+        self._reserved = False  # the snapshot buffer (`_host`) reserved
         self._computed_tokens = 0  # this step's, by `micro_batches`
 
     async def train_step(self, groups: Sequence[TrainGroup]) -> dict[str, float]:
@@ -238,6 +239,9 @@ class TorchTrainer:
             metrics["train/offloaded_gb"] = self.parking.bytes / 1e9
         self.completed_steps += 1
         self._take_fingerprint()
+        if not self._reserved:  # the state's size is known once the optimizer has its moments
+            self._reserved = True
+            self._host.reserve(self.state())  # the first snapshot then finds its buffer ready
         return metrics
 
     def _take_fingerprint(self) -> None:
@@ -253,11 +257,11 @@ class TorchTrainer:
 
     def apply(self, *, finite_loss: bool) -> float | None:
         """Clip and apply the accumulated gradients, then step the schedule; the gradient norm,
-        or None when the update was skipped."""
-        try:
-            return self._apply(finite_loss)
-        finally:
+        or None when the update was skipped (the schedule stays where it was)."""
+        grad_norm = self._apply(finite_loss)
+        if grad_norm is not None:  # the schedule counts applied updates, as megatron-LM's does
             self.scheduler.step()
+        return grad_norm
 
     def _apply(self, finite_loss: bool) -> float | None:
         if self.ranks is not None:
@@ -329,9 +333,19 @@ class TorchTrainer:
         """`save`'s state copied to host memory now, on the compute thread (between steps: the
         gate calls it after the step), written into `directory` by the snapshot's `write()`
         later (`pipeline.protocols.Snapshotting`). The host buffer is reused by every snapshot
-        (pinned memory on GPU)."""
-        copied = self.compute.call(lambda: self._host.copy(self.state()))
-        return StateSnapshot(directory / self.state_file, copied)
+        (pinned memory on GPU), reserved after the first step. The state is verified finite
+        here, where it lives (`NonFiniteState`; on a GPU one sum a tensor and one
+        synchronization), so the write's thread need not walk the host copy."""
+        path = directory / self.state_file
+
+        def take() -> StateSnapshot:
+            state = self.state()
+            where = nonfinite_on_device(state)
+            if where is not None:
+                raise NonFiniteState(f"{path.name} would hold non-finite values at {where}")
+            return StateSnapshot(path, self._host.copy(state), checked=True)
+
+        return self.compute.call(take)
 
     @functools.cached_property
     def _host(self) -> HostCopier:

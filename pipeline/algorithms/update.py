@@ -119,7 +119,9 @@ class UpdateBackend(Protocol):
     def apply(self, *, finite_loss: bool) -> float | None:
         """Clip and apply the accumulated gradients, and advance the learning-rate schedule;
         the gradient norm, or None when the update was skipped (a non-finite loss or norm:
-        the gradients dropped, the weights untouched)."""
+        the gradients dropped, the weights and the schedule untouched: the schedule counts
+        applied updates, as megatron-LM's `train_step` steps its scheduler only after a
+        successful update)."""
         ...
 
     def lr(self) -> float: ...

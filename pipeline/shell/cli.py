@@ -152,6 +152,7 @@ def _run(args: argparse.Namespace) -> int:
 def _check(args: argparse.Namespace) -> int:
     from pipeline.metrics import STEPS_FILE
     from stages.gates import describe, evaluate_gates
+    from stages.run_dir import stopped_at
 
     directory = Path(args.run_dir)
     if not (directory / STEPS_FILE).is_file():
@@ -160,7 +161,9 @@ def _check(args: argparse.Namespace) -> int:
     recipe = pipeline.load_recipe(source)
     if not recipe.gates.checks:
         raise RecipeError(f"{source}: gates.checks: the recipe has no gates (give one with --recipe)")
-    verdict = evaluate_gates(directory, recipe.gates, steps=recipe.run.steps)
+    verdict = evaluate_gates(
+        directory, recipe.gates, steps=recipe.run.steps, stopped_at=stopped_at(directory)
+    )
     for result in verdict.results:
         print(describe(result))
     print(verdict.summary())

@@ -82,6 +82,9 @@ async def test_same_loss_metrics_and_gradients_as_the_torch_trainer(name: str, v
     theirs.close()
     assert sorted(got) == sorted(expected)
     for key, value in expected.items():
+        if key == "train/computed_tokens":  # each backend's own cost: megatron pads, torch packs
+            assert got[key] >= got["train/tokens"]
+            continue
         assert got[key] == pytest.approx(value, abs=1e-6, rel=1e-6), key
     assert expected["train/grad_norm"] > 0.5  # clipped: the clip scale is compared too
     # The gradients, clipped, left on both models by their one optimizer update.

@@ -50,11 +50,13 @@ def _algorithm(correction: str) -> Algorithm:
     )
 
 
-def _torch_trainer(model: Decoder, correction: str, *, grad_clip: float = 1.0) -> TorchTrainer:
+def _torch_trainer(
+    model: Decoder, correction: str, *, grad_clip: float = 1.0, warmup_steps: int = 0
+) -> TorchTrainer:
     return TorchTrainer(
         model,
         algorithm=_algorithm(correction),
-        optimizer=optimizer(lr=LR, grad_clip=grad_clip),
+        optimizer=optimizer(lr=LR, grad_clip=grad_clip, warmup_steps=warmup_steps),
         batching=batching(),
         temperature=1.0,
         seed=3,
@@ -207,20 +209,21 @@ NONFINITE = {
 }
 
 
-# A skipped update still moves the schedule (its position counts updates, applied or not), so
-# torch warns that the scheduler stepped before the optimizer when the first step is skipped.
-@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before")
+# Under a warmup (LR/2 at the first update, LR at the second) a skipped update that moved the
+# schedule would train the next step at another rate than a fresh trainer's first; with torch it
+# would also warn (an error here) that the scheduler stepped before the optimizer.
 @pytest.mark.parametrize("case", sorted(NONFINITE))
 def test_a_torch_update_with_a_nonfinite_loss_or_gradient_is_skipped(case: str) -> None:
     """The weights stay bit-identical, the step counts the skip and applies no update; the next
-    step on finite groups trains as a fresh trainer's first (no gradient or optimizer state of
-    the skipped one is carried into it)."""
+    step on finite groups trains as a fresh trainer's first (no gradient, optimizer state or
+    schedule position of the skipped one is carried into it)."""
     model = _model()
     bad = NONFINITE[case](model)
-    trainer = _torch_trainer(model, "tis")
+    trainer = _torch_trainer(model, "tis", warmup_steps=2)
     before = _params(model)
     got = trainer._train_step(bad)
     assert (got["train/skipped_steps"], got["train/applied_updates"]) == (1.0, 0.0)
+    assert got["train/lr"] == LR / 2  # the schedule did not move: still the first update's rate
     if case == "inf-grad-norm":
         assert math.isfinite(got["train/loss"])  # the gradient norm alone says skip
     for name, param in model.named_parameters():
@@ -228,11 +231,12 @@ def test_a_torch_update_with_a_nonfinite_loss_or_gradient_is_skipped(case: str) 
     # The next step is the same as a fresh trainer's first.
     good = _groups(model, _off_policy)
     fresh_model = copy.deepcopy(model)
-    fresh = _torch_trainer(fresh_model, "tis")
+    fresh = _torch_trainer(fresh_model, "tis", warmup_steps=2)
     after, expected = trainer._train_step(good), fresh._train_step(good)
     trainer.close()
     fresh.close()
     assert (after["train/skipped_steps"], after["train/applied_updates"]) == (1.0, 1.0)
+    assert after["train/lr"] == expected["train/lr"] == LR  # the second update's rate, both
     # (The skipped step moved the shuffle, so the sums may add up in another order.)
     assert after["train/loss"] == pytest.approx(expected["train/loss"], rel=1e-6)
     for (name, a), b in zip(model.named_parameters(), fresh_model.parameters(), strict=True):
@@ -255,7 +259,9 @@ def megatron_trainer() -> Callable[..., object]:
     parallel.initialise(device=cpu)
     made = []
 
-    def build(model: Decoder, correction: str, *, grad_clip: float = 1.0) -> MegatronTrainer:
+    def build(
+        model: Decoder, correction: str, *, grad_clip: float = 1.0, warmup_steps: int = 0
+    ) -> MegatronTrainer:
         gpt = build_gpt_model(CONFIG, dtype=torch.float32, device=cpu)
         layout.load_hf(gpt, model.state_dict(), CONFIG)
         step = TorchAdamW(gpt, lr=LR, betas=(0.9, 0.999), weight_decay=0.0, grad_clip=grad_clip)
@@ -264,7 +270,7 @@ def megatron_trainer() -> Callable[..., object]:
             step,
             config=CONFIG,
             algorithm=_algorithm(correction),
-            optimizer=optimizer(lr=LR, grad_clip=grad_clip),
+            optimizer=optimizer(lr=LR, grad_clip=grad_clip, warmup_steps=warmup_steps),
             batching=batching(),
             temperature=1.0,
             seed=3,
@@ -296,10 +302,11 @@ def test_a_megatron_update_with_a_nonfinite_loss_or_gradient_is_skipped(
     case: str, megatron_trainer: Callable[..., object]
 ) -> None:
     model = _model()
-    trainer = megatron_trainer(model, "tis")
+    trainer = megatron_trainer(model, "tis", warmup_steps=2)  # the schedule moves: see the torch test
     before = _params(trainer.model)
     got = trainer._train_step(NONFINITE[case](model))
     assert (got["train/skipped_steps"], got["train/applied_updates"]) == (1.0, 0.0)
+    assert got["train/lr"] == LR / 2  # the schedule did not move: still the first update's rate
     if case == "inf-grad-norm":
         assert math.isfinite(got["train/loss"])
     for name, param in trainer.model.named_parameters():
@@ -307,9 +314,10 @@ def test_a_megatron_update_with_a_nonfinite_loss_or_gradient_is_skipped(
     # The next step is the same as a fresh trainer's first (the skip left no optimizer state).
     good = _groups(model, _off_policy)
     after = trainer._train_step(good)
-    fresh = megatron_trainer(model, "tis")
+    fresh = megatron_trainer(model, "tis", warmup_steps=2)
     expected = fresh._train_step(good)
     assert (after["train/skipped_steps"], after["train/applied_updates"]) == (1.0, 1.0)
+    assert after["train/lr"] == expected["train/lr"] == LR  # the second update's rate, both
     assert after["train/loss"] == pytest.approx(expected["train/loss"], rel=1e-6)
     for (name, a), b in zip(trainer.model.named_parameters(), fresh.model.parameters(), strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6, msg=name)

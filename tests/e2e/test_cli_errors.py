@@ -294,6 +294,14 @@ def test_sigterm_stops_cleanly(tmp_path: Path) -> None:
         in output
     )
     assert [p.name for p in committed(run_dir / "checkpoints")] == [f"step-{steps:06d}"]
+    # check gives the stopped run the verdict the run gave itself: the unreached gate skipped.
+    checked = cli("check", str(run_dir))
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    assert checked.stdout.splitlines()[-2:] == [
+        f"gate skipped: at(reward/mean, step 900): step 900 is past step {steps}, where the run stopped "
+        "(needs > 2)",
+        "gates: all 1 passed, 1 skipped",
+    ]
 
 
 def test_second_signal_exits_at_once(tmp_path: Path) -> None:

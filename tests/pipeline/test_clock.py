@@ -6,6 +6,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 import anyio
+import anyio.lowlevel
 import pytest
 
 from pipeline.clock import ClockStatistics, DeadlineClock
@@ -194,3 +195,28 @@ async def test_run_twice_raises(clock: DeadlineClock, fake: FakeTime) -> None:
     async with ticking(clock, fake):
         with pytest.raises(RuntimeError, match="already running"):
             await clock.run()
+
+
+async def test_fake_time_stands_still_while_a_worker_thread_works(fake: FakeTime) -> None:
+    """A task awaiting `anyio.to_thread.run_sync` is at work, not blocked: autojump does not
+    move fake time under it (how long the thread takes on a loaded machine changes nothing).
+    The thread waits a moment for the sleeper to wake, which it may only once the thread is done."""
+    import threading
+
+    woke = threading.Event()
+
+    async def sleeper() -> None:
+        await fake.sleep(1.0)
+        woke.set()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(fake.autojump)
+        tg.start_soon(sleeper)
+        await anyio.lowlevel.checkpoint()  # both started: autojump watches the threads
+        woke_meanwhile = await anyio.to_thread.run_sync(woke.wait, 0.5)
+        assert (woke_meanwhile, fake.now()) == (False, 0.0)
+        await anyio.sleep(0)
+        while not woke.is_set():  # the thread is done: time moves on
+            await anyio.wait_all_tasks_blocked()
+        assert fake.now() == 1.0
+        tg.cancel_scope.cancel()

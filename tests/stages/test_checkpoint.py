@@ -227,3 +227,19 @@ def test_a_checkpoint_from_before_a_new_recipe_field_still_resumes(tmp_path: Pat
     assert summary.steps_done == 3
     with pytest.raises(pipeline.RecipeError, match=r"^model: differs from checkpoint"):
         anyio.run(pipeline.run, _recipe(run_dir, "run.steps=4", "model.config.hidden_size=64"))
+
+
+@pytest.mark.parametrize("size", [0, 1, 999, 1000, 1001, 4567])
+def test_a_files_checksum_summed_in_pieces_is_the_whole_files(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, size: int
+) -> None:
+    """A large file is summed in pieces on several threads and the pieces' CRC-32s combined:
+    the result is zlib's CRC-32 of the whole file (pieces of 1000 bytes here)."""
+    import zlib
+
+    from stages import checkpoint_marker
+
+    monkeypatch.setattr(checkpoint_marker, "_CHUNK", 1000)
+    data = random.Random(size).randbytes(size)
+    (tmp_path / "f").write_bytes(data)
+    assert checkpoint_marker.checksum(tmp_path / "f") == zlib.crc32(data)

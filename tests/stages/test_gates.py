@@ -16,6 +16,7 @@ from pipeline.runner import StopRequest
 from pipeline.shell.run import run_program
 from pipeline.testing import FakeEngine, FakeTrainer
 from stages.gates import Gate, GatesSection, describe, evaluate_gates, give_verdict
+from stages.run_dir import stopped_at
 
 # Five train steps; step 3 had poisoned samples, step 4 left its metric out (non-finite).
 STEPS = [
@@ -242,9 +243,15 @@ def test_a_run_gives_its_verdict_on_a_clean_stop_and_at_its_end(tmp_path: Path) 
         (None, True, True),
     ]
     assert json.loads((tmp_path / "run" / "gates.json").read_text())["passed"] is False
+    # The stop is noted in the run directory, so `check` gives the verdict the run gave itself.
+    assert stopped_at(tmp_path / "run") == stopped.steps_done
+    assert stopped.verdict == evaluate_gates(
+        tmp_path / "run", recipe.gates, steps=4, stopped_at=stopped_at(tmp_path / "run")
+    )
 
     finished = anyio.run(lambda: run_program(recipe, engine=FakeEngine(), trainer=FakeTrainer()))
     assert (finished.stopped, finished.steps_done, finished.passed) == (False, 4, True)
+    assert stopped_at(tmp_path / "run") is None  # the start that finished took the note back
     assert finished.verdict == evaluate_gates(tmp_path / "run", recipe.gates)
     assert json.loads((tmp_path / "run" / "gates.json").read_text())["passed"] is True
 
