@@ -251,16 +251,17 @@ class MegatronTrainer:
     def _train_step(self, groups: list[TrainGroup]) -> dict[str, float]:
         self.model.train()
         self._computed_tokens = 0
+        parallel = data_parallel()
         metrics, skipped = run_update(
-            self,
-            groups,
-            algorithm=self.algorithm,
-            updates_per_step=self.updates_per_step,
-            parallel=data_parallel(),
+            self, groups, algorithm=self.algorithm, updates_per_step=self.updates_per_step, parallel=parallel
         )
         # What the micro-batches push through the layers (beside train/tokens, the responses'
-        # own): each sequence whole, right-padded to the longest of its micro-batch.
-        metrics["train/computed_tokens"] = float(self._computed_tokens)
+        # own): each sequence whole, right-padded to the longest of its micro-batch; the whole
+        # step's, every data-parallel rank's.
+        computed = torch.tensor(float(self._computed_tokens), dtype=torch.float64, device=self.device)
+        if parallel is not None:
+            parallel.all_sum(computed)
+        metrics["train/computed_tokens"] = float(computed)
         self.skipped_steps += skipped
         metrics["train/skipped_steps"] = float(self.skipped_steps)
         self.completed_steps += 1

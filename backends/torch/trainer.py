@@ -226,7 +226,7 @@ class TorchTrainer:
         )
         # What one pass over the batch pushes through the layers (beside train/tokens, the
         # responses' own): the prompts once per micro-batch, padded to the longest there.
-        computed = torch.tensor(float(self._computed_tokens), dtype=torch.float64)
+        computed = torch.tensor(float(self._computed_tokens), dtype=torch.float64, device=self.device)
         if self.ranks is not None:  # the whole step's: every rank's micro-batches
             self.ranks.all_sum(computed)
         metrics["train/computed_tokens"] = float(computed)
