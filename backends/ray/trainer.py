@@ -36,16 +36,27 @@ class RayTrainer:
     async def train_step(self, groups: Sequence[TrainGroup]) -> Mapping[str, float]:
         answers: list[Any] = [None] * len(self.ranks)
         encoded = encode_groups(groups)  # once for every rank
+        lost: list[tuple[int, BaseException]] = []
+        failed: list[Exception] = []
 
         async def one(rank: int, actor: Any) -> None:
             try:
                 answers[rank] = await actor.train_step.remote(encoded)
             except ACTOR_LOST as error:
-                raise self.lost(rank, f"during step {self.completed_steps + 1}", error) from None
+                lost.append((rank, error))
+            except Exception as error:
+                failed.append(error)
 
+        # Every rank's answer: a rank that died makes the others' collectives fail, often
+        # before its own death is reported; the run stops naming the rank that died.
         async with anyio.create_task_group() as group:
             for rank, (actor, _) in enumerate(self.ranks):
                 group.start_soon(one, rank, actor)
+        if lost:
+            rank, error = min(lost, key=lambda item: item[0])
+            raise self.lost(rank, f"during step {self.completed_steps + 1}", error) from None
+        if failed:
+            raise failed[0]
         metrics, self._published, self.completed_steps = answers[0]
         return metrics
 
