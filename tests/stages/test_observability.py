@@ -183,8 +183,13 @@ def test_gate_spans_match_the_recorded_transitions(runs: dict[bool, Path], coloc
 def wandb_records(where: Path) -> list[Any]:
     """The records of an offline run's .wandb file (a LevelDB-style log of protobuf records);
     `where` is a run directory with one wandb run, or a wandb offline-run directory."""
+    import wandb
     from wandb.proto import wandb_internal_pb2
 
+    # `finish` returns once the run has ended, not once wandb's service process has written all
+    # of it: tearing the service down waits for that (once in a full suite, a run's file held
+    # no run record yet when read).
+    wandb.teardown()
     (path,) = [*where.glob("wandb/offline-run-*/run-*.wandb"), *where.glob("run-*.wandb")]
     data = path.read_bytes()
     block, position, pending, records = 32768, 7, b"", []
