@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from statistics import fmean
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import anyio
 
@@ -33,6 +33,8 @@ from stages.rollout import GiveUp, RolloutSection, with_retries
 
 if TYPE_CHECKING:
     from stages.episodes import Episodes
+
+T = TypeVar("T")
 
 
 class EvalSection(Section, frozen=True):
@@ -78,29 +80,16 @@ class Evaluation:
         """The evaluation's figures; raises `EvaluationSkipped` when it cannot finish."""
         if self.episodes is not None:
             return await self._episodes(self.episodes)
-        texts: list[str] = [""] * len(self.prompts)
-        failures: list[str] = []
 
-        async def one(i: int, prompt: Prompt, scope: anyio.CancelScope) -> None:
+        async def answer(prompt: Prompt) -> str:
             async def attempt(number: int) -> str:
                 async with gate.serving():
                     (completion,) = await gate.engine.generate(prompt.tokens, 1, greedy=True)  # type: ignore[call-arg]
                 return self.decode(completion.tokens)
 
-            try:
-                texts[i] = await with_retries(
-                    attempt, self.rollout, self.clock, self.counts, prompt.prompt_id
-                )
-            except GiveUp as failed:  # the evaluation is incomplete: stop its other requests
-                failures.append(f"{prompt.prompt_id}: {failed.reason}")
-                scope.cancel()
+            return await with_retries(attempt, self.rollout, self.clock, self.counts, prompt.prompt_id)
 
-        async with anyio.create_task_group() as tg:
-            for i, prompt in enumerate(self.prompts):
-                tg.start_soon(strict(one), i, prompt, tg.cancel_scope)
-        if failures:
-            self.counts["skipped"] += 1
-            raise EvaluationSkipped(f"generation for {failures[0]}")
+        texts = await self._each_prompt(answer)
         try:
             with self.clock.fail_after(self.scoring_s, "evaluation scoring", suspendable=False):
                 scored = await score_all(self.fn, list(zip(self.prompts, texts, strict=True)))
@@ -113,17 +102,25 @@ class Evaluation:
 
     async def _episodes(self, episodes: Episodes) -> dict[str, float]:
         """One greedy episode per held-out prompt, scored by its environment."""
-        records: list[dict[str, float]] = [{}] * len(self.prompts)
+
+        async def play(prompt: Prompt) -> dict[str, float]:
+            episode = await episodes.run(prompt, counts=self.counts, greedy=True)
+            return {"reward": episode.reward or 0.0, **episode.info}  # failed: 0
+
+        return _means(await self._each_prompt(play))
+
+    async def _each_prompt(self, generate: Callable[[Prompt], Awaitable[T]]) -> list[T]:
+        """`generate` on every held-out prompt at once, results in prompt order. The first prompt
+        whose attempts run out (`GiveUp`) stops the others and skips the evaluation."""
+        results: list[T | None] = [None] * len(self.prompts)
         failures: list[str] = []
 
         async def one(i: int, prompt: Prompt, scope: anyio.CancelScope) -> None:
             try:
-                episode = await episodes.run(prompt, counts=self.counts, greedy=True)
-            except GiveUp as failed:
+                results[i] = await generate(prompt)
+            except GiveUp as failed:  # the evaluation is incomplete: stop its other requests
                 failures.append(f"{prompt.prompt_id}: {failed.reason}")
                 scope.cancel()
-                return
-            records[i] = {"reward": episode.reward or 0.0, **episode.info}  # failed: 0
 
         async with anyio.create_task_group() as tg:
             for i, prompt in enumerate(self.prompts):
@@ -131,7 +128,7 @@ class Evaluation:
         if failures:
             self.counts["skipped"] += 1
             raise EvaluationSkipped(f"generation for {failures[0]}")
-        return _means(records)
+        return [result for result in results if result is not None]
 
 
 def _means(records: list[dict[str, float]]) -> dict[str, float]:

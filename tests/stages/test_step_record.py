@@ -10,30 +10,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 from statistics import fmean
-from typing import Any
 
 import pytest
 
-from pipeline.channel import Channel
 from pipeline.contracts.messages import Group, Sample, TrainGroup
 from pipeline.testing import FakeEngine, FakeTime, FakeTrainer
 from tests.stages.test_flow import drive, make_recipe, merge, metrics
-
-
-@pytest.fixture
-def scored(monkeypatch: pytest.MonkeyPatch) -> dict[str, Group]:
-    """Every scored group sent to the train stage, by group id."""
-    sent: dict[str, Group] = {}
-    original_send = Channel.send
-
-    async def spy(self: Channel[Any], item: Any) -> None:
-        if self.name == "scored" and isinstance(item, Group):
-            sent[item.group_id] = item
-        await original_send(self, item)
-
-    monkeypatch.setattr(Channel, "send", spy)
-    return sent
-
 
 CASES = {
     # Trains while the engine serves; requests of uneven latency, so a step's samples span lags.
