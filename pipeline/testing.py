@@ -188,7 +188,7 @@ class FakeEngine:
         self.held_when_down = 0
 
     async def generate(
-        self, prompt_tokens: Sequence[int], n: int, *, greedy: bool = False
+        self, prompt_tokens: Sequence[int], n: int, *, greedy: bool = False, episode: str | None = None
     ) -> list[Completion]:
         call = self.calls
         self.calls += 1

@@ -18,14 +18,19 @@ raises, overruns `env_s` or answers something malformed fails only its episode: 
 with `EpisodeStats.failed` set and no reward (never trained on), counted in `counts["env_failures"]`,
 and past `max_env_failures` the run stops (`DropBudgetExceeded`).
 
-The engine keeps no KV cache between an episode's turns: each turn after the first prefills
-its whole context again, counted in `EpisodeStats.reprefilled_tokens` (`env/reprefilled_tokens`).
+Each turn's request carries the episode's key (`Engine.generate`'s ``episode``), so an engine
+that keeps an episode's keys and values between its turns (`KeepsEpisodes`) prefills only the
+tokens new since the last turn; the episode tells it when it has ended, however it ended. A turn
+after the first that the engine prefilled whole (an engine that keeps nothing, or could not
+reuse what it kept: `Completion.reused_tokens` 0) counts its whole context in
+`EpisodeStats.reprefilled_tokens` (`env/reprefilled_tokens`): 0 when every turn reused.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import uuid
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -36,6 +41,7 @@ from pipeline.clock import DeadlineClock
 from pipeline.contracts.environments import Environment, Observation, Turn
 from pipeline.contracts.errors import DeadlineExceeded, DropBudgetExceeded
 from pipeline.contracts.messages import Completion, EpisodeStats, Prompt
+from pipeline.contracts.protocols import KeepsEpisodes
 from pipeline.gate import EngineGate
 from pipeline.logs import warn_once
 from stages.rollout import GiveUp, RolloutSection, with_retries
@@ -120,6 +126,7 @@ class Episodes:
             )
 
         env = self.factory()
+        key = uuid.uuid4().hex  # the engine's name for this episode
         try:
             start = self.clock.source.now()
             calls += 1
@@ -135,9 +142,9 @@ class Episodes:
                     truncated = True
                     break
                 self._append(tokens, logprobs, mask, observed)
-                if turns:
+                completion, version = await self._turn(prompt, tokens, turns, greedy, counts, key)
+                if turns and not completion.reused_tokens:
                     reprefilled += len(prompt.tokens) + len(tokens)
-                completion, version = await self._turn(prompt, tokens, turns, greedy, counts)
                 base = len(tokens)
                 versions.extend(
                     [(base + first, self.gate.version_after(wakes)) for first, wakes in completion.segments]
@@ -167,6 +174,9 @@ class Episodes:
         except EnvironmentFailed as failure:
             self._failed(str(failure), counts)
             return episode(None, {}, failed=str(failure))
+        finally:
+            if isinstance(self.gate.engine, KeepsEpisodes):
+                self.gate.engine.end_episode(key)
         if section.episode_reward == "sum":
             reward = math.fsum(rewards)
         else:
@@ -174,13 +184,13 @@ class Episodes:
         return episode(reward, dict(last.info))
 
     async def _turn(
-        self, prompt: Prompt, tokens: list[int], index: int, greedy: bool, counts: Counter[str]
+        self, prompt: Prompt, tokens: list[int], index: int, greedy: bool, counts: Counter[str], key: str
     ) -> tuple[Completion, int]:
         context = (*prompt.tokens, *tokens)
 
         async def attempt(number: int) -> tuple[Completion, int]:
             async with self.gate.serving() as version:
-                (completion,) = await self.gate.engine.generate(context, 1, greedy=greedy)
+                (completion,) = await self.gate.engine.generate(context, 1, greedy=greedy, episode=key)
             return completion, version
 
         what = f"turn {index} of an episode of {prompt.prompt_id}"

@@ -18,7 +18,7 @@ import msgspec
 from pipeline.clock import TimeSource
 from pipeline.contracts.errors import RetryableEngineError
 from pipeline.contracts.messages import Completion
-from pipeline.contracts.protocols import Engine, PartialRollouts
+from pipeline.contracts.protocols import Engine, KeepsEpisodes, PartialRollouts
 from pipeline.contracts.sections import NonNegativeFloat, Section
 
 Rate = Annotated[float, msgspec.Meta(ge=0, le=1)]
@@ -53,13 +53,13 @@ class FaultyEngine:
         return self.engine.wakes  # type: ignore[attr-defined]
 
     async def generate(
-        self, prompt_tokens: Sequence[int], n: int, *, greedy: bool = False
+        self, prompt_tokens: Sequence[int], n: int, *, greedy: bool = False, episode: str | None = None
     ) -> list[Completion]:
         if self.section.engine_latency_s:
             await self.time.sleep(self.section.engine_latency_s)
         if self.rng.random() < self.section.engine_crash_rate:
             raise InjectedEngineCrash("engine crash injected by faults.engine_crash_rate")
-        completions = await self.engine.generate(prompt_tokens, n, greedy=greedy)
+        completions = await self.engine.generate(prompt_tokens, n, greedy=greedy, episode=episode)
         rate = self.section.nonfinite_logprob_rate
         return [
             msgspec.structs.replace(c, logprobs=(math.nan, *c.logprobs[1:]))
@@ -67,6 +67,10 @@ class FaultyEngine:
             else c
             for c in completions
         ]
+
+    def end_episode(self, episode: str) -> None:
+        if isinstance(self.engine, KeepsEpisodes):
+            self.engine.end_episode(episode)
 
     async def stand_down(self) -> None:
         await self.engine.stand_down()

@@ -93,6 +93,10 @@ class RolloutSection(Section, frozen=True):
     turn_s: PositiveFloat = 300.0  # one generation turn, retries included (service time)
     env_s: PositiveFloat = 60.0  # one environment call (wall time: not suspended at a stand-down)
     max_env_failures: NonNegativeInt = 64  # episodes failed by their environment; past it the run stops
+    # The torch engine keeps each episode's keys and values between its turns in up to this many
+    # GiB of its device's memory (least recently kept evicted first), so a turn prefills only its
+    # new tokens; 0 keeps none (every turn prefills its whole context: env/reprefilled_tokens).
+    episode_kv_gb: NonNegativeFloat = 1.0
 
     def __post_init__(self) -> None:
         if self.environment is None and self.environment_args:

@@ -153,8 +153,9 @@ class MegatronInference:
         return await future
 
     async def generate(
-        self, prompt_tokens: Sequence[int], n: int, *, greedy: bool = False
+        self, prompt_tokens: Sequence[int], n: int, *, greedy: bool = False, episode: str | None = None
     ) -> list[Completion]:
+        """Queue the request; ``episode`` is ignored (every turn prefills its whole prompt)."""
         limits = self.lengths.draw(n) if self.lengths is not None else [self.max_new_tokens] * n
         bound = self.max_sequence_length
         if bound is not None and len(prompt_tokens) + max(limits) > bound:

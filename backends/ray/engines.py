@@ -113,8 +113,10 @@ class RayEngine:
         self.events: deque[tuple[str, int, int]] = deque(maxlen=100_000)
 
     async def generate(
-        self, prompt_tokens: Sequence[int], n: int, *, greedy: bool = False
+        self, prompt_tokens: Sequence[int], n: int, *, greedy: bool = False, episode: str | None = None
     ) -> list[Completion]:
+        """Send the request to the least busy replica; ``episode`` is ignored (an episode's
+        turns may go to different replicas: each prefills its whole prompt)."""
         request: Request = (next(self._ids), tuple(prompt_tokens), n, greedy)
         kind = "dispatch"
         while True:

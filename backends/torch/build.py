@@ -153,6 +153,7 @@ def build_engine(
         partial=sampling.partial,
         max_rows=sampling.max_rows,
         lengths=length_draw(sampling, seed=spec.seed + 1000 * replica),
+        keep_bytes=int(sampling.episode_kv_gb * 2**30),
     )
 
 

@@ -44,6 +44,16 @@ stretch of a row's tokens is tagged with `wakes` as it was generated (`Completio
 and every token keeps the logprob it was generated with. A frozen request lives only here: a
 checkpoint never holds one (its batch is not trained yet, so a resume draws its prompt again).
 
+Episodes (`keep_bytes` > 0; `kv_keep.py`): a one-row request that carries an ``episode`` key
+leaves its row's keys and values kept under the key when it finishes; the episode's next
+request, admitted fresh, takes them back if its prompt starts with the kept tokens, and only its
+new tokens are prefilled (`Completion.reused_tokens` says how many were not). Anything else
+prefills the whole prompt: nothing kept under the key (the first turn, an eviction, a retry
+after a given-up attempt), a prompt that does not continue the kept tokens, or weights changed
+since (every wake, refit and weights load drops what is kept, as a stand-down does, whose
+memory goes back for training). A row frozen at a stand-down continues re-prefilled as any
+other, and keeps its keys and values when it finishes. `end_episode` drops an episode's entry.
+
 ``lengths`` (`rollout.bench_lengths`, a benchmark aid) ends each row at a length drawn for it
 when its request arrives, with finish_reason "stop", as if the model had emitted its
 end-of-sequence token there.
@@ -64,6 +74,7 @@ import torch
 from backends.bench_lengths import LengthDraw
 from backends.torch.compute import ComputeThread
 from backends.torch.fingerprint import Fingerprinter, parameter_probes
+from backends.torch.kv_keep import KVKeep
 from backends.torch.model import Decoder
 from backends.torch.sampler import Admission, Sampler
 from backends.torch.sampling import check_arguments, check_prompts
@@ -76,7 +87,7 @@ from pipeline.contracts.protocols import SlotStats
 class _Row:
     """One sampled sequence of a request, generated in one or more stretches."""
 
-    __slots__ = ("frozen", "limit", "logprobs", "reason", "reprefilled", "segments", "tokens")
+    __slots__ = ("frozen", "limit", "logprobs", "reason", "reprefilled", "reused", "segments", "tokens")
 
     def __init__(self, limit: int) -> None:
         self.limit = limit  # its length limit (max_new_tokens, or a bench length below it)
@@ -84,6 +95,7 @@ class _Row:
         self.logprobs: list[float] = []
         self.segments: list[tuple[int, int]] = []
         self.reprefilled = 0
+        self.reused = 0  # prompt tokens whose kept keys and values its first stretch restored
         self.frozen = False
         self.reason: str | None = None  # its finish_reason, once finished
 
@@ -95,14 +107,16 @@ class _Row:
             finish_reason=self.reason,
             segments=tuple(self.segments) if partial else (),
             reprefilled_tokens=self.reprefilled,
+            reused_tokens=self.reused,
         )
 
 
 class _Request:
-    __slots__ = ("cancelled", "done", "greedy", "n", "prompt", "result", "rows")
+    __slots__ = ("cancelled", "done", "episode", "greedy", "n", "prompt", "result", "rows")
 
-    def __init__(self, prompt: Sequence[int], greedy: bool, limits: list[int]) -> None:
+    def __init__(self, prompt: Sequence[int], greedy: bool, limits: list[int], episode: str | None) -> None:
         self.prompt = list(prompt)
+        self.episode = episode  # the key its row's keys and values are kept under (None: not kept)
         self.n = len(limits)
         self.greedy = greedy
         self.rows = [_Row(limit) for limit in limits]
@@ -143,12 +157,14 @@ class TorchEngine:
         partial: bool = False,
         lengths: LengthDraw | None = None,
         max_rows: int = 0,
+        keep_bytes: int = 0,
     ) -> None:
         assert shared or not partial, "partial rollouts need an engine that stands down"
         self.sampler = sampler
         self.partial_rollouts = partial
         self.lengths = lengths
         self.max_rows = max_rows  # a loop's slots (0: its first admission's rows)
+        self.kept = KVKeep(keep_bytes) if keep_bytes else None
         self.wakes = 0  # `wake` calls served (tags partial rollouts' stretches)
         self._freeze = threading.Event()  # read by the sampler's loop (partial rollouts)
         self._down = False
@@ -182,7 +198,7 @@ class TorchEngine:
         self.calls = 0  # decode loops run
 
     async def generate(
-        self, prompt_tokens: Sequence[int], n: int, *, greedy: bool = False
+        self, prompt_tokens: Sequence[int], n: int, *, greedy: bool = False, episode: str | None = None
     ) -> list[Completion]:
         try:  # here, alone: in a batched call one bad prompt would fail all the others
             check_prompts(
@@ -193,7 +209,8 @@ class TorchEngine:
         except ValueError as error:
             raise RequestRejected(str(error)) from None
         limits = self.lengths.draw(n) if self.lengths is not None else [self.max_new_tokens] * n
-        request = _Request(prompt_tokens, greedy, limits)
+        assert episode is None or n == 1, "an episode's request is one row"
+        request = _Request(prompt_tokens, greedy, limits, episode if self.kept is not None else None)
         with self._lock:
             self._queue.append(request)
         try:
@@ -268,6 +285,7 @@ class TorchEngine:
                 dropped=lambda admission: admission.key[0].cancelled,
                 width=self.max_rows,
                 narrow=not self.max_rows,  # at `max_rows` the next batch fills the width
+                kept=self.kept,
             )
         except Exception as error:
             for request in active:
@@ -325,7 +343,12 @@ class TorchEngine:
                             row.reprefilled += len(prompt)  # what continuing it alone would take
                             row.frozen = False
                     limits = [row.limit - len(row.tokens) for row in same]
-                    admissions.append(Admission(prompt, limits, (request, same)))
+                    cached = None
+                    if request.episode is not None and not same[0].tokens:
+                        assert self.kept is not None, "a request keeps its episode only where kept"
+                        cached = self.kept.take(request.episode, prompt)
+                        same[0].reused = len(cached.tokens) if cached is not None else 0
+                    admissions.append(Admission(prompt, limits, (request, same), cached, request.episode))
             if rows is None:  # the loop opens `max_rows` wide, whatever opens it (`serve`'s width)
                 self._width = self.sampler.width_for(max(self._width, self.max_rows))
         return admissions
@@ -383,7 +406,21 @@ class TorchEngine:
         self._down = True
         if self.partial_rollouts:
             self._freeze.set()
-        await self.compute.run(self.sampler.release)
+        await self.compute.run(self._release)
+
+    def _release(self) -> None:
+        self._weights_changed()  # kept keys and values hold memory training needs
+        self.sampler.release()
+
+    def _weights_changed(self) -> None:
+        """Drop every episode's kept keys and values: they are no longer the served weights'."""
+        if self.kept is not None:
+            self.kept.clear()
+
+    def end_episode(self, episode: str) -> None:
+        """Drop what is kept of ``episode`` (it has ended); harmless if nothing is."""
+        if self.kept is not None:
+            self.kept.forget(episode)
 
     async def wake(self) -> None:
         """No weights to load: colocated, the engine reads the trainer's tensors. The sampler
@@ -395,6 +432,7 @@ class TorchEngine:
         self._notify()
 
     def _wake(self) -> None:
+        self._weights_changed()
         if self.refresh_weights is not None:
             self.refresh_weights()
         self.sampler.wake()
@@ -415,6 +453,7 @@ class TorchEngine:
 
     @torch.no_grad()
     def _copy_weights(self) -> None:
+        self._weights_changed()
         if self.refresh_weights is not None:
             self.refresh_weights()
         elif self.sampler.model is not self.source:
@@ -434,6 +473,7 @@ class TorchEngine:
 
     @torch.no_grad()
     def _load_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
+        self._weights_changed()
         for name, target in self.sampler.model.named_parameters():
             target.copy_(weights[name])
         self._take_fingerprint()
@@ -475,4 +515,4 @@ class TorchEngine:
         self.compute.close()
 
     def memory_in_use(self) -> int | None:
-        return self.sampler.cache_bytes()
+        return self.sampler.cache_bytes() + (self.kept.resident_bytes if self.kept is not None else 0)

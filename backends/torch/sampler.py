@@ -34,16 +34,17 @@ valid), else the graphs are dropped and captured again on the next call.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
 
 from backends.torch import race
-from backends.torch.attention import attend
+from backends.torch.attention import attend, attention_mask
 from backends.torch.decode_step import DecodeStep, DecodeSteps, flash_works
 from backends.torch.kv_cache import KVCache
+from backends.torch.kv_keep import KeptKV, KVKeep
 from backends.torch.kv_pool import KVPool, make_pool
 from backends.torch.model import PLAIN_PARTS, Decoder, compiled_layer_parts
 from backends.torch.sampling import check_arguments, completions, draw
@@ -64,11 +65,17 @@ def _bucket(n: int) -> int:
 class Admission(NamedTuple):
     """``len(limits)`` rows continuing ``prompt`` (prefilled once for them all): row i ends
     after ``limits[i]`` new tokens unless a stop token ends it first. ``key``: the source's,
-    handed back with the Completions."""
+    handed back with the Completions.
+
+    Episodes (`kv_keep.py`), one row only: ``cached``, kept keys and values of the prompt's
+    first tokens, restored into the row's slot so only the rest is prefilled; ``keep``, the key
+    under which `serve`'s ``kept`` keeps the row's keys and values once it finishes."""
 
     prompt: list[int]
     limits: list[int]
     key: Any = None
+    cached: KeptKV | None = None
+    keep: Hashable | None = None
 
 
 # `Sampler.serve`'s source(rows, positions) gives admissions; its sink takes each one back
@@ -236,6 +243,7 @@ class Sampler:
         dropped: Callable[[Admission], bool] | None = None,
         width: int = 0,
         narrow: bool = True,
+        kept: KVKeep | None = None,
     ) -> None:
         """The continuous decode loop: a fixed number of slots (rows of the cache and of the
         decode step), filled from ``source`` and emptied into ``sink``; returns once no row is
@@ -270,6 +278,9 @@ class Sampler:
         the lowest slots and goes on at their bucket's width (`_narrowed`), so a long tail's
         last rows decode in a narrow step instead of the full width's. A caller that expects
         more requests to fill the width (`width`) passes False.
+
+        ``kept``: where an admission with a ``keep`` key keeps its row's keys and values when
+        the row finishes (not when it freezes), before the admission reaches ``sink``.
         """
         first = list(source(None, None))
         if not first:
@@ -328,7 +339,9 @@ class Sampler:
                 if dropped is not None and (freed := loop.drop(dropped)):
                     done[torch.tensor(freed, device=dev)] = True  # no longer generating
                 done_list = done.tolist()
-                self._hand_over(loop, done_list, generated, tokens, logprobs, stop_token_ids, sink, frozen)
+                self._hand_over(
+                    loop, done_list, generated, tokens, logprobs, stop_token_ids, sink, frozen, kept
+                )
                 if frozen:
                     break
                 if loop.free:
@@ -413,15 +426,15 @@ class Sampler:
     ) -> tuple[Tensor, Tensor]:
         """Prefill ``admissions`` into their ``slots``; each row's first token and its logprob,
         drawn from the prefill's last hidden states (outside the graphs)."""
-        hidden = self._prefill([a.prompt for a in admissions], [len(a.limits) for a in admissions], slots)
+        hidden = self._prefill_admissions(admissions, slots)
         logits = self.model.lm_head(hidden)
         if step.race:
             step.seed.random_(generator=generator)
             return race.race_draw(logits, step.inv_temperature, step.seed, step.noisy)
         return draw(logits.float(), temperature, top_p, generator)
 
-    @staticmethod
     def _hand_over(
+        self,
         loop: _Slots,
         done: list[bool],
         generated: Tensor,
@@ -430,10 +443,11 @@ class Sampler:
         stop_token_ids: Sequence[int],
         sink: Sink,
         frozen: bool,
+        kept: KVKeep | None,
     ) -> None:
         """Take every finished row (every live row at a freeze, those not ``done`` "frozen")
-        off the device in one copy and free its slot; hand each admission whose rows are all
-        back to ``sink``."""
+        off the device in one copy and free its slot (its keys and values kept first where its
+        admission asks, `_keep`); hand each admission whose rows are all back to ``sink``."""
         rows = loop.finished(done, everything=frozen)
         if not rows:
             return
@@ -447,10 +461,71 @@ class Sampler:
             stop_token_ids,
             [not done[slot] for _, _, slot in rows] if frozen else None,
         )
-        for (live, row, _), completion in zip(rows, out, strict=True):
+        for (live, row, slot), completion in zip(rows, out, strict=True):
             live.out[row] = completion
+            if kept is not None and live.admission.keep is not None and completion.finish_reason != "frozen":
+                self._keep(kept, live.admission, completion, slot)
         for live in loop.release(rows):
             sink(live.admission, [c for c in live.out if c is not None])
+
+    def _keep(self, kept: KVKeep, admission: Admission, completion: Completion, slot: int) -> None:
+        """Copy the keys and values of ``slot``'s row into ``kept`` under the admission's key:
+        its prompt and every generated token but the last (the last one's position the loop
+        may have written since with a wasted step's draw)."""
+        assert len(admission.limits) == 1, "one row per kept admission"
+        known = len(admission.prompt) + len(completion.tokens) - 1
+        cache = self.cache
+        parts = [
+            kv[slot, :, :known]
+            for layer in range(cache.layers)
+            for kv in (cache.keys[layer], cache.values[layer])
+        ]
+        kv = torch.stack(parts).view(cache.layers, 2, *parts[0].shape)
+        kept.keep(admission.keep, KeptKV((*admission.prompt, *completion.tokens[:-1]), kv))
+
+    def _prefill_admissions(self, admissions: list[Admission], slots: list[int]) -> Tensor:
+        """Prefill ``admissions`` into their ``slots`` (each admission the next ones, in order):
+        those without kept keys and values together (`_prefill`), each with them alone
+        (`_extend`); the hidden states [len(slots), hidden] at each row's last prompt position."""
+        if all(a.cached is None for a in admissions):
+            return self._prefill([a.prompt for a in admissions], [len(a.limits) for a in admissions], slots)
+        hidden = torch.empty(
+            len(slots), self.model.config.hidden_size, dtype=self.cache.dtype, device=self.device
+        )
+        starts = [0]
+        for a in admissions:
+            starts.append(starts[-1] + len(a.limits))
+        fresh = [i for i, a in enumerate(admissions) if a.cached is None]
+        if fresh:
+            rows = [r for i in fresh for r in range(starts[i], starts[i + 1])]
+            hidden[torch.tensor(rows, device=self.device)] = self._prefill(
+                [admissions[i].prompt for i in fresh],
+                [len(admissions[i].limits) for i in fresh],
+                [slots[r] for r in rows],
+            )
+        for i, a in enumerate(admissions):
+            if a.cached is not None:
+                assert len(a.limits) == 1, "one row per admission with kept keys and values"
+                hidden[starts[i]] = self._extend(a.prompt, a.cached, slots[starts[i]])
+        return hidden
+
+    def _extend(self, prompt: list[int], cached: KeptKV, slot: int) -> Tensor:
+        """Restore ``cached`` (the keys and values of ``prompt``'s first tokens) into ``slot``'s
+        cache row and prefill the rest of ``prompt`` after it; the last position's hidden state."""
+        dev = self.device
+        m = self.model
+        known = len(cached.tokens)
+        for layer in range(self.cache.layers):
+            self.cache.keys[layer][slot, :, :known] = cached.kv[layer, 0]
+            self.cache.values[layer][slot, :, :known] = cached.kv[layer, 1]
+        ids = torch.tensor([prompt[known:]], dtype=torch.long, device=dev)
+        positions = torch.arange(known, len(prompt), device=dev)
+        cos, sin = m.rotary(positions)
+        parts = compiled_layer_parts() if self.compiled and not self.eager_rounding else PLAIN_PARTS
+        hidden = m.model.norm(
+            m.run_layers(m.embed(ids, positions), cos, sin, _Extend(self.cache, slot, known), parts)
+        )
+        return hidden[0, -1]
 
     def _prefill(self, prompts: list[list[int]], counts: list[int], slots: list[int]) -> Tensor:
         """Write each prompt's keys and values into its ``counts[i]`` cache rows (the next ones
@@ -501,6 +576,28 @@ class _Prefill:
         self.cache.keys[layer][self.dest, :, :t] = k[self.src]
         self.cache.values[layer][self.dest, :, :t] = v[self.src]
         return attend(q.transpose(1, 2), k, v, None, True).transpose(1, 2).reshape(u, t, -1)
+
+
+class _Extend:
+    """`_extend`'s `LayerAttention`: one row's new tokens [1, T] at positions ``known``..,
+    written into cache row ``slot`` after the keys and values restored there, causal over all
+    of them."""
+
+    def __init__(self, cache: KVCache, slot: int, known: int) -> None:
+        self.cache, self.slot, self.known = cache, slot, known
+
+    def writes(self, layer: int) -> None:
+        return None
+
+    def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        t = q.shape[1]
+        end = self.known + t
+        keys, values = self.cache.keys[layer][self.slot], self.cache.values[layer][self.slot]
+        keys[:, self.known : end] = k[0].transpose(0, 1)  # [kv_heads, T, D], the cache's layout
+        values[:, self.known : end] = v[0].transpose(0, 1)
+        mask, causal = attention_mask(None, t, self.known, q.device)
+        out = attend(q.transpose(1, 2), keys[None, :, :end], values[None, :, :end], mask, causal)
+        return out.transpose(1, 2).reshape(1, t, -1)
 
 
 class _Live:

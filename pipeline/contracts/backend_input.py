@@ -45,6 +45,7 @@ class Sampling(msgspec.Struct, kw_only=True, frozen=True):
     bench_lengths: BenchLengths | None
     engine: str  # rollout.engine: torch | megatron
     kv_cache_gb: float
+    episode_kv_gb: float  # rollout.episode_kv_gb: the torch engine's budget for episodes' kept KV
     graphs: bool  # rollout.graphs: megatron's engine replays its decode steps from CUDA graphs
 
 

@@ -29,7 +29,9 @@ class Completion(msgspec.Struct, frozen=True, kw_only=True):
     first token and the number of `wake` calls the engine had served when it generated it
     (its `wakes` then); `reprefilled_tokens` counts the tokens prefilled again to continue it
     (its prompt plus its tokens so far, at each continuation). Empty `segments`: every token
-    under the weights served when the request started.
+    under the weights served when the request started. `reused_tokens`: the prompt's first
+    tokens whose keys and values the engine kept from the episode's previous turn (see
+    `KeepsEpisodes`), not prefilled again; 0: it prefilled the whole prompt.
     """
 
     tokens: tuple[int, ...]
@@ -37,6 +39,7 @@ class Completion(msgspec.Struct, frozen=True, kw_only=True):
     finish_reason: str  # "stop" | "length"
     segments: tuple[tuple[int, int], ...] = ()
     reprefilled_tokens: int = 0
+    reused_tokens: int = 0
 
 
 class EpisodeStats(msgspec.Struct, frozen=True, kw_only=True):
@@ -47,8 +50,9 @@ class EpisodeStats(msgspec.Struct, frozen=True, kw_only=True):
     failed: str = ""  # why its environment failed it (then it has no reward), "" if it did not
     env_s: float = 0.0  # wall seconds its environment's start and steps took, in all
     env_calls: int = 0  # its environment's start and step calls
-    # Context tokens prefilled again for its turns after the first (the engine keeps no KV
-    # cache between turns: each turn's request is the whole context so far).
+    # Context tokens prefilled again for its turns after the first: each turn's request is the
+    # whole context so far, and a turn whose engine did not continue from the keys and values it
+    # kept of the last turn (`Completion.reused_tokens` 0) prefilled all of it.
     reprefilled_tokens: int = 0
 
 

@@ -62,14 +62,18 @@ class Engine(Checkpointable, Protocol):
     `wake_carries_weights`: waking it serves the newest weights, so no separate refit is needed.
 
     Optional capabilities are protocols of their own below (`PartialRollouts`,
-    `SlotStatistics`), checked with `isinstance`.
+    `SlotStatistics`, `KeepsEpisodes`), checked with `isinstance`.
+
+    `generate`'s ``episode``: a key naming the multi-turn episode the request is a turn of (one
+    row, ``n`` 1), for an engine that keeps an episode's keys and values between its turns
+    (`KeepsEpisodes`); any other ignores it and prefills the whole prompt.
     """
 
     blocks_training: bool
     wake_carries_weights: bool
 
     async def generate(
-        self, prompt_tokens: Sequence[int], n: int, *, greedy: bool = False
+        self, prompt_tokens: Sequence[int], n: int, *, greedy: bool = False, episode: str | None = None
     ) -> list[Completion]: ...
 
     async def stand_down(self) -> None: ...
@@ -119,6 +123,17 @@ class PartialRollouts(Protocol):
 
     @property
     def wakes(self) -> int: ...
+
+
+@runtime_checkable
+class KeepsEpisodes(Protocol):
+    """An engine that keeps an episode's keys and values between its turns: a turn whose
+    prompt continues what the episode's last request ended with prefills only its new tokens
+    (`Completion.reused_tokens`), where the engine still holds them (same weights, within its
+    memory budget). `end_episode` tells it the episode has ended, so it can let them go;
+    called from the event loop, it must not block."""
+
+    def end_episode(self, episode: str) -> None: ...
 
 
 class SlotStats(msgspec.Struct, frozen=True, kw_only=True):

@@ -30,6 +30,7 @@ def sampling_of(recipe: Recipe) -> Sampling:
         bench_lengths=rollout.bench_lengths,
         engine=rollout.engine,
         kv_cache_gb=rollout.kv_cache_gb,
+        episode_kv_gb=rollout.episode_kv_gb,
         graphs=rollout.graphs,
     )
 

@@ -40,7 +40,7 @@ class ScriptedEngine(FakeEngine):
         self.contexts: list[tuple[int, ...]] = []
 
     async def generate(
-        self, prompt_tokens: Sequence[int], n: int, *, greedy: bool = False
+        self, prompt_tokens: Sequence[int], n: int, *, greedy: bool = False, episode: str | None = None
     ) -> list[Completion]:
         call = self.calls
         self.calls += 1

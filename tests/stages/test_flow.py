@@ -120,9 +120,11 @@ def tickets(monkeypatch: pytest.MonkeyPatch) -> list[TicketBox]:
 class RecordingEngine(FakeEngine):
     """Adds a `generate` event, so the exact interleaving with train/refit/wake can be asserted."""
 
-    async def generate(self, prompt_tokens: Sequence[int], n: int, *, greedy: bool = False) -> Any:
+    async def generate(
+        self, prompt_tokens: Sequence[int], n: int, *, greedy: bool = False, episode: str | None = None
+    ) -> Any:
         self.events.append("generate")
-        return await super().generate(prompt_tokens, n, greedy=greedy)
+        return await super().generate(prompt_tokens, n, greedy=greedy, episode=episode)
 
 
 # -- versions and lag ------------------------------------------------------------------------

@@ -1,0 +1,94 @@
+"""Episodes' keys and values kept between their turns, so a turn prefills only its new tokens.
+
+A multi-turn episode's next request is its last one's prompt, the tokens the engine generated,
+and the environment's reply. When a request that carries an episode key finishes, the sampler
+copies its row's keys and values out of the decode loop's cache (`KeptKV`: every position whose
+token is known, i.e. all but the last generated token, whose keys the loop may have overwritten
+since) and `KVKeep.keep`s them under the key; when the episode's next request is admitted,
+`take` hands them back if its prompt starts with exactly the kept tokens (and goes on past
+them), and the sampler restores them into the new slot and prefills only the rest.
+
+Bounds and lifetime: the kept entries hold at most ``budget`` bytes of device memory in all;
+keeping one more evicts the least recently kept first (an entry larger than the whole budget is
+not kept). `take` removes its entry, hit or miss (a live request's keys are in its slot; a
+mismatched entry is of no further use). `forget` drops an ended episode's entry; `clear` drops
+them all: the engine calls it whenever the weights it serves change (a wake, a refit: kept keys
+and values are the old weights') and at a stand-down (the memory goes back for training). A
+request given up while its loop ran may still leave an entry no episode takes again: the budget
+bounds such entries, and they are the first evicted.
+
+Thread-safe: the compute thread keeps and takes, the event loop forgets.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Hashable, Sequence
+from typing import NamedTuple
+
+from torch import Tensor
+
+
+class KeptKV(NamedTuple):
+    """Keys and values ``kv`` [layers, 2, kv_heads, len(tokens), head_dim] of ``tokens`` at
+    positions 0..len(tokens)-1."""
+
+    tokens: tuple[int, ...]
+    kv: Tensor
+
+    @property
+    def nbytes(self) -> int:
+        return self.kv.numel() * self.kv.element_size()
+
+
+class KVKeep:
+    """Kept episodes' keys and values, at most ``budget`` bytes, least recently kept evicted."""
+
+    def __init__(self, budget: int) -> None:
+        self.budget = budget
+        self._entries: OrderedDict[Hashable, KeptKV] = OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()
+        self.evicted = 0  # entries dropped to make room, in all
+
+    @property
+    def resident_bytes(self) -> int:
+        return self._bytes
+
+    def keep(self, key: Hashable, kept: KeptKV) -> None:
+        """Keep ``kept`` under ``key`` (replacing what was kept under it), evicting the least
+        recently kept entries until it fits; one larger than the budget is not kept."""
+        with self._lock:
+            self._pop(key)
+            if kept.nbytes > self.budget:
+                return
+            while self._bytes + kept.nbytes > self.budget:
+                self._pop(next(iter(self._entries)))
+                self.evicted += 1
+            self._entries[key] = kept
+            self._bytes += kept.nbytes
+
+    def take(self, key: Hashable, prompt: Sequence[int]) -> KeptKV | None:
+        """Remove ``key``'s entry; it, when ``prompt`` starts with its tokens and goes on past
+        them (a prefill needs at least one new token to draw from), else None."""
+        with self._lock:
+            kept = self._pop(key)
+        if kept is None or len(prompt) <= len(kept.tokens):
+            return None
+        return kept if tuple(prompt[: len(kept.tokens)]) == kept.tokens else None
+
+    def forget(self, key: Hashable) -> None:
+        with self._lock:
+            self._pop(key)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+            self._bytes = 0
+
+    def _pop(self, key: Hashable) -> KeptKV | None:
+        kept = self._entries.pop(key, None)
+        if kept is not None:
+            self._bytes -= kept.nbytes
+        return kept

@@ -1,0 +1,294 @@
+"""The torch engine keeps an episode's keys and values between its turns (backends/torch/kv_keep.py):
+greedy episodes played by the real `Episodes` against the real engine give the tokens and
+logprobs of whole-context prefills while prefilling only each turn's new tokens; a wake or a
+refit between turns, an eviction and a prompt that does not continue the kept tokens each
+prefill the whole context again, counted; a turn frozen at a stand-down continues correctly."""
+
+from __future__ import annotations
+
+import copy
+import threading
+from collections import Counter
+from typing import Any
+
+import anyio
+import pytest
+import torch
+
+from backends.torch.config import ModelConfig
+from backends.torch.engine import TorchEngine
+from backends.torch.kv_keep import KeptKV, KVKeep
+from backends.torch.model import Decoder
+from backends.torch.sampler import Sampler
+from pipeline.clock import DeadlineClock
+from pipeline.contracts.environments import Observation, Turn
+from pipeline.contracts.messages import Completion, Prompt
+from pipeline.gate import EngineGate
+from stages.episodes import Episode, Episodes
+from stages.rollout import RolloutSection
+from stages.tokenizer import CharTokenizer
+
+TOKENIZER = CharTokenizer("0123456789<>?")
+PROMPT = Prompt(prompt_id="p0", text="12?", tokens=tuple(TOKENIZER.encode("12?")), answer="7")
+NEW = 4  # tokens a turn generates (no stop tokens: every turn runs to its limit)
+REPLIES = ((5, 6), (7,), (8, 9, 10))  # the environment's tokens: at the start, after turns 0 and 1
+
+
+def _model() -> Decoder:
+    torch.manual_seed(0)
+    model = Decoder(ModelConfig(vocab_size=TOKENIZER.vocab_size, hidden_size=64, max_position_embeddings=64))
+    with torch.no_grad():  # sharper, so greedy choices are not near-ties
+        model.model.embed_tokens.weight.mul_(3)
+    return model
+
+
+def _engine(model: Decoder, keep_bytes: int, *, shared: bool = True, **options: Any) -> TorchEngine:
+    return TorchEngine(
+        Sampler(model),
+        shared=shared,
+        source=model if shared else copy.deepcopy(model),
+        max_new_tokens=NEW,
+        temperature=1.0,
+        top_p=1.0,
+        stop_token_ids=(),
+        seed=0,
+        keep_bytes=keep_bytes,
+        **options,
+    )
+
+
+def _prefills(model: Decoder) -> list[int]:
+    """The tokens of each prefill the model runs from now on (a decode step embeds one token
+    per row, [rows]; a prefill [rows, tokens])."""
+    sizes: list[int] = []
+
+    def count(_: Any, args: tuple[torch.Tensor, ...]) -> None:
+        if args[0].dim() == 2:
+            sizes.append(args[0].shape[1])
+
+    model.model.embed_tokens.register_forward_pre_hook(count)
+    return sizes
+
+
+class Replies:
+    """Starts with REPLIES[0], answers turn k with REPLIES[k + 1] (after `between(k)`), ends
+    the episode at the third turn."""
+
+    def __init__(self, between: Any = None) -> None:
+        self.between = between
+
+    async def start(self, prompt: Prompt) -> Observation:
+        return Observation(tokens=REPLIES[0])
+
+    async def step(self, turn: Turn) -> Observation:
+        if self.between is not None:
+            await self.between(turn.index)
+        if turn.index == 2:
+            return Observation(reward=1.0, done=True)
+        return Observation(tokens=REPLIES[turn.index + 1])
+
+
+async def _play(engine: TorchEngine, between: Any = None) -> tuple[Episode, EngineGate]:
+    clock = DeadlineClock()
+    gate = EngineGate(engine, clock)
+    episodes = Episodes(
+        RolloutSection(max_new_tokens=NEW, max_episode_tokens=64, max_retries=0),
+        factory=lambda: Replies(None if between is None else lambda index: between(gate, index)),
+        tokenizer=TOKENIZER,
+        gate=gate,
+        clock=clock,
+    )
+    try:
+        with anyio.fail_after(60):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(clock.run)
+                await anyio.wait_all_tasks_blocked()
+                episode = await episodes.run(PROMPT, counts=Counter(), greedy=True)
+                tg.cancel_scope.cancel()
+    finally:
+        engine.close()
+    assert not episode.stats.failed, episode.stats.failed
+    return episode, gate
+
+
+def _contexts(episode: Episode) -> list[int]:
+    """The length of each turn's context: the prompt and everything before the turn."""
+    starts = [i for i, m in enumerate(episode.loss_mask) if m and (i == 0 or not episode.loss_mask[i - 1])]
+    return [len(PROMPT.tokens) + start for start in starts]
+
+
+async def test_a_three_turn_episode_prefills_only_its_new_tokens_with_the_tokens_of_full_prefills() -> None:
+    """Greedy, the kept keys and values give the tokens (and logprobs, to float rounding) of
+    whole-context prefills; each turn after the first prefills its last turn's last token (whose
+    keys the engine did not keep) and the environment's reply, nothing else; none is counted as
+    re-prefilled, and the ended episode leaves nothing kept."""
+    full_model, kept_model = _model(), _model()
+    full_prefills, kept_prefills = _prefills(full_model), _prefills(kept_model)
+    full, _ = await _play(_engine(full_model, 0))
+    engine = _engine(kept_model, 1 << 20)
+    kept, _ = await _play(engine)
+
+    assert kept.tokens == full.tokens
+    assert kept.logprobs == pytest.approx(full.logprobs, abs=1e-5)
+    contexts = _contexts(full)
+    assert full_prefills == contexts
+    assert full.stats.reprefilled_tokens == sum(contexts[1:])
+    assert kept_prefills == [contexts[0], 1 + len(REPLIES[1]), 1 + len(REPLIES[2])]
+    assert kept.stats.reprefilled_tokens == 0
+    assert engine.kept is not None and engine.kept.resident_bytes == 0  # `end_episode` dropped it
+
+
+@pytest.mark.parametrize("shared", [True, False], ids=["wake", "refit"])
+async def test_new_weights_between_two_turns_prefill_the_next_turn_whole_and_count_it(shared: bool) -> None:
+    """A train step between turns 0 and 1 (a stand-down and a wake colocated, else a refit):
+    turn 1 prefills its whole context and counts it, even though the step left the weights
+    as they were; turn 2 continues from turn 1's kept keys and values again. Colocated, the
+    stand-down gives the kept keys and values' memory back."""
+    model = _model()
+    prefills = _prefills(model)
+    engine = _engine(model, 1 << 20, shared=shared)
+    held: list[int | None] = []
+
+    async def between(gate: EngineGate, index: int) -> None:
+        async def train() -> None:
+            held.append(engine.memory_in_use())
+
+        if index == 0:
+            await gate.step(train)
+
+    episode, _ = await _play(engine, between)
+    contexts = _contexts(episode)
+    assert prefills == [contexts[0], contexts[1], 1 + len(REPLIES[2])]
+    assert episode.stats.reprefilled_tokens == contexts[1]
+    if shared:
+        assert held == [0]
+    full, _ = await _play(_engine(_model(), 0))
+    assert episode.tokens == full.tokens
+
+
+async def test_an_evicted_episode_prefills_its_next_turn_whole() -> None:
+    """A budget that holds one turn's keys and values: keeping episode b's evicts a's, whose
+    next turn prefills its whole context (and gives the tokens of a fresh engine), while b's
+    continues from what it kept."""
+    model = _model()
+    config = model.config
+    assert config.head_dim is not None
+    per_token = config.num_hidden_layers * 2 * config.num_key_value_heads * config.head_dim * 4
+    engine = _engine(model, per_token * (len(PROMPT.tokens) + NEW - 1))
+    other = [2, 9, 8, 7]  # as long as PROMPT's tokens: its turn keeps as much
+    try:
+        with anyio.fail_after(60):
+            (a,) = await engine.generate(PROMPT.tokens, 1, greedy=True, episode="a")
+            (b,) = await engine.generate(other, 1, greedy=True, episode="b")
+            a_next = (*PROMPT.tokens, *a.tokens, 5)
+            b_next = (*other, *b.tokens, 5)
+            (a2,) = await engine.generate(a_next, 1, greedy=True, episode="a")
+            (b2,) = await engine.generate(b_next, 1, greedy=True, episode="b")
+    finally:
+        engine.close()
+    # (a's second turn, longer than the budget, is not kept: b's stays.)
+    assert engine.kept is not None and engine.kept.evicted == 1
+    assert (a2.reused_tokens, b2.reused_tokens) == (0, len(other) + NEW - 1)
+    fresh = _engine(_model(), 0)
+    try:
+        (a_fresh,) = await fresh.generate(a_next, 1, greedy=True)
+        (b_fresh,) = await fresh.generate(b_next, 1, greedy=True)
+    finally:
+        fresh.close()
+    assert (a2.tokens, b2.tokens) == (a_fresh.tokens, b_fresh.tokens)
+    assert b2.logprobs == pytest.approx(b_fresh.logprobs, abs=1e-5)
+
+
+def test_the_keep_evicts_the_least_recently_kept_and_gives_back_only_a_continued_prefix() -> None:
+    def entry(*tokens: int) -> KeptKV:
+        return KeptKV(tokens, torch.zeros(1, 2, 1, len(tokens), 2))  # 4 float32 per token
+
+    keep = KVKeep(budget=16 * 4)
+    keep.keep("a", entry(1, 2))
+    keep.keep("b", entry(3, 4))
+    keep.keep("a", entry(1, 2))  # kept again: now the most recent
+    keep.keep("c", entry(5))  # 64 + 16 > 64: evicts b, the least recently kept
+    assert (keep.evicted, keep.resident_bytes) == (1, 48)
+    assert keep.take("b", [3, 4, 0]) is None
+    assert keep.take("a", [1, 2]) is None  # nothing new after it to prefill
+    assert keep.take("a", [1, 2, 3]) is None  # taken (and dropped) by the miss before
+    keep.keep("a", entry(1, 2))
+    assert keep.take("a", [1, 3, 3]) is None  # does not continue the kept tokens
+    keep.keep("a", entry(1, 2))
+    hit = keep.take("a", [1, 2, 3])
+    assert hit is not None and hit.tokens == (1, 2)
+    keep.keep("d", entry(*range(6)))  # larger than the whole budget: not kept
+    keep.forget("c")
+    assert keep.resident_bytes == 0
+
+
+def _hold_draw(model: Decoder, number: int) -> tuple[threading.Event, threading.Event]:
+    """Hold the compute thread at the model's ``number``-th draw (lm_head call) from now until
+    the second event is set; the first says it got there."""
+    reached, go = threading.Event(), threading.Event()
+    draws = 0
+
+    def hold(*_: Any) -> None:
+        nonlocal draws
+        draws += 1
+        if draws == number:
+            reached.set()
+            go.wait(timeout=30)
+
+    model.lm_head.register_forward_hook(hold)
+    return reached, go
+
+
+async def test_a_turn_frozen_at_a_stand_down_continues_under_new_weights_and_the_next_turn_reuses() -> None:
+    """Partial rollouts: turn 1 starts from turn 0's kept keys and values, freezes after two
+    tokens at a stand-down whose step changes the weights, and continues re-prefilled under the
+    new weights; turn 2 continues from what turn 1 kept, under the new weights: every token as
+    whole-context prefills of the weights that made it."""
+    model = _model()
+    before = copy.deepcopy(model)
+    engine = _engine(model, 1 << 20, partial=True)
+    gate = EngineGate(engine, DeadlineClock())
+    out: list[Completion] = []
+
+    async def turn(context: tuple[int, ...]) -> None:
+        async with gate.serving():
+            out.extend(await engine.generate(context, 1, greedy=True, episode="e"))
+
+    async def train() -> None:
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.mlp.gate_up_proj.weight.mul_(-1)
+
+    try:
+        with anyio.fail_after(60):
+            await turn(PROMPT.tokens)
+            second = (*PROMPT.tokens, *out[0].tokens, 5)
+            at_second, go = _hold_draw(model, 2)
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(turn, second)
+                while not at_second.is_set():
+                    await anyio.sleep(0.01)
+                tg.start_soon(gate.step, train)
+                while not engine._freeze.is_set():
+                    await anyio.sleep(0.01)
+                go.set()
+            third = (*second, *out[1].tokens, 6)
+            await turn(third)
+    finally:
+        engine.close()
+
+    def greedy(weights: Decoder, context: tuple[int, ...], n: int) -> Completion:
+        ((completion,),) = Sampler(weights).generate(
+            [(list(context), 1)], max_new_tokens=n, temperature=0.0, generator=torch.Generator()
+        )
+        return completion
+
+    old = greedy(before, second, 2)
+    new = greedy(model, second + old.tokens, NEW - 2)
+    assert out[1].tokens == old.tokens + new.tokens
+    assert out[1].logprobs == pytest.approx(old.logprobs + new.logprobs, abs=1e-5)
+    assert (out[1].reused_tokens, out[1].reprefilled_tokens) == (len(second) - 2, len(second) + 2)
+    last = greedy(model, third, NEW)
+    assert out[2].reused_tokens == len(third) - 2
+    assert out[2].tokens == last.tokens
+    assert out[2].logprobs == pytest.approx(last.logprobs, abs=1e-5)
