@@ -50,9 +50,10 @@ request, admitted fresh, takes them back if its prompt starts with the kept toke
 new tokens are prefilled (`Completion.reused_tokens` says how many were not). Anything else
 prefills the whole prompt: nothing kept under the key (the first turn, an eviction, a retry
 after a given-up attempt), a prompt that does not continue the kept tokens, or weights changed
-since (every wake, refit and weights load drops what is kept, as a stand-down does, whose
-memory goes back for training). A row frozen at a stand-down continues re-prefilled as any
-other, and keeps its keys and values when it finishes. `end_episode` drops an episode's entry.
+since (a stand-down drops what is kept, its memory going back for training, so a wake finds
+nothing kept; a refit and a weights load drop it too). A row frozen at a stand-down continues
+re-prefilled as any other, and keeps its keys and values when it finishes. `end_episode` drops
+an episode's entry.
 
 ``lengths`` (`rollout.bench_lengths`, a benchmark aid) ends each row at a length drawn for it
 when its request arrives, with finish_reason "stop", as if the model had emitted its
@@ -432,7 +433,6 @@ class TorchEngine:
         self._notify()
 
     def _wake(self) -> None:
-        self._weights_changed()
         if self.refresh_weights is not None:
             self.refresh_weights()
         self.sampler.wake()

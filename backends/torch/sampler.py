@@ -280,7 +280,7 @@ class Sampler:
         more requests to fill the width (`width`) passes False.
 
         ``kept``: where an admission with a ``keep`` key keeps its row's keys and values when
-        the row finishes (not when it freezes), before the admission reaches ``sink``.
+        the row comes back, before the admission reaches ``sink``.
         """
         first = list(source(None, None))
         if not first:
@@ -463,7 +463,7 @@ class Sampler:
         )
         for (live, row, slot), completion in zip(rows, out, strict=True):
             live.out[row] = completion
-            if kept is not None and live.admission.keep is not None and completion.finish_reason != "frozen":
+            if kept is not None and live.admission.keep is not None:
                 self._keep(kept, live.admission, completion, slot)
         for live in loop.release(rows):
             sink(live.admission, [c for c in live.out if c is not None])

@@ -138,14 +138,15 @@ async def test_a_three_turn_episode_prefills_only_its_new_tokens_with_the_tokens
     assert engine.kept is not None and engine.kept.resident_bytes == 0  # `end_episode` dropped it
 
 
-@pytest.mark.parametrize("shared", [True, False], ids=["wake", "refit"])
-async def test_new_weights_between_two_turns_prefill_the_next_turn_whole_and_count_it(shared: bool) -> None:
-    """A train step between turns 0 and 1 (a stand-down and a wake colocated, else a refit):
-    turn 1 prefills its whole context and counts it, even though the step left the weights
-    as they were; turn 2 continues from turn 1's kept keys and values again. Colocated, the
-    stand-down gives the kept keys and values' memory back."""
+@pytest.mark.parametrize("how", ["wake", "refit", "load"])
+async def test_new_weights_between_two_turns_prefill_the_next_turn_whole_and_count_it(how: str) -> None:
+    """New weights between turns 0 and 1 (a train step: a stand-down and a wake colocated, else
+    a refit; or a load of weights sent from elsewhere): turn 1 prefills its whole context and
+    counts it, even though the weights stayed as they were; turn 2 continues from turn 1's kept
+    keys and values again. Colocated, the stand-down gives the kept keys and values' memory back."""
     model = _model()
     prefills = _prefills(model)
+    shared = how == "wake"
     engine = _engine(model, 1 << 20, shared=shared)
     held: list[int | None] = []
 
@@ -153,7 +154,9 @@ async def test_new_weights_between_two_turns_prefill_the_next_turn_whole_and_cou
         async def train() -> None:
             held.append(engine.memory_in_use())
 
-        if index == 0:
+        if index == 0 and how == "load":
+            await engine.load_weights({name: p.detach().clone() for name, p in model.named_parameters()})
+        elif index == 0:
             await gate.step(train)
 
     episode, _ = await _play(engine, between)
