@@ -7,7 +7,6 @@ prefill the whole context again, counted; a turn frozen at a stand-down continue
 from __future__ import annotations
 
 import copy
-import threading
 from collections import Counter
 from typing import Any
 
@@ -27,6 +26,7 @@ from pipeline.gate import EngineGate
 from stages.episodes import Episode, Episodes
 from stages.rollout import RolloutSection
 from stages.tokenizer import CharTokenizer
+from tests.backends.test_torch_serving import _hold_draw
 
 TOKENIZER = CharTokenizer("0123456789<>?")
 PROMPT = Prompt(prompt_id="p0", text="12?", tokens=tuple(TOKENIZER.encode("12?")), answer="7")
@@ -223,23 +223,6 @@ def test_the_keep_evicts_the_least_recently_kept_and_gives_back_only_a_continued
     keep.keep("d", entry(*range(6)))  # larger than the whole budget: not kept
     keep.forget("c")
     assert keep.resident_bytes == 0
-
-
-def _hold_draw(model: Decoder, number: int) -> tuple[threading.Event, threading.Event]:
-    """Hold the compute thread at the model's ``number``-th draw (lm_head call) from now until
-    the second event is set; the first says it got there."""
-    reached, go = threading.Event(), threading.Event()
-    draws = 0
-
-    def hold(*_: Any) -> None:
-        nonlocal draws
-        draws += 1
-        if draws == number:
-            reached.set()
-            go.wait(timeout=30)
-
-    model.lm_head.register_forward_hook(hold)
-    return reached, go
 
 
 async def test_a_turn_frozen_at_a_stand_down_continues_under_new_weights_and_the_next_turn_reuses() -> None:
