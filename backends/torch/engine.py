@@ -410,11 +410,12 @@ class TorchEngine:
         await self.compute.run(self._release)
 
     def _release(self) -> None:
-        self._weights_changed()  # kept keys and values hold memory training needs
+        self._drop_kept()  # their memory goes back for training
         self.sampler.release()
 
-    def _weights_changed(self) -> None:
-        """Drop every episode's kept keys and values: they are no longer the served weights'."""
+    def _drop_kept(self) -> None:
+        """Drop every episode's kept keys and values (at a stand-down, and when the served
+        weights change: they were the old weights')."""
         if self.kept is not None:
             self.kept.clear()
 
@@ -453,7 +454,7 @@ class TorchEngine:
 
     @torch.no_grad()
     def _copy_weights(self) -> None:
-        self._weights_changed()
+        self._drop_kept()
         if self.refresh_weights is not None:
             self.refresh_weights()
         elif self.sampler.model is not self.source:
@@ -473,7 +474,7 @@ class TorchEngine:
 
     @torch.no_grad()
     def _load_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
-        self._weights_changed()
+        self._drop_kept()
         for name, target in self.sampler.model.named_parameters():
             target.copy_(weights[name])
         self._take_fingerprint()

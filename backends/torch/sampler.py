@@ -25,6 +25,11 @@ rounds as compiled kernels do (`train.compile`'s trainer); ``eager_rounding`` ro
 ops do, for a trainer without it: decode parts emulate eager's casts and the prefill runs its
 layers uncompiled. Compiled, the prefill shares the trainer's `compiled_layer_parts`.
 
+Episodes (`kv_keep.py`). An admission of one row may carry keys and values kept from its
+episode's last turn: they are restored into its slot and only the rest of its prompt is
+prefilled (`_extend`, alone, outside the graphs); one with a ``keep`` key leaves its row's keys
+and values in `serve`'s ``kept`` when it comes back.
+
 Colocation. The steps read the model's parameter tensors in place: the trainer must update
 them in place (optimizers do), never rebind them. `release` hands the cache's memory back to
 the driver; `wake` maps it again, at the same addresses where the pool allows (the graphs stay
