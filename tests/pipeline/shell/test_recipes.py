@@ -115,6 +115,11 @@ VALID_RUN_FIELDS = "dir, steps, seed, stop_grace_s, progress, log_every_steps, p
             id="partial-rollouts-separate",
         ),
         pytest.param(
+            "rollout:\n  episode_kv_gb: -1\n",
+            "rollout.episode_kv_gb: Expected `float` >= 0.0, got -1",
+            id="episode-kv-negative",
+        ),
+        pytest.param(
             "rollout:\n  bench_lengths: {median_tokens: 256, sigma: 0}\n",
             "rollout.bench_lengths.sigma: Expected `float` > 0.0, got 0",
             id="bench-lengths-sigma",
