@@ -27,7 +27,7 @@ layers uncompiled. Compiled, the prefill shares the trainer's `compiled_layer_pa
 
 Episodes (`kv_keep.py`). An admission of one row may carry keys and values kept from its
 episode's last turn: they are restored into its slot and only the rest of its prompt is
-prefilled (`_extend`, alone, outside the graphs); one with a ``keep`` key leaves its row's keys
+prefilled (`_extend`, together, outside the graphs); one with a ``keep`` key leaves its row's keys
 and values in `serve`'s ``kept`` when it comes back.
 
 Colocation. The steps read the model's parameter tensors in place: the trainer must update
@@ -46,7 +46,7 @@ import torch
 from torch import Tensor
 
 from backends.torch import race
-from backends.torch.attention import attend, attention_mask
+from backends.torch.attention import attend
 from backends.torch.decode_step import DecodeStep, DecodeSteps, flash_works
 from backends.torch.kv_cache import KVCache
 from backends.torch.kv_keep import KeptKV, KVKeep
@@ -490,7 +490,7 @@ class Sampler:
 
     def _prefill_admissions(self, admissions: list[Admission], slots: list[int]) -> Tensor:
         """Prefill ``admissions`` into their ``slots`` (each admission the next ones, in order):
-        those without kept keys and values together (`_prefill`), each with them alone
+        those without kept keys and values together (`_prefill`), those with them together
         (`_extend`); the hidden states [len(slots), hidden] at each row's last prompt position."""
         if all(a.cached is None for a in admissions):
             return self._prefill([a.prompt for a in admissions], [len(a.limits) for a in admissions], slots)
@@ -508,29 +508,44 @@ class Sampler:
                 [len(admissions[i].limits) for i in fresh],
                 [slots[r] for r in rows],
             )
-        for i, a in enumerate(admissions):
-            if a.cached is not None:
-                assert len(a.limits) == 1, "one row per admission with kept keys and values"
-                hidden[starts[i]] = self._extend(a.prompt, a.cached, slots[starts[i]])
+        cached = [i for i, a in enumerate(admissions) if a.cached is not None]
+        assert all(len(admissions[i].limits) == 1 for i in cached), "one row per admission with kept KV"
+        hidden[torch.tensor([starts[i] for i in cached], device=self.device)] = self._extend(
+            [admissions[i] for i in cached], [slots[starts[i]] for i in cached]
+        )
         return hidden
 
-    def _extend(self, prompt: list[int], cached: KeptKV, slot: int) -> Tensor:
-        """Restore ``cached`` (the keys and values of ``prompt``'s first tokens) into ``slot``'s
-        cache row and prefill the rest of ``prompt`` after it; the last position's hidden state."""
+    def _extend(self, admissions: list[Admission], slots: list[int]) -> Tensor:
+        """Restore each admission's kept keys and values (``cached``, its prompt's first tokens)
+        into its slot's cache row, then prefill the rest of every prompt in one forward pass
+        (right-padded); the hidden states [len(admissions), hidden] at each prompt's last
+        position."""
         dev = self.device
-        m = self.model
-        known = len(cached.tokens)
-        for layer in range(self.cache.layers):
-            self.cache.keys[layer][slot, :, :known] = cached.kv[layer, 0]
-            self.cache.values[layer][slot, :, :known] = cached.kv[layer, 1]
-        ids = torch.tensor([prompt[known:]], dtype=torch.long, device=dev)
-        positions = torch.arange(known, len(prompt), device=dev)
-        cos, sin = m.rotary(positions)
-        parts = compiled_layer_parts() if self.compiled and not self.eager_rounding else PLAIN_PARTS
-        hidden = m.model.norm(
-            m.run_layers(m.embed(ids, positions), cos, sin, _Extend(self.cache, slot, known), parts)
+        m, cache = self.model, self.cache
+        kept = [a.cached for a in admissions if a.cached is not None]
+        known = [len(c.tokens) for c in kept]
+        new = [a.prompt[k:] for a, k in zip(admissions, known, strict=True)]
+        lengths = [len(n) for n in new]
+        width = max(lengths)
+        rows = torch.tensor(
+            [slot for slot, k in zip(slots, known, strict=True) for _ in range(k)], device=dev
         )
-        return hidden[0, -1]
+        at = torch.tensor([p for k in known for p in range(k)], device=dev)
+        restored = torch.cat([c.kv for c in kept], dim=3)  # [layers, 2, kv_heads, sum(known), D]
+        for layer in range(cache.layers):
+            cache.keys[layer][rows, :, at] = restored[layer, 0].transpose(0, 1)
+            cache.values[layer][rows, :, at] = restored[layer, 1].transpose(0, 1)
+        ids = torch.tensor([n + [0] * (width - len(n)) for n in new], dtype=torch.long, device=dev)
+        # A padding token takes its row's last position: in range, and it sees only that row's keys.
+        positions = torch.tensor(
+            [[k + min(j, n - 1) for j in range(width)] for k, n in zip(known, lengths, strict=True)],
+            device=dev,
+        )
+        cos, sin = m.rotary(positions)
+        attention = _Extend(cache, slots, known, lengths, positions)
+        parts = compiled_layer_parts() if self.compiled and not self.eager_rounding else PLAIN_PARTS
+        hidden = m.model.norm(m.run_layers(m.embed(ids, positions), cos, sin, attention, parts))
+        return hidden[torch.arange(len(new), device=dev), torch.tensor(lengths, device=dev) - 1]
 
     def _prefill(self, prompts: list[list[int]], counts: list[int], slots: list[int]) -> Tensor:
         """Write each prompt's keys and values into its ``counts[i]`` cache rows (the next ones
@@ -584,25 +599,42 @@ class _Prefill:
 
 
 class _Extend:
-    """`_extend`'s `LayerAttention`: one row's new tokens [1, T] at positions ``known``..,
-    written into cache row ``slot`` after the keys and values restored there, causal over all
-    of them."""
+    """`_extend`'s `LayerAttention`: rows [A, T] of new tokens (right-padded), row a's at
+    ``positions[a]`` in cache row ``slots[a]`` after its ``known[a]`` restored keys and values.
+    Each layer writes the real tokens' keys and values into their rows, then attends each token
+    causally over its row's cache up to its own position."""
 
-    def __init__(self, cache: KVCache, slot: int, known: int) -> None:
-        self.cache, self.slot, self.known = cache, slot, known
+    def __init__(
+        self, cache: KVCache, slots: list[int], known: list[int], lengths: list[int], positions: Tensor
+    ) -> None:
+        dev = positions.device
+        self.cache = cache
+        self.slots = torch.tensor(slots, device=dev)
+        real = [(a, j) for a, n in enumerate(lengths) for j in range(n)]
+        self.src = torch.tensor([a for a, _ in real], device=dev)  # each real token's row ...
+        self.col = torch.tensor([j for _, j in real], device=dev)  # ... and column
+        self.rows = self.slots[self.src]
+        self.at = positions[self.src, self.col]
+        self.end = max(k + n for k, n in zip(known, lengths, strict=True))
+        keys = torch.arange(self.end, device=dev)
+        self.mask = (keys <= positions.unsqueeze(-1)).unsqueeze(1)  # [A, 1, T, end]
+        # Cache positions past a row's tokens are masked, yet enter attention's products: fresh
+        # memory there may hold NaN (flash decode leaves it unzeroed), which a mask does not cancel.
+        ends = torch.tensor([k + n for k, n in zip(known, lengths, strict=True)], device=dev)
+        self.beyond = (keys >= ends.unsqueeze(-1))[:, None, :, None]  # [A, 1, end, 1]
 
     def writes(self, layer: int) -> None:
         return None
 
     def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        t = q.shape[1]
-        end = self.known + t
-        keys, values = self.cache.keys[layer][self.slot], self.cache.values[layer][self.slot]
-        keys[:, self.known : end] = k[0].transpose(0, 1)  # [kv_heads, T, D], the cache's layout
-        values[:, self.known : end] = v[0].transpose(0, 1)
-        mask, causal = attention_mask(None, t, self.known, q.device)
-        out = attend(q.transpose(1, 2), keys[None, :, :end], values[None, :, :end], mask, causal)
-        return out.transpose(1, 2).reshape(1, t, -1)
+        a, t = q.shape[:2]
+        keys, values = self.cache.keys[layer], self.cache.values[layer]
+        keys[self.rows, :, self.at] = k[self.src, self.col]  # [tokens, kv_heads, D]
+        values[self.rows, :, self.at] = v[self.src, self.col]
+        row_keys = keys[self.slots, :, : self.end].masked_fill_(self.beyond, 0)  # [A, kv_heads, end, D]
+        row_values = values[self.slots, :, : self.end].masked_fill_(self.beyond, 0)
+        out = attend(q.transpose(1, 2), row_keys, row_values, self.mask, False)
+        return out.transpose(1, 2).reshape(a, t, -1)
 
 
 class _Live:

@@ -34,9 +34,16 @@ NEW = 4  # tokens a turn generates (no stop tokens: every turn runs to its limit
 REPLIES = ((5, 6), (7,), (8, 9, 10))  # the environment's tokens: at the start, after turns 0 and 1
 
 
-def _model() -> Decoder:
+def _model(positions: int = 0) -> Decoder:
+    """With ``positions``, learned position embeddings for that many (else rotary)."""
     torch.manual_seed(0)
-    model = Decoder(ModelConfig(vocab_size=TOKENIZER.vocab_size, hidden_size=64, max_position_embeddings=64))
+    config = ModelConfig(
+        vocab_size=TOKENIZER.vocab_size,
+        hidden_size=64,
+        max_position_embeddings=positions or 64,
+        learned_position_embeddings=bool(positions),
+    )
+    model = Decoder(config)
     with torch.no_grad():  # sharper, so greedy choices are not near-ties
         model.model.embed_tokens.weight.mul_(3)
     return model
@@ -200,6 +207,54 @@ async def test_an_evicted_episode_prefills_its_next_turn_whole() -> None:
         fresh.close()
     assert (a2.tokens, b2.tokens) == (a_fresh.tokens, b_fresh.tokens)
     assert b2.logprobs == pytest.approx(b_fresh.logprobs, abs=1e-5)
+
+
+async def test_turns_entering_together_restore_their_own_keys_and_values_in_one_prefill() -> None:
+    """Two episodes' second turns (kept contexts of different lengths, new tokens of different
+    lengths) and a request of no episode open one loop together: the two continue in one
+    right-padded forward pass, the other is prefilled whole beside them, and each gives the
+    tokens and logprobs of a whole-context prefill. Learned positions, every request at the
+    table's end: a's padding stays inside it (at a's last position, not past it)."""
+    model = _model(positions=19)
+    engine = _engine(model, 1 << 20)
+    prompts = {"a": [2, 3, 4, 5, 6, 7, 8, 9, 10, 11], "b": [2, 6, 7, 8]}
+    replies = {"a": [11], "b": [12, 13, 14, 15, 12, 13, 14]}
+    other = [2, 5, 5, 6, 7]
+    shapes: list[tuple[int, int]] = []
+    try:
+        with anyio.fail_after(60):
+            first = {
+                key: (await engine.generate(p, 1, greedy=True, episode=key))[0] for key, p in prompts.items()
+            }
+            contexts = {key: [*prompts[key], *first[key].tokens, *replies[key]] for key in prompts}
+
+            def count(_: Any, args: tuple[torch.Tensor, ...]) -> None:
+                if args[0].dim() == 2:
+                    shapes.append(tuple(args[0].shape))
+
+            model.model.embed_tokens.register_forward_pre_hook(count)
+            second: dict[str, Completion] = {}
+
+            async def turn(key: str, context: list[int], episode: str | None) -> None:
+                (second[key],) = await engine.generate(context, 1, greedy=True, episode=episode)
+
+            async with anyio.create_task_group() as tg:
+                for key, context in contexts.items():
+                    tg.start_soon(turn, key, context, key)
+                tg.start_soon(turn, "other", other, None)
+    finally:
+        engine.close()
+    assert engine.calls == 3  # the second turns shared one loop
+    assert sorted(shapes) == [(1, len(other)), (2, 1 + len(replies["b"]))]
+    assert [second[key].reused_tokens for key in prompts] == [len(prompts[key]) + NEW - 1 for key in prompts]
+    whole = _engine(_model(positions=19), 0)
+    try:
+        for key, context in [*contexts.items(), ("other", other)]:
+            (want,) = await whole.generate(context, 1, greedy=True)
+            assert second[key].tokens == want.tokens
+            assert second[key].logprobs == pytest.approx(want.logprobs, abs=1e-5)
+    finally:
+        whole.close()
 
 
 def test_the_keep_evicts_the_least_recently_kept_and_gives_back_only_a_continued_prefix() -> None:
