@@ -14,6 +14,10 @@ not the context's `max_sequence_length` (decode steps find that length on the de
 host sync per layer). A call being captured into a CUDA graph (megatron's decode graphs) can
 neither sync nor size its copy to the rows it will replay for: it gathers every column, so a
 graphed step copies `max_sequence_length` keys per row whatever the rows hold.
+
+Decode steps on CUDA with Triton (`paged_decode.supports`) skip the copy: `paged_decode`'s
+kernel reads each row's own blocks through the table, with no sync, graphed or not. The gather
+stays for prefill and mixed steps, and for decode where the kernel does not run.
 """
 
 from __future__ import annotations
@@ -26,6 +30,8 @@ from typing import Any
 
 import torch
 from torch import Tensor
+
+from backends.megatron import paged_decode
 
 # What megatron's version check reads (`is_fa_min_version("2.7.3")` for dynamic batching).
 _VERSION = "2.8.3"
@@ -165,11 +171,17 @@ def flash_attn_with_kvcache(
     return_softmax_lse: bool = False,
     **_: Any,
 ) -> Any:
-    """flash-attn 2's attention of new queries q [B, S, H, D] over a paged cache."""
+    """flash-attn 2's attention of new queries q [B, S, H, D] over a paged cache (their own keys
+    already in it): by `paged_decode` where it runs (its logsumexp [B, H, S], as flash-attn's),
+    else over the gathered blocks (the logsumexp as torch's varlen kernel lays it out)."""
     _full_window(window_size)
     if block_table is None:
         raise NotImplementedError("flash_attn_with_kvcache without a block table")
     b, s, h, d = q.shape
+    if paged_decode.supports(q, k_cache, v_cache, block_table, cache_seqlens):
+        scale = d**-0.5 if softmax_scale is None else softmax_scale
+        out, lse = paged_decode.attend(q, k_cache, v_cache, block_table, cache_seqlens, scale, causal)
+        return (out, lse) if return_softmax_lse else out
     cu_q = torch.arange(0, (b + 1) * s, s, dtype=torch.int32, device=q.device)
     out, lse = _paged(
         q.reshape(b * s, h, d),
