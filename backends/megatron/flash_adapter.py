@@ -173,15 +173,30 @@ def flash_attn_with_kvcache(
 ) -> Any:
     """flash-attn 2's attention of new queries q [B, S, H, D] over a paged cache (their own keys
     already in it): by `paged_decode` where it runs (its logsumexp [B, H, S], as flash-attn's),
-    else over the gathered blocks (the logsumexp as torch's varlen kernel lays it out)."""
+    else by `gathered_decode`."""
     _full_window(window_size)
     if block_table is None:
         raise NotImplementedError("flash_attn_with_kvcache without a block table")
-    b, s, h, d = q.shape
+    scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
     if paged_decode.supports(q, k_cache, v_cache, block_table, cache_seqlens):
-        scale = d**-0.5 if softmax_scale is None else softmax_scale
         out, lse = paged_decode.attend(q, k_cache, v_cache, block_table, cache_seqlens, scale, causal)
-        return (out, lse) if return_softmax_lse else out
+    else:
+        out, lse = gathered_decode(q, k_cache, v_cache, block_table, cache_seqlens, scale, causal)
+    return (out, lse) if return_softmax_lse else out
+
+
+def gathered_decode(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    block_table: Tensor,
+    cache_seqlens: Tensor,
+    scale: float,
+    causal: bool,
+) -> tuple[Tensor, Tensor]:
+    """`flash_attn_with_kvcache`'s attention over the rows' blocks gathered into contiguous keys
+    (module docstring), with the logsumexp as torch's varlen kernel lays it out."""
+    b, s, h, d = q.shape
     cu_q = torch.arange(0, (b + 1) * s, s, dtype=torch.int32, device=q.device)
     out, lse = _paged(
         q.reshape(b * s, h, d),
@@ -190,9 +205,8 @@ def flash_attn_with_kvcache(
         cu_q,
         s,
         cache_seqlens,
-        softmax_scale,
+        scale,
         causal,
         _used(block_table, b, lambda: int(cache_seqlens[:b].max()), k_cache.shape[1]),
     )
-    out = out.view(b, s, h, d)
-    return (out, lse) if return_softmax_lse else out
+    return out.view(b, s, h, d), lse

@@ -1,0 +1,82 @@
+"""`backends/megatron/paged_decode.py`'s kernels against attention written out over the same
+paged cache, on the CPU through Triton's interpreter (one process for every case:
+tests/backends/paged_decode_case.py), and the choices it makes on the host."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("triton")
+
+from backends.megatron import paged_decode  # noqa: E402
+from tests.backends.paged_decode_case import CASES, paged  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def interpreted() -> dict[str, Any]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        [sys.executable, "-W", "error", "-m", "tests.backends.paged_decode_case"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+@pytest.mark.parametrize("case", [*CASES, "adapter"])
+def test_the_kernel_gives_softmax_attention_over_each_rows_own_blocks(
+    interpreted: dict[str, Any], case: str
+) -> None:
+    """Mixed lengths (1 key, mid-block, a whole block, none, several tiles over scattered
+    blocks), GQA, keys split over programs, two queries a request with and without the causal
+    cut, head dim 64, and the flash adapter's `flash_attn_with_kvcache` taking the kernel: the
+    output and logsumexp of plain softmax attention; a query that sees no key has logsumexp
+    -inf and output 0."""
+    got = interpreted[case]
+    assert got["out"] < 1e-5 and got["lse"] < 1e-5, got
+    assert got["unseen_agree"], got
+
+
+def _h200(monkeypatch: pytest.MonkeyPatch) -> torch.device:
+    monkeypatch.setattr(
+        torch.cuda, "get_device_properties", lambda device: SimpleNamespace(multi_processor_count=132)
+    )
+    return torch.device("cuda")
+
+
+def test_a_decode_batch_that_fills_the_device_is_not_split(monkeypatch: pytest.MonkeyPatch) -> None:
+    """256 rows x 2 KV heads are 512 programs for 132 SMs: each walks its row whole."""
+    assert paged_decode.splits(256 * 2, 1024, _h200(monkeypatch)) == 1
+
+
+def test_few_long_rows_split_their_keys_by_the_tables_width(monkeypatch: pytest.MonkeyPatch) -> None:
+    """2 programs leave SMs idle: their keys are split in a power of two, each split at least
+    MIN_SPLIT_KEYS of the width a row can hold, at most MAX_SPLITS; a table narrower than two
+    splits is not split."""
+    device = _h200(monkeypatch)
+    assert paged_decode.splits(2, 1024, device) == 4
+    assert paged_decode.splits(2, 1536, device) == 4  # 6 splits' worth: rounded down
+    assert paged_decode.splits(2, 65536, device) == paged_decode.MAX_SPLITS
+    assert paged_decode.splits(2, 256, device) == 1
+
+
+def test_cpu_tensors_take_the_gather_without_the_interpreter() -> None:
+    """The adapter's fallback: the kernel runs on CUDA tensors (or under Triton's interpreter)."""
+    k, v, table = paged([5], block_tokens=16, kv_heads=2, d=32)
+    q = torch.randn(1, 1, 6, 32)
+    assert not paged_decode.supports(q, k, v, table, torch.tensor([5], dtype=torch.int32))
