@@ -18,6 +18,11 @@ table's width. Long rows with few rows split their keys over SPLITS programs (fl
 whose partial sums `_combine` merges. SPLITS follows from the shapes and the device alone
 (`splits`), never from the lengths: a launch syncs nothing with the device, allocates only what
 the shapes fix, and so can be captured in a CUDA graph and replayed for other lengths.
+
+Compiled, the tiles are walked by a `for` loop, which Triton pipelines (the next tiles' loads
+overlap the current tile's math). Triton's interpreter, which runs the kernels on CPU tensors
+for the tests, cannot take a `for` loop whose bounds are tensors (under numpy 2): there the same
+tiles are walked by a `while` loop (`STEPPED`).
 """
 
 from __future__ import annotations

@@ -80,3 +80,32 @@ def test_cpu_tensors_take_the_gather_without_the_interpreter() -> None:
     k, v, table = paged([5], block_tokens=16, kv_heads=2, d=32)
     q = torch.randn(1, 1, 6, 32)
     assert not paged_decode.supports(q, k, v, table, torch.tensor([5], dtype=torch.int32))
+
+
+def test_the_kernel_compiles_for_the_h200_with_pipelined_vector_loads() -> None:
+    """What the interpreter cannot show: `_partials` compiles for sm_90 (megatron's engine shape:
+    6 query heads a KV head, head dim 128, bf16), and with the cache's pointers and strides
+    multiples of 16 (as a launch over megatron's cache specialises them) its key and value
+    tiles are read by asynchronous copies (`cp.async`: loads of later tiles overlap the
+    current tile's math) in 16-byte vectors."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    kernel = paged_decode._partials
+    constants = {"CAUSAL": True, "GROUP": 6, "GROUP_PAD": 16, "D": 128, "TILE": paged_decode.TILE}
+    constants |= {"SPLITS": 1, "STEPPED": False}
+    pointers = {"q": "*bf16", "k_cache": "*bf16", "v_cache": "*bf16", "out": "*bf16", "part_out": "*bf16"}
+    pointers |= {"table": "*i32", "seqlens": "*i32", "lse": "*fp32", "part_max": "*fp32", "part_sum": "*fp32"}
+    names = kernel.arg_names
+    signature = {n: "constexpr" if n in constants else pointers.get(n, "i32") for n in names}
+    signature["scale_log2"] = "fp32"
+    aligned = [i for i, n in enumerate(names) if signature[n] in ("*bf16", "*i32", "*fp32", "i32")]
+    source = ASTSource(
+        kernel,
+        signature,
+        {(names.index(n),): v for n, v in constants.items()},
+        attrs={(i,): [["tt.divisibility", 16]] for i in aligned if names[i] != "queries"},
+    )
+    ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+    assert "cp.async" in ptx and "ld.global.v4" in ptx

@@ -56,12 +56,13 @@ def test_the_adapter_decodes_through_the_kernel_as_the_gather_does() -> None:
     torch.testing.assert_close(out.float(), gathered.float(), atol=2e-2, rtol=2e-2)
 
 
-@pytest.mark.parametrize("rows", [2, 64])
+@pytest.mark.parametrize("rows", [2, 256])
 def test_a_captured_launch_replays_for_other_lengths(rows: int) -> None:
-    """Captured once (split for 2 rows, whole for 64) at short lengths, replayed after the rows
-    grew past the captured ones: the replay attends over each row's keys as they are then."""
+    """Captured once (keys split for 2 rows, whole for 256) at one key a row, replayed after
+    the rows grew: the replay attends over each row's keys as they are then."""
     grown = [(37 * i) % 1000 + 1 for i in range(rows)]
     q, k, v, table, seqlens = _inputs(grown, 128)
+    assert (paged_decode.splits(rows * KV_HEADS, table.shape[1] * BLOCK, q.device) > 1) == (rows == 2)
     seqlens.fill_(1)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
