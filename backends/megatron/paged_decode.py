@@ -40,20 +40,20 @@ except ImportError:  # CPU-only installs: the flash adapter gathers the blocks t
 
 TILE = 64  # keys a program reads at once
 MAX_SPLITS = 16
-# Below this many keys a split costs more in its merge than it saves.
+# The fewest keys worth a split of their own (each split adds a partial output to merge).
 MIN_SPLIT_KEYS = 256
 
 
 def supports(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor, cache_seqlens: Tensor) -> bool:
     """Whether `attend` runs these inputs: Triton present, CUDA tensors (or Triton's
-    interpreter on CPU ones), a power-of-two head dim of at least 16, query heads a multiple of
+    interpreter on CPU ones), a power-of-two head dim from 16 to 256, query heads a multiple of
     the KV heads, each head's elements, each table row and the lengths contiguous."""
     d = q.shape[-1]
     interpreted = triton is not None and triton.knobs.runtime.interpret
     return (
         triton is not None
         and (q.is_cuda or interpreted)
-        and d >= 16
+        and 16 <= d <= 256
         and d & (d - 1) == 0
         and q.shape[-2] % k_cache.shape[2] == 0
         and q.stride(-1) == k_cache.stride(-1) == v_cache.stride(-1) == 1

@@ -82,6 +82,28 @@ def test_cpu_tensors_take_the_gather_without_the_interpreter() -> None:
     assert not paged_decode.supports(q, k, v, table, torch.tensor([5], dtype=torch.int32))
 
 
+@pytest.mark.parametrize(
+    ("heads", "d", "strided", "runs"),
+    [
+        (6, 32, False, True),
+        (6, 96, False, False),
+        (6, 512, False, False),
+        (5, 32, False, False),
+        (6, 32, True, False),
+    ],
+    ids=["gqa", "head-dim-96", "head-dim-512", "heads-not-a-multiple", "strided-head-dim"],
+)
+def test_inputs_the_kernel_cannot_take_go_to_the_gather(
+    monkeypatch: pytest.MonkeyPatch, heads: int, d: int, strided: bool, runs: bool
+) -> None:
+    import triton
+
+    monkeypatch.setattr(triton.knobs.runtime, "interpret", True)
+    k, v, table = paged([5], block_tokens=16, kv_heads=2, d=d)
+    q = torch.randn(1, 1, heads, 2 * d)[..., ::2] if strided else torch.randn(1, 1, heads, d)
+    assert paged_decode.supports(q, k, v, table, torch.tensor([5], dtype=torch.int32)) == runs
+
+
 def test_the_kernel_compiles_for_the_h200_with_pipelined_vector_loads() -> None:
     """What the interpreter cannot show: `_partials` compiles for sm_90 (megatron's engine shape:
     6 query heads a KV head, head dim 128, bf16), and with the cache's pointers and strides
