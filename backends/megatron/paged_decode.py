@@ -14,10 +14,11 @@ bottom-right alignment); without it every query sees all seqlen keys. It returns
 Each program of `_partials` takes one query row and one KV head with the GROUP query heads
 that share it (GQA: the keys are read once for the group), and walks that row's own blocks in
 tiles of TILE keys with an online softmax: only the keys a row holds are read, whatever the
-table's width. Long rows with few rows split their keys over SPLITS programs (flash-decoding),
-whose partial sums `_combine` merges. SPLITS follows from the shapes and the device alone
-(`splits`), never from the lengths: a launch syncs nothing with the device, allocates only what
-the shapes fix, and so can be captured in a CUDA graph and replayed for other lengths.
+table's width. When the rows are too few to fill the device, each row's keys are split over
+SPLITS programs (flash-decoding), whose partial sums `_combine` merges. SPLITS follows from
+the shapes and the device alone (`splits`), never from the lengths: a launch syncs nothing with
+the device, allocates only what the shapes fix, and so can be captured in a CUDA graph and
+replayed for other lengths.
 
 Compiled, the tiles are walked by a `for` loop, which Triton pipelines (the next tiles' loads
 overlap the current tile's math). Triton's interpreter, which runs the kernels on CPU tensors
@@ -86,8 +87,8 @@ def attend(
     causal: bool,
     num_splits: int | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """Attention of q over each request's cached keys (module docstring); `num_splits` overrides
-    `splits` (tests)."""
+    """Attention of q over each request's cached keys (module docstring); `num_splits`, a power
+    of two, overrides `splits` (tests)."""
     b, s, h, d = q.shape
     block_tokens, kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = h // kv_heads
