@@ -5,8 +5,8 @@ and the CPU cases of `backends/megatron/paged_decode.py`'s kernels.
 the kernels on CPU tensors; it must be on before Triton is first imported, so the test runs it
 in a process of its own) prints one JSON object: for each case the largest difference of the
 kernel's output and logsumexp from `reference`, and whether the two agree on the queries that
-see no key. The cases are float32: the interpreter's `tl.dot` of bf16 tiles is wrong (it
-takes their bits for integers), so bf16 is tested on the GPU, by
+see no key. The cases are float32: Triton 3.6's interpreter gets `tl.dot` of bf16 tiles wrong
+(products of order 1e10 from unit-scale inputs), so bf16 is tested on the GPU, by
 tests/gpu/test_megatron_paged_decode.py, which takes the caches and the reference from here.
 """
 
