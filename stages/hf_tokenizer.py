@@ -15,7 +15,7 @@ to the same text as `transformers`' `apply_chat_template(..., tokenize=False)`.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -107,9 +107,21 @@ class HFTokenizer:
         """The chat template's text for one user turn, ending with the assistant's prompt."""
         messages = [{"role": "system", "content": system}] if system is not None else []
         messages.append({"role": "user", "content": text})
+        return self.render(messages, add_generation_prompt=True)
+
+    def render(self, messages: Sequence[Mapping[str, str]], *, add_generation_prompt: bool) -> str:
+        """The chat template's text for `messages` (`role` and `content` each)."""
         return self._chat_template().render(
-            messages=messages, add_generation_prompt=True, tools=None, documents=None, **self.special_tokens
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            tools=None,
+            documents=None,
+            **self.special_tokens,
         )
+
+    def text_of(self, ids: Sequence[int]) -> str:
+        """The text of `ids` exactly, special tokens (and stop ids) written out as their text."""
+        return self._tokenizer.decode(list(ids), skip_special_tokens=False)
 
     def decode(self, ids: Sequence[int]) -> str:
         """Text up to the first stop id, special tokens skipped.
