@@ -39,6 +39,7 @@ from stages.rollout import RolloutSection
 from stages.tokenizer import ChatTokenizer, Tokenizer
 
 Message = dict[str, str]
+_PROBE = Prompt(prompt_id="probe", text="Probe question.", tokens=(), answer="")
 _PROBE_TURNS = (
     "<think>\nFirst, think.\n</think>\n\nMy first answer.",
     "<think>\nAgain.\n</think>\n\nMy second.",
@@ -63,7 +64,7 @@ class ChatTurns:
         self.system = system
         self.role = role
         self.turn_end = self._turn_end()
-        probe = self.conversation(Prompt(prompt_id="probe", text="Probe question.", tokens=(), answer=""))
+        probe = self.conversation(_PROBE)
         for text in _PROBE_TURNS:
             ending = () if self.turn_end is None else (self.turn_end,)
             probe.after((*tokenizer.encode_plain(text), *ending), "Probe reply.")
@@ -75,17 +76,17 @@ class ChatTurns:
         return Conversation(self, messages)
 
     def _turn_end(self) -> int | None:
-        """The stop id whose text the template writes right after an assistant message's content."""
-        asked = self.conversation(Prompt(prompt_id="probe", text="Probe question.", tokens=(), answer=""))
-        content = "Probe answer."
-        answered = [{"role": "assistant", "content": content}, {"role": self.role, "content": "Probe reply."}]
+        """The stop id whose text the template writes right after an assistant message's content
+        (None for none, or for a template that does not write the content there as given: the
+        probe refuses that one)."""
+        asked = self.conversation(_PROBE)
+        head = asked.text + "Probe answer."
+        answered = [
+            {"role": "assistant", "content": "Probe answer."},
+            {"role": self.role, "content": "Probe reply."},
+        ]
         text = self.tokenizer.render([*asked.messages, *answered], add_generation_prompt=True)
-        if not text.startswith(asked.text + content):
-            raise _refused(
-                "it does not write an assistant message as its content right after its generation "
-                f"prompt{_difference(asked.text + content, text)}"
-            )
-        after = text[len(asked.text + content) :]
+        after = text[len(head) :] if text.startswith(head) else ""
         for stop in self.tokenizer.stop_ids:
             written = self.tokenizer.text_of([stop])
             if written and after.startswith(written):
@@ -117,8 +118,9 @@ class Conversation:
         text = tokenizer.render(messages, add_generation_prompt=True)
         if not text.startswith(self.text):
             raise _refused(
-                "adding a message changes its text of the earlier turns, as a template that drops "
-                f"earlier turns' reasoning does{_difference(self.text, text)}"
+                "adding messages changes its text of the turns before them (as a template that drops "
+                "earlier turns' reasoning, or writes a generation prompt unlike its assistant "
+                f"messages, does){_difference(self.text, text)}"
             )
         written = content + tokenizer.text_of(turn[-1:]) if closed else content
         added = text[len(self.text) :]

@@ -20,10 +20,10 @@ and past `max_env_failures` the run stops (`DropBudgetExceeded`).
 
 With `prompts.chat_template` (`chat`, stages/chat_turns.py) an episode is a chat through the
 model's template: the tokens between two turns are the template's end of the assistant's turn,
-the observation's message (of `rollout.observation_role`) and the next assistant turn's start;
-an observation is then text (tokens, or an observation from `start`, which would come before
-the prompt's generation prompt, fail the episode), and a template that cannot continue the
-context exactly stops the run (`RecipeError`).
+the observation's message (of `rollout.observation_role`) and the next assistant turn's start.
+Observations are then text: one given as tokens, or a non-empty one from `start` (the prompt is
+the whole first user turn), fails its episode; a template that cannot continue the context
+exactly stops the run (`RecipeError`).
 
 The engine keeps no KV cache between an episode's turns: each turn after the first prefills
 its whole context again, counted in `EpisodeStats.reprefilled_tokens` (`env/reprefilled_tokens`).

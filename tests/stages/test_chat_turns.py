@@ -37,6 +37,12 @@ DROPS_EARLIER_REASONING = (
     "{{ '<|im_start|>' + message['role'] + '\\n' + content + '<|im_end|>\\n' }}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
+EARLIER_TURNS_REFUSED = (  # at the character where the first turn's text changes
+    "prompts.chat_template: the model's chat template cannot continue an episode: adding "
+    "messages changes its text of the turns before them (as a template that drops earlier "
+    "turns' reasoning, or writes a generation prompt unlike its assistant messages, does) "
+    "(at character {at}: '<think>\\nFirst, think.\\n</' became '\\n\\nMy first answer.<|im_e')"
+)
 # ChatML with each message's content trimmed of surrounding whitespace.
 TRIMS = DROPS_EARLIER_REASONING.replace("content.split('</think>')[-1]", "content").replace(
     "+ content +", "+ content | trim +"
@@ -171,12 +177,7 @@ def test_a_template_that_rewrites_earlier_turns_is_refused(tmp_path: Path) -> No
     drops once a second turn follows."""
     with pytest.raises(RecipeError) as raised:
         _chat(tokenizer_dir(tmp_path, DROPS_EARLIER_REASONING))
-    assert str(raised.value) == (
-        "prompts.chat_template: the model's chat template cannot continue an episode: adding a "
-        "message changes its text of the earlier turns, as a template that drops earlier turns' "
-        "reasoning does (at character 65: '<think>\\nFirst, think.\\n</' became "
-        "'\\n\\nMy first answer.<|im_e')"
-    )
+    assert str(raised.value) == EARLIER_TURNS_REFUSED.format(at=65)
 
 
 async def test_a_template_that_rewrites_the_models_turn_stops_the_episode(tmp_path: Path) -> None:
@@ -271,6 +272,5 @@ def test_validate_refuses_a_template_that_rewrites_earlier_turns(
     ]
     assert main(["validate", str(TINY_HF), *overrides]) == 2
     (line,) = capsys.readouterr().err.splitlines()
-    assert line.startswith(
-        "error: prompts.chat_template: the model's chat template cannot continue an episode: adding a message"
-    )
+    # Further in: tiny-hf.yaml's system prompt comes first.
+    assert line == "error: " + EARLIER_TURNS_REFUSED.format(at=133)
