@@ -9,7 +9,10 @@ Files read from the model directory (nothing is ever downloaded):
 The chat template is rendered with jinja2 in a sandbox, with the variables and helpers
 transformers gives templates (`messages`, `add_generation_prompt`, the special tokens,
 `raise_exception`, `strftime_now`, a `tojson` that keeps non-ASCII text), so a prompt renders
-to the same text as `transformers`' `apply_chat_template(..., tokenize=False)`.
+to the same text as `transformers`' `apply_chat_template(..., tokenize=False)`. One difference:
+`strftime_now` reads the time the tokenizer was built, not the time of each rendering, so a run
+renders one date throughout (a template that writes today's date, as Llama 3.1's does, would
+otherwise change an episode's earlier turns at midnight; stages/chat_turns.py refuses that).
 """
 
 from __future__ import annotations
@@ -84,6 +87,7 @@ class HFTokenizer:
         self.pad_id: int = self._token_id(pad_token, TOKENIZER_CONFIG_FILE) if pad_token else self.eos_id
         self.vocab_size: int = self._tokenizer.get_vocab_size(with_added_tokens=True)
         self._template: Any = None
+        self._built = datetime.now()
 
     def _token_id(self, token: str, source: str) -> int:
         token_id = self._tokenizer.token_to_id(token)
@@ -153,7 +157,7 @@ class HFTokenizer:
             )
             env.filters["tojson"] = _tojson
             env.globals["raise_exception"] = _raise_exception
-            env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+            env.globals["strftime_now"] = self._built.strftime
             self._template = env.from_string(source)
         return self._template
 
