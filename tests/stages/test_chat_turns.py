@@ -100,10 +100,11 @@ class Feedback:
         return Observation(text=("higher", "lower")[turn.index])
 
 
-def _chat(directory: Path, role: str = "tool") -> tuple[HFTokenizer, ChatTurns, Prompt]:
+def _chat(directory: Path) -> tuple[HFTokenizer, ChatTurns, Prompt]:
+    """The tokenizer of `directory`, its chat turns (tool messages) and a prompt through its template."""
     tokenizer = HFTokenizer(directory)
     prompt = Prompt(prompt_id="p0", text=QUESTION, tokens=tuple(tokenizer.encode_chat(QUESTION)), answer="7")
-    return tokenizer, ChatTurns(tokenizer, system=None, role=role), prompt
+    return tokenizer, ChatTurns(tokenizer, system=None, role="tool"), prompt
 
 
 async def _episode(
