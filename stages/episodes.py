@@ -18,6 +18,13 @@ raises, overruns `env_s` or answers something malformed fails only its episode: 
 with `EpisodeStats.failed` set and no reward (never trained on), counted in `counts["env_failures"]`,
 and past `max_env_failures` the run stops (`DropBudgetExceeded`).
 
+With `prompts.chat_template` (`chat`, stages/chat_turns.py) an episode is a chat through the
+model's template: the tokens between two turns are the template's end of the assistant's turn,
+the observation's message (of `rollout.observation_role`) and the next assistant turn's start.
+Observations are then text: one given as tokens, or a non-empty one from `start` (the prompt is
+the whole first user turn), fails its episode; a template that cannot continue the context
+exactly stops the run (`RecipeError`).
+
 The engine keeps no KV cache between an episode's turns: each turn after the first prefills
 its whole context again, counted in `EpisodeStats.reprefilled_tokens` (`env/reprefilled_tokens`).
 """
@@ -38,6 +45,7 @@ from pipeline.contracts.errors import DeadlineExceeded, DropBudgetExceeded
 from pipeline.contracts.messages import Completion, EpisodeStats, Prompt
 from pipeline.gate import EngineGate
 from pipeline.logs import warn_once
+from stages.chat_turns import ChatTurns
 from stages.rollout import GiveUp, RolloutSection, with_retries
 from stages.tokenizer import Tokenizer
 
@@ -76,12 +84,14 @@ class Episodes:
         tokenizer: Tokenizer,
         gate: EngineGate,
         clock: DeadlineClock,
+        chat: ChatTurns | None = None,
     ) -> None:
         self.section = section
         self.factory = factory
         self.tokenizer = tokenizer
         self.gate = gate
         self.clock = clock
+        self.chat = chat
         self.vocab_size = tokenizer.vocab_size
 
     async def run(self, prompt: Prompt, *, counts: Counter[str], greedy: bool = False) -> Episode:
@@ -120,6 +130,7 @@ class Episodes:
             )
 
         env = self.factory()
+        conversation = self.chat.conversation(prompt) if self.chat is not None else None
         try:
             start = self.clock.source.now()
             calls += 1
@@ -127,6 +138,11 @@ class Episodes:
                 last = await self._call(env.start(prompt), "start")
             finally:
                 env_s += self.clock.source.now() - start
+            if conversation is not None and not last.done and (last.text or last.tokens is not None):
+                raise EnvironmentFailed(
+                    "start returned an observation to put before the first turn; with "
+                    "prompts.chat_template the prompt is the whole first user turn"
+                )
             observed = self._tokens(last)
             while not last.done:
                 if turns >= section.max_turns or len(tokens) + len(observed) + section.max_new_tokens > (
@@ -163,7 +179,10 @@ class Episodes:
                     env_s += self.clock.source.now() - start
                 if last.reward is not None:
                     rewards.append(last.reward)
-                observed = self._tokens(last)
+                if conversation is None or last.done:
+                    observed = self._tokens(last)
+                else:
+                    observed = conversation.after(completion.tokens, self._text(last))
         except EnvironmentFailed as failure:
             self._failed(str(failure), counts)
             return episode(None, {}, failed=str(failure))
@@ -212,6 +231,16 @@ class Episodes:
         if bad:
             raise EnvironmentFailed(f"{name} returned non-finite values: {bad}")
         return result
+
+    @staticmethod
+    def _text(observation: Observation) -> str:
+        """The text of the observation's message (a chat template renders text only)."""
+        if observation.tokens is not None:
+            raise EnvironmentFailed(
+                "observation given as tokens; with prompts.chat_template it is text, a message "
+                "the template renders"
+            )
+        return observation.text
 
     def _tokens(self, observation: Observation) -> tuple[int, ...]:
         """The observation's tokens (none for one that ends the episode: nothing follows it)."""

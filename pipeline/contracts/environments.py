@@ -13,7 +13,10 @@ keyword arguments), then:
 its observation is appended to the prompt's tokens before the first turn (an empty one adds
 nothing). `step` gets the model's turn: its decoded text (up to the end-of-sequence token) and
 the exact tokens the engine produced. Each observation's text (or tokens) enters the sequence
-after the turn, with loss mask 0: the model is trained only on its own tokens.
+after the turn, with loss mask 0: the model is trained only on its own tokens. With
+`prompts.chat_template: true` the episode is a chat: each observation is text, a message of
+`rollout.observation_role` (`tool` by default) that the model's chat template renders between
+the turns, and `start`'s observation must be empty (the prompt is the whole first user turn).
 
 The episode's reward is, as `rollout.episode_reward` says, the sum of the turns' rewards
 (`sum`: a turn without one counts 0) or the last turn's reward (`final`: the observation that

@@ -358,6 +358,11 @@ VALID_RUN_FIELDS = "dir, steps, seed, stop_grace_s, progress, log_every_steps, p
             id="episode-budget-below-a-turn",
         ),
         pytest.param(
+            "rollout:\n  observation_role: system\n",
+            "rollout.observation_role: Invalid enum value 'system'; expected one of: tool, user",
+            id="observation-role",
+        ),
+        pytest.param(
             "placement:\n  backend: ray\n  weights: nccl\n",
             "placement.weights: Invalid enum value 'nccl'; expected one of: auto, collective, cuda_ipc, "
             "object_store",
