@@ -54,6 +54,18 @@ def _run_stopping_after(recipe: Any, step: int) -> None:
     anyio.run(lambda: pipeline.run(recipe, stop=stop, echo=echo))
 
 
+def _kill_after_first_checkpoint(args: list[str], run_dir: Path) -> int:
+    """Run `args`, SIGKILL it at a random moment up to 0.3 s after `run_dir`'s first committed
+    checkpoint; its exit status (-SIGKILL where the kill came before it ended)."""
+    process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while not committed(run_dir / "checkpoints") and time.monotonic() < deadline and process.poll() is None:
+        time.sleep(0.01)
+    time.sleep(random.uniform(0.0, 0.3))
+    process.send_signal(signal.SIGKILL)
+    return process.wait()
+
+
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> dict[int, tuple[str, ...]]:
     run_dir = tmp_path_factory.mktemp("straight") / "run"
@@ -76,13 +88,7 @@ def test_sigkill_after_a_save_then_resume_is_bit_exact(
     run_dir = tmp_path / "run"
     args = [sys.executable, "-m", "pipeline", "run", "recipes/quickstart.yaml", f"run.dir={run_dir}", *SMALL]
     args += ["run.steps=6", "checkpoint.every_steps=1", "--quiet"]
-    process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 120
-    while not committed(run_dir / "checkpoints") and time.monotonic() < deadline and process.poll() is None:
-        time.sleep(0.01)
-    time.sleep(random.uniform(0.0, 0.3))
-    process.send_signal(signal.SIGKILL)
-    process.wait()
+    _kill_after_first_checkpoint(args, run_dir)
     anyio.run(pipeline.run, _recipe(run_dir, "run.steps=6"))
     assert _figures(run_dir) == uninterrupted
 
@@ -211,13 +217,7 @@ def test_sigkill_then_resume_trains_every_prompt_exactly_once_multi_turn_include
     args = [sys.executable, "-c", RECORDING_SCRIPT, str(run_dir), str(log), "recipes/multi-turn-cpu.yaml"]
     args += ["run.progress=false", "run.plot=false", "eval.every_steps=0", "gates.checks=[]"]
     args += [f"run.steps={steps}", f"prompts.prompts_per_step={per_step}", "checkpoint.every_steps=1"]
-    process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 120
-    while not committed(run_dir / "checkpoints") and time.monotonic() < deadline and process.poll() is None:
-        time.sleep(0.01)
-    time.sleep(random.uniform(0.0, 0.3))
-    process.send_signal(signal.SIGKILL)
-    assert process.wait() == -signal.SIGKILL
+    assert _kill_after_first_checkpoint(args, run_dir) == -signal.SIGKILL
     kept = int(committed(run_dir / "checkpoints")[-1].name.removeprefix("step-"))
     assert kept < steps
     before = [line.split() for line in log.read_text().splitlines()]
