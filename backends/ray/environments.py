@@ -10,7 +10,8 @@ The rollout awaits its calls as it awaits an environment in the controller, unde
 (Ray's wrapping taken off), its answer as it was. A call cut off by its deadline, or by a stop,
 cancels the actor's task too. A worker that dies fails the episodes it held, each with one line
 (`EnvironmentWorkerLost`, counted against `rollout.max_env_failures` as any environment
-failure), and is replaced by a new actor for the episodes after (`environment_worker_restarts`).
+failure), and is replaced by a new actor for the episodes after (`environment_worker_restarts`);
+an episode whose start found it dead starts once more on the new one.
 """
 
 from __future__ import annotations
@@ -55,9 +56,17 @@ class RemoteEnvironment:
         self.held: tuple[Worker, Any, int] | None = None  # worker, its actor then, incarnation
 
     async def start(self, prompt: Prompt) -> Observation:
-        worker = self.pool.least_busy()
-        self.held = (worker, worker.actor, worker.take())
-        return await self._call("start", prompt)
+        """Build and start the environment in the least busy worker; a worker found dead is
+        replaced and the start sent once more (the episode had nothing there to lose yet)."""
+        for attempt in range(2):
+            worker = self.pool.least_busy()
+            self.held = (worker, worker.actor, worker.take())
+            try:
+                return await self._call("start", prompt)
+            except EnvironmentWorkerLost:
+                if attempt:
+                    raise
+        raise AssertionError("unreachable")
 
     async def step(self, turn: Turn) -> Observation:
         return await self._call("step", turn)

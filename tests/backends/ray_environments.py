@@ -25,11 +25,12 @@ class Malformed(Raises):
 
 
 class Stalls(Raises):
-    """Its step never answers where the prompt's answer is `stall` (cancelled, it writes
-    `cancelled` to the file `marker`, where given); else it ends the episode won."""
+    """Its step never answers where the prompt's answer is `stall` (appending `stalled` to the
+    file `log` as it begins, `cancelled` when it is cancelled, where `log` is given); else it
+    ends the episode won."""
 
-    def __init__(self, marker: str = "") -> None:
-        self.marker = marker
+    def __init__(self, log: str = "") -> None:
+        self.log = log
         self.stall = False
 
     async def start(self, prompt: Prompt) -> Observation:
@@ -38,9 +39,14 @@ class Stalls(Raises):
 
     async def step(self, turn: Turn) -> Observation:
         if self.stall:
+            self._note("stalled")
             try:
                 await anyio.sleep_forever()
             finally:
-                if self.marker:
-                    Path(self.marker).write_text("cancelled")
+                self._note("cancelled")
         return Observation(reward=1.0, done=True)
+
+    def _note(self, line: str) -> None:
+        if self.log:
+            with Path(self.log).open("a") as log:
+                log.write(line + "\n")

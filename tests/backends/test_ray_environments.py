@@ -92,6 +92,16 @@ def held(pool: EnvironmentPool) -> list[int]:
     return ray.get([w.actor.episodes.remote() for w in pool.workers])
 
 
+async def logged(log: Path, lines: list[str]) -> bool:
+    """Whether `log` holds `lines` within 30 s."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if log.exists() and log.read_text().splitlines() == lines:
+            return True
+        await anyio.sleep(0.01)
+    return False
+
+
 def let_go(pool: EnvironmentPool) -> bool:
     """Whether every worker lets go of its environments within 10 s (a `close` is sent and not
     awaited, and an async actor runs its calls in no fixed order)."""
@@ -130,8 +140,8 @@ async def test_an_episode_on_a_worker_is_the_one_played_in_the_controller(pools:
 async def test_an_environment_failure_on_a_worker_reads_as_in_the_controller(
     pools: Pools, tmp_path: Path, name: str, section: dict[str, Any], reason: str
 ) -> None:
-    marker = tmp_path / "cancelled"
-    pool = pools(name, **({"marker": str(marker)} if name.endswith("Stalls") else {}))
+    log = tmp_path / "stalls.log"
+    pool = pools(name, **({"log": str(log)} if name.endswith("Stalls") else {}))
     counts: Counter[str] = Counter()
     stalling = Prompt(prompt_id="p0", text="?", tokens=PROMPT.tokens, answer="stall")
     episode = await play(pool.environment, counts, stalling, **section)
@@ -139,10 +149,7 @@ async def test_an_environment_failure_on_a_worker_reads_as_in_the_controller(
     assert (episode.reward, episode.stats.failed, counts["env_failures"]) == (None, reason, 1)
     assert let_go(pool)
     if name.endswith("Stalls"):  # the step past its deadline was cancelled in the worker too
-        deadline = time.monotonic() + 10
-        while not marker.exists() and time.monotonic() < deadline:
-            await anyio.sleep(0.01)
-        assert marker.read_text() == "cancelled"
+        assert await logged(log, ["stalled", "cancelled"])
 
 
 async def test_failures_on_a_worker_past_the_budget_stop_the_run(pools: Pools) -> None:
@@ -154,8 +161,11 @@ async def test_failures_on_a_worker_past_the_budget_stop_the_run(pools: Pools) -
     )
 
 
-async def test_a_worker_killed_under_its_episodes_fails_them_and_is_replaced(pools: Pools) -> None:
-    pool = pools(f"{HERE}:Stalls")
+async def test_a_worker_killed_under_its_episodes_fails_them_and_is_replaced(
+    pools: Pools, tmp_path: Path
+) -> None:
+    log = tmp_path / "stalls.log"
+    pool = pools(f"{HERE}:Stalls", log=str(log))
     counts: Counter[str] = Counter()
     stalling = Prompt(prompt_id="p0", text="?", tokens=PROMPT.tokens, answer="stall")
     results: list[Any] = []
@@ -167,9 +177,7 @@ async def test_a_worker_killed_under_its_episodes_fails_them_and_is_replaced(poo
     async with anyio.create_task_group() as tg:
         for _ in range(3):
             tg.start_soon(one)
-        deadline = time.monotonic() + 30
-        while held(pool) != [3] and time.monotonic() < deadline:
-            await anyio.sleep(0.01)
+        assert await logged(log, ["stalled"] * 3)  # every episode in its step
         os.kill(dead, signal.SIGKILL)
     assert len(results) == 3 and all(isinstance(r, Episode) for r in results)
     for episode in results:
@@ -182,6 +190,17 @@ async def test_a_worker_killed_under_its_episodes_fails_them_and_is_replaced(poo
     # The next episode runs on the new worker.
     after = await play(pool.environment, counts)
     assert isinstance(after, Episode) and after.reward == 1.0
+    assert pool.workers[0].pid != dead and let_go(pool)
+
+
+async def test_an_episode_that_starts_on_a_dead_worker_starts_again_on_its_replacement(pools: Pools) -> None:
+    pool = pools(f"{HERE}:Stalls")
+    dead = pool.workers[0].pid
+    os.kill(dead, signal.SIGKILL)  # idle: no episode of it sees the death before the next start
+    counts: Counter[str] = Counter()
+    episode = await play(pool.environment, counts)
+    assert isinstance(episode, Episode) and episode.reward == 1.0
+    assert (counts["env_failures"], pool.counts["environment_worker_restarts"]) == (0, 1)
     assert pool.workers[0].pid != dead and let_go(pool)
 
 
