@@ -16,7 +16,8 @@ which keeps running through a stand-down (the environment does). A turn whose at
 raises `GiveUp`, and its group is dropped as a single-turn group would be. An environment that
 raises, overruns `env_s` or answers something malformed fails only its episode: it is returned
 with `EpisodeStats.failed` set and no reward (never trained on), counted in `counts["env_failures"]`,
-and past `max_env_failures` the run stops (`DropBudgetExceeded`).
+and past `max_env_failures` the run stops (`DropBudgetExceeded`). An environment with a
+`close()` method has it called once its episode ends, however it ends.
 
 With `prompts.chat_template` (`chat`, stages/chat_turns.py) an episode is a chat through the
 model's template: the tokens between two turns are the template's end of the assistant's turn,
@@ -40,7 +41,7 @@ from typing import Any
 import msgspec
 
 from pipeline.clock import DeadlineClock
-from pipeline.contracts.environments import Environment, Observation, Turn
+from pipeline.contracts.environments import ClosingEnvironment, Environment, Observation, Turn
 from pipeline.contracts.errors import DeadlineExceeded, DropBudgetExceeded
 from pipeline.contracts.messages import Completion, EpisodeStats, Prompt
 from pipeline.gate import EngineGate
@@ -186,6 +187,9 @@ class Episodes:
         except EnvironmentFailed as failure:
             self._failed(str(failure), counts)
             return episode(None, {}, failed=str(failure))
+        finally:
+            if isinstance(env, ClosingEnvironment):
+                env.close()
         if section.episode_reward == "sum":
             reward = math.fsum(rewards)
         else:

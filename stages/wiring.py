@@ -113,7 +113,8 @@ class Pipeline:
         if environment is not None:  # multi-turn: the environment scores its episodes
             episodes = Episodes(
                 recipe.rollout,
-                factory=environment,
+                # On the placement's environment workers where it has them, else in this process.
+                factory=placed.environment if placed is not None and placed.environment else environment,
                 tokenizer=prompts.tokenizer,
                 gate=self.gate,
                 clock=context.clock,

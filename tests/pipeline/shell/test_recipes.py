@@ -242,6 +242,12 @@ VALID_RUN_FIELDS = "dir, steps, seed, stop_grace_s, progress, log_every_steps, p
             id="placement-reward-workers-reasoning-gym",
         ),
         pytest.param(
+            "placement:\n  backend: ray\n  environment_workers: 2\n",
+            "placement.environment_workers: 2 needs rollout.environment (module:Class): a single-turn "
+            "run has no environments to run; set placement.environment_workers: 0",
+            id="placement-environment-workers-single-turn",
+        ),
+        pytest.param(
             "colocated: false\nmodel:\n  device: cuda\n  config: {vocab_size: 16}\n"
             "placement:\n  backend: ray\n  engine_gpus: 0\n",
             "placement.engine_gpus: 0, but model.device: cuda: Ray shows an actor only the GPUs it asks "
