@@ -6,9 +6,10 @@ thread:
 
 - `local`: the backend's engine and trainer in this process (today's wiring);
 - `ray` (`backends/ray/place.py`): engine replicas, the trainer and, with `reward_workers`, the
-  reward workers as Ray actors, behind proxies that keep the pipeline's `Engine` and `Trainer`
-  protocols and the reward stage's scoring function; the gate, the clock and the tickets stay
-  in the controller.
+  reward workers (with `environment_workers`, the environment workers) as Ray actors, behind
+  proxies that keep the pipeline's `Engine` and `Trainer` protocols, the reward stage's scoring
+  function and the rollout's environment factory; the gate, the clock and the tickets stay in
+  the controller.
 
 Importing this module imports neither torch nor ray.
 """
@@ -22,6 +23,7 @@ from typing import Any, Literal
 
 import msgspec
 
+from pipeline.contracts.environments import Environment
 from pipeline.contracts.errors import RecipeError
 from pipeline.contracts.sections import NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, Section
 
@@ -55,6 +57,12 @@ class RayPlacement(Section, tag_field="backend", tag="ray", frozen=True):
     reward_workers: NonNegativeInt = 0
     reward_cpus: NonNegativeFloat = 1.0
     reward_concurrency: PositiveInt = 8
+    # Environment workers (0: the environments of rollout.environment run in the controller):
+    # each episode's environment is built and run in one of them (the one with the fewest
+    # episodes in hand), under the same rollout.env_s and rollout.max_env_failures; a worker that
+    # dies fails the episodes it held and is replaced.
+    environment_workers: NonNegativeInt = 0
+    environment_cpus: NonNegativeFloat = 1.0
     # Engine actors that died and were replaced, over the whole run, before it stops.
     max_engine_restarts: NonNegativeInt = 3
     # How the trainer's weights reach separate engines (`weights_transport`); auto: CUDA IPC
@@ -71,13 +79,15 @@ Placement = LocalPlacement | RayPlacement
 @dataclass
 class Placed:
     """What `place` built: the engine and trainer the pipeline drives, the reward stage's
-    scorer (None: the stage scores in this process), the placement's running counts for the
-    metrics, and `close`, which lets go of everything (threads, actors, the Ray runtime)."""
+    scorer (None: the stage scores in this process), the rollout's environment factory (None:
+    its environments run in this process), the placement's running counts for the metrics, and
+    `close`, which lets go of everything (threads, actors, the Ray runtime)."""
 
     engine: Any
     trainer: Any
     close: Callable[[], None]
     score: Scorer | None = None
+    environment: Callable[[], Environment] | None = None
     counters: Callable[[], dict[str, float]] = field(default=dict)
 
 
@@ -130,6 +140,7 @@ def check_placement(
     tensor_parallel: int,
     partial: bool,
     reward_function: str,
+    environment: str | None = None,
     data_parallel: int = 1,
 ) -> None:
     """Cross-field rules of `placement` against the rest of the recipe (ValueError naming both)."""
@@ -192,6 +203,12 @@ def check_placement(
             "rollout.partial: true is not built for placement.backend ray yet (an engine actor "
             "does not freeze its rows at a stand-down): set rollout.partial: false or "
             "placement.backend: local"
+        )
+    if section.environment_workers and environment is None:
+        raise ValueError(
+            f"placement.environment_workers: {section.environment_workers} needs rollout.environment "
+            "(module:Class): a single-turn run has no environments to run; set "
+            "placement.environment_workers: 0"
         )
     if section.reward_workers and reward_function == "reasoning_gym":
         raise ValueError(

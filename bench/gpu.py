@@ -181,6 +181,7 @@ def _megatron_inference(
     from backends.megatron import layout, parallel
     from backends.megatron.model import build_gpt_model
     from backends.megatron.serve import build_inference
+    from pipeline.shell.backend_input import backend_input
 
     device = torch.device("cuda", torch.cuda.current_device())
     parallel.initialise(device=device)
@@ -198,7 +199,7 @@ def _megatron_inference(
         ],
     )
     start = _sync_time()
-    engine = build_inference(gpt, QWEN_1_5B, recipe, stop_ids=(), device=device)
+    engine = build_inference(gpt, QWEN_1_5B, backend_input(recipe), stop_ids=(), device=device)
     build = _sync_time() - start  # with graphs: their capture
 
     async def generate() -> tuple[float, list[Completion]]:

@@ -28,6 +28,7 @@ import pipeline
 from pipeline.metrics import read
 
 WARMUP = 2  # steps whose time includes first-call compilation and allocation
+_PER_STEP = ("timing/step_s", "timing/save_s", "timing/save_wait_s", "timing/save_write_s")
 
 
 def main() -> None:
@@ -72,6 +73,9 @@ def main() -> None:
                 "save_wait_s_median": median("timing/save_wait_s", steady),
                 "save_write_s_median": median("timing/save_write_s", steady),
                 "wall_s": wall,
+                "per_step": [
+                    {k.removeprefix("timing/"): round(r[k], 3) for k in _PER_STEP if k in r} for r in records
+                ],
             }
         ),
         flush=True,

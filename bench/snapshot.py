@@ -5,10 +5,12 @@ masters and two Adam moments; `--scale` of its 1.54e9 parameters), on the GPU.
 The snapshot, in the step: a copy into a fresh host buffer (before: allocated and written in the
 step, pageable on its first copy, then pinned), against a copy into a buffer reserved ahead
 (`HostCopier.reserve`: its allocation, page touching and pinning timed apart, off the step).
-The write, in the background: before, the finiteness check on the host copy, torch.save with its
-zip CRC-32s, fsync, and the marker's checksum read back on one thread; after, the finiteness
-check on the GPU (in the step), torch.save without zip CRCs, fsync, the checksum on several
-threads. Prints one JSON line.
+The write, in the background: before, the finiteness check on the host copy, torch.save of the
+whole state with its zip CRC-32s, fsync, and the marker's checksum read back on one thread;
+after, the finiteness check on the GPU (in the step), the tensors written raw by many threads
+(`backends.torch.tensor_file`) beside a small torch.save of the rest, each file's checksum read
+on several threads while its fsync waits for the disk (`stages.checkpoint.flushed`). Prints one
+JSON line.
 
     python -m bench.snapshot --scale 0.25 --dir /tmp/snap
 """
@@ -26,7 +28,8 @@ from pathlib import Path
 import torch
 
 from backends.torch.host_copy import HostCopier
-from backends.torch.state_file import nonfinite, nonfinite_on_device, save_state
+from backends.torch.state_file import nonfinite, nonfinite_on_device, save_state, tensor_path
+from stages.checkpoint import flushed
 from stages.checkpoint_marker import checksum
 
 HIDDEN, INTERMEDIATE, LAYERS, VOCAB, KV = 1536, 8960, 28, 151936, 256
@@ -92,7 +95,7 @@ def main() -> None:
     out["snapshot_after_s"] = _timed(lambda: after.copy(state))
     copied = after.copy(state)
 
-    old, new = root / "before.pt", root / "after.pt"
+    old, new = root / "before.pt", root / "trainer.pt"
     out["write_before"] = {
         "check_on_host_s": _timed(lambda: nonfinite(copied)),
         "save_s": _timed(lambda: torch.save(copied, old)),  # zip CRCs on: torch's default
@@ -102,12 +105,11 @@ def main() -> None:
     old.unlink()  # one state file on the disk at a time
     out["write_after"] = {
         "save_s": _timed(lambda: save_state(new, copied, checked=True)),
-        "fsync_s": _timed(lambda: _fsync(new)),
-        "checksum_s": _timed(lambda: checksum(new)),
+        "fsync_and_checksum_s": _timed(lambda: [flushed(root, p.name) for p in (new, tensor_path(new))]),
     }
     for name in ("write_before", "write_after"):
         out[f"{name}_s"] = sum(out[name].values())  # type: ignore[union-attr]
-    assert checksum(new) == _checksum_one_thread(new)
+    assert checksum(tensor_path(new)) == _checksum_one_thread(tensor_path(new))
     shutil.rmtree(root, ignore_errors=True)
     print(json.dumps(out), flush=True)
 

@@ -46,6 +46,7 @@ import random
 import shutil
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -57,7 +58,7 @@ from pipeline.contracts.protocols import Checkpointable, Snapshot, Snapshotting
 from pipeline.contracts.text import NotText, read_text
 from pipeline.metrics import EVAL_FILE, STEPS_FILE, finite, read
 from pipeline.recipe import dump, lookup
-from stages.checkpoint_marker import MARKER, Listed, describe_files, marker_text, read_marker, verify
+from stages.checkpoint_marker import MARKER, Listed, checksum, marker_text, read_marker, verify
 from stages.run_dir import LOCK_FILE
 
 log = logging.getLogger("stages.checkpoint")
@@ -208,16 +209,15 @@ class Checkpointer:
     def _write(self, pending: Pending) -> None:
         tmp = pending.tmp
         self.hook("before_files")
-        written: list[str] = []
-        seconds = {"files": 0.0, "fsync": 0.0, "checksums": 0.0}  # for the debug line below
+        listed: list[Listed] = []  # each file written, fsynced, with its checksum
+        seconds = {"files": 0.0, "flush": 0.0}  # for the debug line below
 
         def wrote_since() -> None:
             start = time.perf_counter()
-            for name in sorted(set(_files(tmp)) - set(written)):
-                _fsync_file(tmp / name)
-                written.append(name)
+            for name in sorted(set(_files(tmp)) - {f.name for f in listed}):
+                listed.append(flushed(tmp, name))
                 self.hook(f"after:{name}")
-            seconds["fsync"] += time.perf_counter() - start
+            seconds["flush"] += time.perf_counter() - start
 
         wrote_since()  # what parts without a snapshot wrote in the step
         for snapshot in pending.snapshots:
@@ -229,23 +229,17 @@ class Checkpointer:
         wrote_since()
         (tmp / RECIPE_FILE).write_text(dump(pending.recipe))
         wrote_since()
-        # The marker lists every file with its checksum: a resume tells a complete checkpoint
-        # from a damaged one, and bytes changed since the commit from those committed.
-        start = time.perf_counter()
-        listed = describe_files(tmp, written)
-        seconds["checksums"] = time.perf_counter() - start
         log.debug(
-            "checkpoint step %d: %.2f GB written in %.2f s, fsynced in %.2f s, checksummed in %.2f s",
+            "checkpoint step %d: %.2f GB written in %.2f s, fsynced and checksummed in %.2f s",
             pending.step,
             sum(f.size or 0 for f in listed) / 1e9,
             seconds["files"],
-            seconds["fsync"],
-            seconds["checksums"],
+            seconds["flush"],
         )
         self.hook("before_marker")
         (tmp / MARKER).write_text(marker_text(pending.step, listed))
         _fsync_file(tmp / MARKER)
-        for directory in sorted({(tmp / name).parent for name in written}, reverse=True):
+        for directory in sorted({(tmp / f.name).parent for f in listed}, reverse=True):
             _fsync_dir(directory)
 
     def _purge(self) -> None:
@@ -271,6 +265,18 @@ class Pending(msgspec.Struct, kw_only=True):
 def _files(directory: Path) -> list[str]:
     """The files under `directory` (a part may write a folder of its own), as relative paths."""
     return sorted(p.relative_to(directory).as_posix() for p in directory.rglob("*") if p.is_file())
+
+
+def flushed(directory: Path, name: str) -> Listed:
+    """`name` (under `directory`) fsynced, with its size and checksum for the marker (the
+    checksum is read from the page cache while the fsync waits for the disk: a large state's
+    write-back and its checksum take seconds each)."""
+    path = directory / name
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="fsync") as pool:
+        synced = pool.submit(_fsync_file, path)
+        listed = Listed(name, path.stat().st_size, checksum(path))
+        synced.result()
+    return listed
 
 
 def _fsync_file(path: Path) -> None:

@@ -115,11 +115,6 @@ def crc32_combine(crc_a: int, crc_b: int, length_b: int) -> int:
     return _multmodp(p, crc_a) ^ crc_b
 
 
-def describe_files(directory: Path, names: Sequence[str]) -> list[Listed]:
-    """Each of `names` (relative to `directory`) with its size and checksum as on disk now."""
-    return [Listed(name, (directory / name).stat().st_size, checksum(directory / name)) for name in names]
-
-
 def marker_text(step: int, files: Sequence[Listed]) -> str:
     lines = [str(step)]
     lines += [f"{f.name}\t{f.size}\t{f.crc32:08x}" for f in files]

@@ -16,7 +16,15 @@ which keeps running through a stand-down (the environment does). A turn whose at
 raises `GiveUp`, and its group is dropped as a single-turn group would be. An environment that
 raises, overruns `env_s` or answers something malformed fails only its episode: it is returned
 with `EpisodeStats.failed` set and no reward (never trained on), counted in `counts["env_failures"]`,
-and past `max_env_failures` the run stops (`DropBudgetExceeded`).
+and past `max_env_failures` the run stops (`DropBudgetExceeded`). An environment with a
+`close()` method has it called once its episode ends, however it ends.
+
+With `prompts.chat_template` (`chat`, stages/chat_turns.py) an episode is a chat through the
+model's template: the tokens between two turns are the template's end of the assistant's turn,
+the observation's message (of `rollout.observation_role`) and the next assistant turn's start.
+Observations are then text: one given as tokens, or a non-empty one from `start` (the prompt is
+the whole first user turn), fails its episode; a template that cannot continue the context
+exactly stops the run (`RecipeError`).
 
 Each turn's request carries the episode's key (`Engine.generate`'s ``episode``), so an engine
 that keeps an episode's keys and values between its turns (`KeepsEpisodes`) prefills only the
@@ -38,12 +46,13 @@ from typing import Any
 import msgspec
 
 from pipeline.clock import DeadlineClock
-from pipeline.contracts.environments import Environment, Observation, Turn
+from pipeline.contracts.environments import ClosingEnvironment, Environment, Observation, Turn
 from pipeline.contracts.errors import DeadlineExceeded, DropBudgetExceeded
 from pipeline.contracts.messages import Completion, EpisodeStats, Prompt
 from pipeline.contracts.protocols import KeepsEpisodes
 from pipeline.gate import EngineGate
 from pipeline.logs import warn_once
+from stages.chat_turns import ChatTurns
 from stages.rollout import GiveUp, RolloutSection, with_retries
 from stages.tokenizer import Tokenizer
 
@@ -82,12 +91,14 @@ class Episodes:
         tokenizer: Tokenizer,
         gate: EngineGate,
         clock: DeadlineClock,
+        chat: ChatTurns | None = None,
     ) -> None:
         self.section = section
         self.factory = factory
         self.tokenizer = tokenizer
         self.gate = gate
         self.clock = clock
+        self.chat = chat
         self.vocab_size = tokenizer.vocab_size
 
     async def run(self, prompt: Prompt, *, counts: Counter[str], greedy: bool = False) -> Episode:
@@ -127,6 +138,7 @@ class Episodes:
 
         env = self.factory()
         key = uuid.uuid4().hex  # the engine's name for this episode
+        conversation = self.chat.conversation(prompt) if self.chat is not None else None
         try:
             start = self.clock.source.now()
             calls += 1
@@ -134,6 +146,11 @@ class Episodes:
                 last = await self._call(env.start(prompt), "start")
             finally:
                 env_s += self.clock.source.now() - start
+            if conversation is not None and not last.done and (last.text or last.tokens is not None):
+                raise EnvironmentFailed(
+                    "start returned an observation to put before the first turn; with "
+                    "prompts.chat_template the prompt is the whole first user turn"
+                )
             observed = self._tokens(last)
             while not last.done:
                 if turns >= section.max_turns or len(tokens) + len(observed) + section.max_new_tokens > (
@@ -170,13 +187,18 @@ class Episodes:
                     env_s += self.clock.source.now() - start
                 if last.reward is not None:
                     rewards.append(last.reward)
-                observed = self._tokens(last)
+                if conversation is None or last.done:
+                    observed = self._tokens(last)
+                else:
+                    observed = conversation.after(completion.tokens, self._text(last))
         except EnvironmentFailed as failure:
             self._failed(str(failure), counts)
             return episode(None, {}, failed=str(failure))
         finally:
             if isinstance(self.gate.engine, KeepsEpisodes):
                 self.gate.engine.end_episode(key)
+            if isinstance(env, ClosingEnvironment):
+                env.close()
         if section.episode_reward == "sum":
             reward = math.fsum(rewards)
         else:
@@ -222,6 +244,16 @@ class Episodes:
         if bad:
             raise EnvironmentFailed(f"{name} returned non-finite values: {bad}")
         return result
+
+    @staticmethod
+    def _text(observation: Observation) -> str:
+        """The text of the observation's message (a chat template renders text only)."""
+        if observation.tokens is not None:
+            raise EnvironmentFailed(
+                "observation given as tokens; with prompts.chat_template it is text, a message "
+                "the template renders"
+            )
+        return observation.text
 
     def _tokens(self, observation: Observation) -> tuple[int, ...]:
         """The observation's tokens (none for one that ends the episode: nothing follows it)."""

@@ -9,13 +9,16 @@ Files read from the model directory (nothing is ever downloaded):
 The chat template is rendered with jinja2 in a sandbox, with the variables and helpers
 transformers gives templates (`messages`, `add_generation_prompt`, the special tokens,
 `raise_exception`, `strftime_now`, a `tojson` that keeps non-ASCII text), so a prompt renders
-to the same text as `transformers`' `apply_chat_template(..., tokenize=False)`.
+to the same text as `transformers`' `apply_chat_template(..., tokenize=False)`. One difference:
+`strftime_now` reads the time the tokenizer was built, not the time of each rendering, so a run
+renders one date throughout (a template that writes today's date, as Llama 3.1's does, would
+otherwise change an episode's earlier turns at midnight; stages/chat_turns.py refuses that).
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -84,6 +87,7 @@ class HFTokenizer:
         self.pad_id: int = self._token_id(pad_token, TOKENIZER_CONFIG_FILE) if pad_token else self.eos_id
         self.vocab_size: int = self._tokenizer.get_vocab_size(with_added_tokens=True)
         self._template: Any = None
+        self._built = datetime.now()
 
     def _token_id(self, token: str, source: str) -> int:
         token_id = self._tokenizer.token_to_id(token)
@@ -107,9 +111,21 @@ class HFTokenizer:
         """The chat template's text for one user turn, ending with the assistant's prompt."""
         messages = [{"role": "system", "content": system}] if system is not None else []
         messages.append({"role": "user", "content": text})
+        return self.render(messages, add_generation_prompt=True)
+
+    def render(self, messages: Sequence[Mapping[str, str]], *, add_generation_prompt: bool) -> str:
+        """The chat template's text for `messages` (`role` and `content` each)."""
         return self._chat_template().render(
-            messages=messages, add_generation_prompt=True, tools=None, documents=None, **self.special_tokens
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            tools=None,
+            documents=None,
+            **self.special_tokens,
         )
+
+    def text_of(self, ids: Sequence[int]) -> str:
+        """The text of `ids` exactly, special tokens (and stop ids) written out as their text."""
+        return self._tokenizer.decode(list(ids), skip_special_tokens=False)
 
     def decode(self, ids: Sequence[int]) -> str:
         """Text up to the first stop id, special tokens skipped.
@@ -141,7 +157,7 @@ class HFTokenizer:
             )
             env.filters["tojson"] = _tojson
             env.globals["raise_exception"] = _raise_exception
-            env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+            env.globals["strftime_now"] = self._built.strftime
             self._template = env.from_string(source)
         return self._template
 

@@ -93,6 +93,11 @@ class RolloutSection(Section, frozen=True):
     turn_s: PositiveFloat = 300.0  # one generation turn, retries included (service time)
     env_s: PositiveFloat = 60.0  # one environment call (wall time: not suspended at a stand-down)
     max_env_failures: NonNegativeInt = 64  # episodes failed by their environment; past it the run stops
+    # With prompts.chat_template: the role of the environment's messages (stages/chat_turns.py).
+    # `tool`, as its replies are tool or environment output, not the user's words (and a template
+    # may treat a user message as a new query: Qwen3's drops the reasoning of turns before one);
+    # `user` for a template without a tool role.
+    observation_role: Literal["tool", "user"] = "tool"
     # The torch engine keeps each episode's keys and values between its turns in up to this many
     # GiB of its device's memory (least recently kept evicted first), so a turn prefills only its
     # new tokens; 0 keeps none (every turn prefills its whole context: env/reprefilled_tokens).

@@ -7,7 +7,7 @@ weights) and `stages.hf_tokenizer.HFTokenizer` (a Hugging Face model's own token
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
@@ -43,9 +43,12 @@ class Tokenizer(Protocol):
 class ChatTokenizer(Tokenizer, Protocol):
     """A tokenizer with a chat template (optional: the character tokenizer has none): `encode_chat`
     encodes `text` as a user turn, after a system turn when `system` is given, ending where the
-    assistant's reply begins."""
+    assistant's reply begins; `render` is the template's text of any conversation; `text_of`
+    decodes ids exactly (special tokens written out), as the template writes them."""
 
     def encode_chat(self, text: str, *, system: str | None = None, where: str = "text") -> list[int]: ...
+    def render(self, messages: Sequence[Mapping[str, str]], *, add_generation_prompt: bool) -> str: ...
+    def text_of(self, ids: Sequence[int]) -> str: ...
 
 
 SPECIAL = 3  # padding (0), end of sequence (1), beginning of sequence (2)

@@ -79,7 +79,8 @@ class TrainSection(Section, frozen=True):
     # rollout/surplus_groups) and not trained. Fewer than prompts_per_step: the step trains those.
     oversample: Annotated[float, msgspec.Meta(ge=1)] = 2.0
     # DAPO's soft overlong penalty: over the last `overlong_buffer` tokens before
-    # rollout.max_new_tokens the reward falls linearly by up to `overlong_penalty`.
+    # rollout.max_new_tokens (with an environment: rollout.max_episode_tokens) the reward falls
+    # linearly by up to `overlong_penalty`.
     overlong_buffer: NonNegativeInt | None = None
     overlong_penalty: NonNegativeFloat = 1.0
     kl_coef: NonNegativeFloat = 0.0

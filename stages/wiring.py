@@ -32,6 +32,7 @@ from pipeline.runner import Stage, StopRequest, run_stages
 from pipeline.tickets import TicketBox
 from stages.admission import PromptStage
 from stages.batch_assembly import BatchAssembler
+from stages.chat_turns import chat_turns
 from stages.checkpoint import Checkpointer, PipelineState
 from stages.checkpoint_writer import CheckpointWriter
 from stages.context import RunContext
@@ -112,10 +113,12 @@ class Pipeline:
         if environment is not None:  # multi-turn: the environment scores its episodes
             episodes = Episodes(
                 recipe.rollout,
-                factory=environment,
+                # On the placement's environment workers where it has them, else in this process.
+                factory=placed.environment if placed is not None and placed.environment else environment,
                 tokenizer=prompts.tokenizer,
                 gate=self.gate,
                 clock=context.clock,
+                chat=chat_turns(recipe.prompts, recipe.rollout, prompts.tokenizer),
             )
         self.rollout = RolloutStage(
             recipe.rollout, gate=self.gate, inp=batches, out=generated, context=context, episodes=episodes

@@ -14,6 +14,10 @@ not the context's `max_sequence_length` (decode steps find that length on the de
 host sync per layer). A call being captured into a CUDA graph (megatron's decode graphs) can
 neither sync nor size its copy to the rows it will replay for: it gathers every column, so a
 graphed step copies `max_sequence_length` keys per row whatever the rows hold.
+
+Decode steps on CUDA with Triton (`paged_decode.supports`) skip the copy: `paged_decode`'s
+kernel reads each row's own blocks through the table, with no sync, graphed or not. The gather
+stays for prefill and mixed steps, and for decode where the kernel does not run.
 """
 
 from __future__ import annotations
@@ -26,6 +30,8 @@ from typing import Any
 
 import torch
 from torch import Tensor
+
+from backends.megatron import paged_decode
 
 # What megatron's version check reads (`is_fa_min_version("2.7.3")` for dynamic batching).
 _VERSION = "2.8.3"
@@ -165,10 +171,31 @@ def flash_attn_with_kvcache(
     return_softmax_lse: bool = False,
     **_: Any,
 ) -> Any:
-    """flash-attn 2's attention of new queries q [B, S, H, D] over a paged cache."""
+    """flash-attn 2's attention of new queries q [B, S, H, D] over a paged cache (their own keys
+    already in it): by `paged_decode` where it runs (its logsumexp [B, H, S], as flash-attn's),
+    else by `gathered_decode`."""
     _full_window(window_size)
     if block_table is None:
         raise NotImplementedError("flash_attn_with_kvcache without a block table")
+    scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
+    if paged_decode.supports(q, k_cache, v_cache, block_table, cache_seqlens):
+        out, lse = paged_decode.attend(q, k_cache, v_cache, block_table, cache_seqlens, scale, causal)
+    else:
+        out, lse = gathered_decode(q, k_cache, v_cache, block_table, cache_seqlens, scale, causal)
+    return (out, lse) if return_softmax_lse else out
+
+
+def gathered_decode(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    block_table: Tensor,
+    cache_seqlens: Tensor,
+    scale: float,
+    causal: bool,
+) -> tuple[Tensor, Tensor]:
+    """`flash_attn_with_kvcache`'s attention over the rows' blocks gathered into contiguous keys
+    (module docstring), with the logsumexp as torch's varlen kernel lays it out."""
     b, s, h, d = q.shape
     cu_q = torch.arange(0, (b + 1) * s, s, dtype=torch.int32, device=q.device)
     out, lse = _paged(
@@ -178,9 +205,8 @@ def flash_attn_with_kvcache(
         cu_q,
         s,
         cache_seqlens,
-        softmax_scale,
+        scale,
         causal,
         _used(block_table, b, lambda: int(cache_seqlens[:b].max()), k_cache.shape[1]),
     )
-    out = out.view(b, s, h, d)
-    return (out, lse) if return_softmax_lse else out
+    return out.view(b, s, h, d), lse

@@ -6,8 +6,8 @@ No weights move: the engine runs the module the trainer steps, so a wake serves 
 the H200 ran): an `InferenceConfig`, the `DynamicInferenceContext` that holds the paged KV cache,
 `GPTInferenceWrapper` over the model, a `TextGenerationController` (with a stand-in tokenizer:
 the pipeline passes token ids) and the `DynamicInferenceEngine`. Attention inside it calls
-flash-attn's functions, answered by torch's flash kernels where flash-attn is missing
-(`flash_adapter`).
+flash-attn's functions, answered by torch's flash kernels and a Triton decode kernel where
+flash-attn is missing (`flash_adapter`).
 
 - CUDA graphs (`rollout.graphs`, off by default until the GPU tests have run it; `KVHandoff`):
   megatron captures its decoder block (all layers) once per decode batch size, a power of two
@@ -18,10 +18,12 @@ flash-attn's functions, answered by torch's flash kernels where flash-attn is mi
   (`KVHandoff.attach`: `cuda_graph_impl` "local", `inference_cuda_graph_scope` block, a graph
   manager on the block kept outside its children); the block replays only with megatron's
   inference mode on and an inference context, so the trainer's forward stays eager. A graphed
-  step cannot size the flash adapter's key copy to its rows: it copies `max_sequence_length`
-  keys per row, which is bounded to a row's room in the derived cache (`row_tokens`, 2 x
-  max_new_tokens: a longer prompt is refused). The RNG tracker's tensor states are left out of
-  each capture (`_graph_safe_rng_states`): nothing in the block draws random numbers.
+  decode step attends through the flash adapter's Triton kernel, which reads each row's own
+  blocks; where that kernel cannot run, the adapter's gather cannot size its key copy to the
+  rows and copies `max_sequence_length` keys per row, so that length is bounded to a row's room
+  in the derived cache (`row_tokens`, 2 x max_new_tokens: a longer prompt is refused). The RNG
+  tracker's tensor states are left out of each capture (`_graph_safe_rng_states`): nothing in
+  the block draws random numbers.
 - KV cache, graphed: `kv_cache_management_mode` persist (megatron keeps the cache's tensor and
   the graphs across `suspend()`), with the cache's memory in a `VirtualMemoryPool`
   (`pool_cache`) that `KVHandoff` unmaps after each `suspend()` and maps again at the same
@@ -202,7 +204,7 @@ def inference_config(sampling: Sampling, config: ModelConfig, dtype: torch.dtype
     cache = kv_cache_bytes(sampling, config, dtype)
     block_bytes = BLOCK_TOKENS * kv_bytes_per_token(config, dtype)
     max_sequence_length = min(config.max_position_embeddings, (cache // block_bytes - 1) * BLOCK_TOKENS)
-    if rollout.graphs:  # a graphed step gathers this many keys per row (module docstring)
+    if rollout.graphs:  # a graphed step's gather copies this many keys per row (module docstring)
         max_sequence_length = min(max_sequence_length, row_tokens(sampling, config))
     if max_sequence_length <= rollout.max_new_tokens:
         raise RecipeError(

@@ -1,6 +1,7 @@
-"""The Ray actors: a backend part (engine, trainer, or both colocated) and a reward worker.
+"""The Ray actors: a backend part (engine, trainer, or both colocated), a reward worker and an
+environment worker.
 
-Both are async actors: their methods run on the actor's event loop, the torch work on the
+All are async actors: their methods run on the actor's event loop, the torch work on the
 backend's own compute threads (`backends/torch/compute.py`), so an engine replica batches the
 requests that arrive together as the in-process engine does. The controller creates them
 through `ray.remote(...)` with each one's resources (`backends/ray/place.py`) and only awaits
@@ -17,7 +18,10 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import anyio
 
+from pipeline.contracts.environments import ClosingEnvironment, Environment, Observation, Turn
+from pipeline.contracts.messages import Prompt
 from pipeline.contracts.protocols import Snapshotting
+from pipeline.environments import resolve
 
 if TYPE_CHECKING:  # importing torch here would load it before `runtime.load` could set it up
     from backends.input import Input
@@ -243,3 +247,33 @@ class RewardWorker:
         from pipeline.rewards.scoring import score_all
 
         return await score_all(self.fn, pairs)
+
+
+class EnvironmentWorker:
+    """Holds episodes' environments (`rollout.environment`, one object an episode, built here
+    from its `module:Class` and keyword arguments), each under the key the controller gave its
+    episode; their calls interleave on this actor's event loop, as they would on the controller's.
+    What an environment raises reaches the caller as Ray's task error around it."""
+
+    def __init__(self, name: str, args: dict[str, Any]) -> None:
+        self.factory = resolve(name, args)
+        self.live: dict[int, Environment] = {}
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    async def start(self, key: int, prompt: Prompt) -> Observation:
+        self.live[key] = env = self.factory()
+        return await env.start(prompt)
+
+    async def step(self, key: int, turn: Turn) -> Observation:
+        return await self.live[key].step(turn)
+
+    def close(self, key: int) -> None:
+        env = self.live.pop(key, None)
+        if isinstance(env, ClosingEnvironment):
+            env.close()
+
+    def episodes(self) -> int:
+        """The episodes whose environments it holds now."""
+        return len(self.live)

@@ -5,4 +5,5 @@ PLACEMENT_COUNTERS = (
     "placement/redispatched_requests",  # requests sent again after their replica died
     "placement/reward_worker_restarts",
     "placement/rescored_groups",  # groups scored again after their reward worker died
+    "placement/environment_worker_restarts",  # environment workers that died and were replaced
 )

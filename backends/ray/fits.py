@@ -29,6 +29,8 @@ def demands(
     if not colocated:
         actors += [("engine", ask("engine", section.engine_cpus, section.engine_resources))] * section.engines
     actors += [("reward", ask("reward", section.reward_cpus, {}))] * section.reward_workers
+    environment = ask("environment", section.environment_cpus, {})
+    actors += [("environment", environment)] * section.environment_workers
     return actors
 
 

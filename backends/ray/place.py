@@ -16,7 +16,9 @@
   trainer actor a rank, each with the trainer's resources, joined into one torch.distributed
   world through a rendezvous this process holds (`backends/ray/world.py`); colocated, the first
   rank of each tensor-parallel group also holds an engine replica (one a data-parallel rank).
-- With `placement.reward_workers`, a pool of reward-worker actors scores the groups.
+- With `placement.reward_workers`, a pool of reward-worker actors scores the groups; with
+  `placement.environment_workers`, a pool of environment-worker actors holds the episodes'
+  environments (`backends/ray/environments.py`).
 """
 
 from __future__ import annotations
@@ -34,10 +36,11 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from backends.input import Input
 from backends.placement import Placed, RayPlacement, gpus, shares_gpu, weights_transport
-from backends.ray.actors import BackendPart, RewardWorker
+from backends.ray.actors import BackendPart, EnvironmentWorker, RewardWorker
 from backends.ray.collective import Collective
 from backends.ray.counters import PLACEMENT_COUNTERS
 from backends.ray.engines import RayEngine, Replica
+from backends.ray.environments import EnvironmentPool
 from backends.ray.fits import check_fits, demands
 from backends.ray.rewards import RewardPool
 from backends.ray.trainer import RayTrainer
@@ -50,6 +53,7 @@ _say = logging.getLogger("pipeline.startup").info  # the run's start-up narratio
 START_S = 600.0  # for the actors to come up (importing torch, building the model)
 _Part = ray.remote(BackendPart)
 _Rewards = ray.remote(RewardWorker)
+_Environments = ray.remote(EnvironmentWorker)
 
 
 def place_on_ray(spec: Input, *, vocab_size: int, stop_ids: Sequence[int]) -> Placed:
@@ -207,11 +211,27 @@ def _place(
             return actor, pid
 
         score = RewardPool(spawn_reward, section.reward_workers, counts=counts).score
+    environment = None
+    if section.environment_workers:
+        assert spec.environment is not None  # backends.placement.check_placement's rule
+
+        def spawn_environment() -> tuple[Any, int]:
+            actor = _Environments.options(num_cpus=section.environment_cpus, max_restarts=0).remote(
+                spec.environment, spec.environment_args
+            )
+            cleanups.append(lambda: ray.kill(actor))  # type: ignore[arg-type]  # as in start()
+            [pid] = _started([actor.pid.remote()], section)  # type: ignore[attr-defined]  # as spawn_reward's
+            return actor, pid
+
+        pool = EnvironmentPool(spawn_environment, section.environment_workers, counts=counts)
+        environment = pool.environment
 
     def counters() -> dict[str, float]:
         return {name: counts[name.removeprefix("placement/")] for name in PLACEMENT_COUNTERS}
 
-    return Placed(engine=engine, trainer=trainer, close=close, score=score, counters=counters)
+    return Placed(
+        engine=engine, trainer=trainer, close=close, score=score, environment=environment, counters=counters
+    )
 
 
 def _started(refs: list[Any], section: RayPlacement) -> list[Any]:

@@ -1,8 +1,12 @@
 """The torch backend's checkpoint files: a nested state (tensors, numbers, lists, dicts) per file.
 
 `TorchTrainer` writes `trainer.pt` (model, master weights, optimizer, scheduler, RNG, counters),
-`TorchEngine` writes `engine.pt` (its sampling RNG). A state holding NaN or infinity is never
-written (`NonFiniteState`); one that is missing, does not load or is not finite is damaged
+`TorchEngine` writes `engine.pt` (its sampling RNG). A state's tensors go in a file of their own
+beside it, `trainer.tensors` for `trainer.pt`, written by many threads
+(`backends.torch.tensor_file`); the `.pt` file is a small `torch.save` of the rest, each tensor
+in it a reference into the tensor file. Files written whole by `torch.save` (before the tensor
+files) load as they always did. A state holding NaN or infinity is never written
+(`NonFiniteState`); one whose files are missing, do not load or are not finite is damaged
 (`DamagedState`). The pipeline's own files are named in `stages.checkpoint`.
 """
 
@@ -17,38 +21,55 @@ from typing import Any
 
 import torch
 
+from backends.torch.tensor_file import read_tensors, write_tensors
 from pipeline.contracts.errors import DamagedState, NonFiniteState
 
 TRAINER_FILE = "trainer.pt"
 ENGINE_FILE = "engine.pt"
 
 
+_TENSOR_FILE = "tensor_file"  # the key of a skeleton's reference to its tensor file
 _ZIP_CRC = threading.Lock()  # torch.save's CRC setting is process-wide: one save sets it at a time
 
 
 def save_state(path: Path, state: Any, *, checked: bool = False) -> None:
-    """Write `state` to `path` (`checked`: the caller verified it finite, see `refuse_nonfinite`).
+    """Write `state` to `path` and its tensors to `tensor_path(path)` (`checked`: the caller
+    verified it finite, see `refuse_nonfinite`). A short write (a full disk) is an `OSError`
+    naming the file and the free space.
 
     torch.save's zip records go without their CRC-32: computing it (one more pass over the
     bytes, on the writing thread) is not needed, since a checkpoint's commit marker lists a
     checksum of each whole file (`stages.checkpoint_marker`) and torch.load never reads it."""
     if not checked:
         refuse_nonfinite(path, state)
+    tensors = tensor_path(path)
+    try:
+        skeleton = write_tensors(tensors, state)
+    except OSError as error:
+        raise _short(tensors, error) from None
     try:
         with _ZIP_CRC:
             crc = torch.serialization.get_crc32_options()
             torch.serialization.set_crc32_options(False)
             try:
-                torch.save(state, path)
+                torch.save({_TENSOR_FILE: tensors.name, "state": skeleton}, path)
             finally:
                 torch.serialization.set_crc32_options(crc)
     except RuntimeError as error:
         # torch's zip writer reports a short write (a full disk) as a RuntimeError.
         if "inline_container" not in str(error) and "PytorchStreamWriter" not in str(error):
             raise
-        free = shutil.disk_usage(path.parent).free
-        where = f"{free / 2**30:.1f} GiB free on its disk"
-        raise OSError(f"writing {path.name} failed ({where}): {error}") from None
+        raise _short(path, error) from None
+
+
+def tensor_path(path: Path) -> Path:
+    """The file of the tensors of the state file `path`: `trainer.tensors` for `trainer.pt`."""
+    return path.with_suffix(".tensors")
+
+
+def _short(path: Path, error: Exception) -> OSError:
+    free = shutil.disk_usage(path.parent).free
+    return OSError(f"writing {path.name} failed ({free / 2**30:.1f} GiB free on its disk): {error}")
 
 
 def refuse_nonfinite(path: Path, state: Any) -> None:
@@ -73,7 +94,8 @@ class StateSnapshot:
 
 
 def load_state(path: Path, *, mmap: bool = False) -> Any:
-    """The state in `path`, verified finite (`mmap`: on the CPU, read as it is used, unverified)."""
+    """The state in `path` (and its tensor file), verified finite (`mmap`: on the CPU, read as
+    it is used, unverified)."""
     if not path.is_file():
         raise DamagedState(f"{path.name} is missing")
     try:
@@ -83,6 +105,14 @@ def load_state(path: Path, *, mmap: bool = False) -> Any:
             state = torch.load(path, weights_only=False)
     except Exception as error:  # torch reports a torn or garbled file many ways
         raise DamagedState(f"{path.name} does not load: {type(error).__name__}: {error}") from None
+    if isinstance(state, dict) and _TENSOR_FILE in state:
+        tensors = path.parent / str(state[_TENSOR_FILE])
+        if not tensors.is_file():
+            raise DamagedState(f"{tensors.name} is missing")
+        try:
+            state = read_tensors(tensors, state["state"], mmap=mmap)
+        except (OSError, ValueError, KeyError) as error:
+            raise DamagedState(f"{tensors.name} does not load: {error}") from None
     where = None if mmap else nonfinite(state)
     if where is not None:
         raise DamagedState(f"{path.name} holds non-finite values at {where}")

@@ -18,11 +18,12 @@ from pipeline.algorithms.registry import Registry
 
 @dataclass(frozen=True)
 class Counts:
-    """A minibatch's totals: response tokens, sequences, and the longest response allowed."""
+    """A minibatch's totals: response tokens, sequences, and the longest response allowed
+    (`Algorithm.max_response_tokens`)."""
 
     tokens: float
     sequences: float
-    max_new_tokens: int
+    max_response_tokens: int
 
 
 # (mask [N, R] of one micro-batch, the minibatch's counts) -> weight [N, R]
@@ -45,5 +46,5 @@ def sequence_mean(mask: torch.Tensor, counts: Counts) -> torch.Tensor:
 
 @AGGREGATIONS.register("token_sum")
 def token_sum(mask: torch.Tensor, counts: Counts) -> torch.Tensor:
-    """The token sum over a constant, sequences x `max_new_tokens` (Dr. GRPO: no length bias)."""
-    return mask / (max(counts.sequences, 1.0) * counts.max_new_tokens)
+    """The token sum over a constant, sequences x `max_response_tokens` (Dr. GRPO: no length bias)."""
+    return mask / (max(counts.sequences, 1.0) * counts.max_response_tokens)

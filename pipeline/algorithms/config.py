@@ -32,9 +32,11 @@ class Algorithm:
     policy_loss: str = "token"
     loss_aggregation: str = "token_mean"
     dynamic_sampling: bool = False  # filter groups whose rewards are all equal, and refill
-    overlong_buffer: int = 0  # tokens before max_new_tokens where the soft length penalty starts
-    overlong_penalty: float = 1.0  # the penalty at max_new_tokens
-    max_new_tokens: int = 0
+    overlong_buffer: int = 0  # tokens before max_response_tokens where the soft length penalty starts
+    overlong_penalty: float = 1.0  # the penalty at max_response_tokens
+    # The longest response a sample may have: rollout.max_new_tokens, or with an environment
+    # rollout.max_episode_tokens (everything after the prompt).
+    max_response_tokens: int = 0
     oversample: float = 2.0  # with dynamic sampling: prompts admitted a step / prompts_per_step
 
     def admitted(self, prompts_per_step: int) -> int:
@@ -48,11 +50,11 @@ class Algorithm:
 
     def overlong(self, length: int) -> float:
         """DAPO's soft overlong penalty for a response of `length` tokens: 0 up to
-        `max_new_tokens - overlong_buffer`, then falling linearly to -`overlong_penalty` at
-        `max_new_tokens` (and below it past that)."""
+        `max_response_tokens - overlong_buffer`, then falling linearly to -`overlong_penalty` at
+        `max_response_tokens` (and below it past that)."""
         if not self.overlong_buffer:
             return 0.0
-        start = self.max_new_tokens - self.overlong_buffer
+        start = self.max_response_tokens - self.overlong_buffer
         if length <= start:
             return 0.0
         return -self.overlong_penalty * min(1.0, (length - start) / self.overlong_buffer)

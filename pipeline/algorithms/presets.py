@@ -5,12 +5,17 @@
 |---------|-----------|-------------|------------------|----------------|------------------|-----------------|
 | grpo    | grpo      | token       | token_mean       | 0.2, 0.28      | no               | 0               |
 | dr_grpo | dr_grpo   | token       | token_sum        | 0.2, 0.28      | no               | 0               |
-| dapo    | grpo      | token       | token_mean       | 0.2, 0.28      | yes              | max_new / 4     |
+| dapo    | grpo      | token       | token_mean       | 0.2, 0.28      | yes              | budget / 4      |
 | gspo    | grpo      | sequence    | sequence_mean    | 3e-4, 4e-4     | no               | 0               |
 | rloo    | rloo      | token       | token_mean       | 0.2, 0.28      | no               | 0               |
 
 `grpo` is what this project trained before presets existed (a token mean over the minibatch);
 the GRPO paper's sequence mean of token means is `loss_aggregation: sequence_mean`.
+
+The response budget (`budget` above; what `token_sum` divides by and where the overlong penalty
+ends) is the longest response a sample may have: `rollout.max_new_tokens`, or with an
+environment `rollout.max_episode_tokens` (an episode's response is everything after the prompt,
+its turns and the environment's replies).
 """
 
 from __future__ import annotations
@@ -44,10 +49,17 @@ KNOBS = (
 )
 
 
-def resolve(train: Any, *, max_new_tokens: int, samples_per_prompt: int) -> Algorithm:
-    """The `Algorithm` of a recipe's `train` section: its preset, then each knob it sets.
-    Raises `RecipeError` naming the field for an unknown part or a combination that cannot run."""
-    knobs = {k: knob(train, k, max_new_tokens=max_new_tokens) for k in KNOBS}
+def resolve(
+    train: Any,
+    *,
+    max_response_tokens: int,
+    samples_per_prompt: int,
+    budget_field: str = "rollout.max_new_tokens",
+) -> Algorithm:
+    """The `Algorithm` of a recipe's `train` section: its preset, then each knob it sets, for
+    responses of at most `max_response_tokens` (the recipe's `budget_field`). Raises
+    `RecipeError` naming the field for an unknown part or a combination that cannot run."""
+    knobs = {k: knob(train, k, max_response_tokens=max_response_tokens) for k in KNOBS}
     base = Algorithm()
     loss = replace(
         base.loss,
@@ -62,7 +74,7 @@ def resolve(train: Any, *, max_new_tokens: int, samples_per_prompt: int) -> Algo
         name=train.algorithm,
         overlong_penalty=train.overlong_penalty,
         oversample=train.oversample,
-        max_new_tokens=max_new_tokens,
+        max_response_tokens=max_response_tokens,
         **knobs,
     )
     # Each name resolves (the losses' modules import torch: only here, not at import).
@@ -70,10 +82,10 @@ def resolve(train: Any, *, max_new_tokens: int, samples_per_prompt: int) -> Algo
     from pipeline.algorithms.losses import LOSSES
 
     algorithm.advantages(), LOSSES.get(algorithm.policy_loss), AGGREGATIONS.get(algorithm.loss_aggregation)
-    if algorithm.overlong_buffer >= max_new_tokens:
+    if algorithm.overlong_buffer >= max_response_tokens:
         raise RecipeError(
-            f"train.overlong_buffer: {algorithm.overlong_buffer} must be below rollout.max_new_tokens "
-            f"({max_new_tokens}): the penalty would start before the first token"
+            f"train.overlong_buffer: {algorithm.overlong_buffer} must be below {budget_field} "
+            f"({max_response_tokens}): the penalty would start before the first token"
         )
     if algorithm.dynamic_sampling and samples_per_prompt < 2:
         raise RecipeError(
@@ -86,19 +98,23 @@ def resolve(train: Any, *, max_new_tokens: int, samples_per_prompt: int) -> Algo
 def algorithm_of(recipe: Any) -> Algorithm:
     """The `Algorithm` of a whole recipe (its `train` and `rollout` sections)."""
     rollout = recipe.rollout
+    episodes = rollout.environment is not None
     return resolve(
-        recipe.train, max_new_tokens=rollout.max_new_tokens, samples_per_prompt=rollout.samples_per_prompt
+        recipe.train,
+        max_response_tokens=rollout.max_episode_tokens if episodes else rollout.max_new_tokens,
+        samples_per_prompt=rollout.samples_per_prompt,
+        budget_field="rollout.max_episode_tokens" if episodes else "rollout.max_new_tokens",
     )
 
 
-def knob(train: Any, name: str, *, max_new_tokens: int = 0) -> Any:
+def knob(train: Any, name: str, *, max_response_tokens: int = 0) -> Any:
     """One knob's value: the recipe's where it sets it, else its preset's, else grpo's."""
     value = getattr(train, name)
     if value is not None:
         return value
     preset = PRESETS[train.algorithm]
     if name == "overlong_buffer":
-        return int(max_new_tokens * preset.get("overlong_fraction", 0.0))
+        return int(max_response_tokens * preset.get("overlong_fraction", 0.0))
     if name in ("clip_low", "clip_high"):
         return preset.get(name, getattr(Algorithm().loss, name))
     return preset.get(name, getattr(Algorithm(), name))

@@ -149,7 +149,7 @@ def run_update(
         Counts(
             tokens=float(sum(trained_tokens(s) for g in part for s in g.samples)),
             sequences=float(sum(len(g.samples) for g in part)),
-            max_new_tokens=algorithm.max_new_tokens,
+            max_response_tokens=algorithm.max_response_tokens,
         )
         for part in parts
     ]

@@ -19,7 +19,7 @@ this module depends on msgspec alone.
 
 from __future__ import annotations
 
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 import msgspec
 
@@ -88,3 +88,7 @@ class BackendInput(
     placement: PlacementT
     options: OptionsT
     reward_function: str  # what Ray reward workers score with (placement.reward_workers)
+    # What Ray environment workers run (placement.environment_workers): rollout.environment
+    # (None: single-turn) and rollout.environment_args.
+    environment: str | None = None
+    environment_args: dict[str, Any] = msgspec.field(default_factory=dict)

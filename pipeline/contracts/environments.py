@@ -13,7 +13,10 @@ keyword arguments), then:
 its observation is appended to the prompt's tokens before the first turn (an empty one adds
 nothing). `step` gets the model's turn: its decoded text (up to the end-of-sequence token) and
 the exact tokens the engine produced. Each observation's text (or tokens) enters the sequence
-after the turn, with loss mask 0: the model is trained only on its own tokens.
+after the turn, with loss mask 0: the model is trained only on its own tokens. With
+`prompts.chat_template: true` the episode is a chat: each observation is text, a message of
+`rollout.observation_role` (`tool` by default) that the model's chat template renders between
+the turns, and `start`'s observation must be empty (the prompt is the whole first user turn).
 
 The episode's reward is, as `rollout.episode_reward` says, the sum of the turns' rewards
 (`sum`: a turn without one counts 0) or the last turn's reward (`final`: the observation that
@@ -27,11 +30,18 @@ raises an `Exception`, overruns `env_s` or returns something other than an `Obse
 non-finite rewards) fails its episode: the sample is not trained on, and the failure is counted
 against `rollout.max_env_failures`. A single-turn reward function (`reward.function`) is the
 one-turn case and needs no environment.
+
+An environment that holds something to let go of has a `close()` method (`ClosingEnvironment`):
+it is called once, when its episode ends, however it ends (done, truncated, failed, cancelled).
+
+With `placement.environment_workers` (Ray) each episode's environment is built and run in an
+environment-worker actor (`backends/ray/environments.py`) under the same deadlines and failure
+budget; a worker that dies fails the episodes whose environments it held.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import msgspec
 
@@ -65,3 +75,12 @@ class Environment(Protocol):
     async def start(self, prompt: Prompt) -> Observation: ...
 
     async def step(self, turn: Turn) -> Observation: ...
+
+
+@runtime_checkable
+class ClosingEnvironment(Protocol):
+    """An environment with something to let go of once its episode ends (module docstring)."""
+
+    def close(self) -> None:
+        """Called once, when the episode ends; synchronous (it may not wait on anything)."""
+        ...

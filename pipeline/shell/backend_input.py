@@ -81,4 +81,6 @@ def backend_input(recipe: Recipe, algorithm: Algorithm | None = None) -> Input:
         placement=recipe.placement,
         options=options_of(recipe),
         reward_function=recipe.reward.function,
+        environment=recipe.rollout.environment,
+        environment_args=recipe.rollout.environment_args,
     )

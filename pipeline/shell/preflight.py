@@ -3,7 +3,8 @@
 `preflight` raises `RecipeError` for what would otherwise fail later in the run (or, for the
 model and device, with a traceback): a resume path that is not a checkpoint or a recipe that
 does not match it, a missing model directory or config.json, a device this machine lacks, data
-files that do not parse, a reward function that does not import, an RL algorithm whose parts do not resolve or
+files that do not parse, a reward function that does not import, a chat template that cannot
+continue an episode token-exactly (`stages.chat_turns`), an RL algorithm whose parts do not resolve or
 combine, the packages of the enabled metric sinks (wandb, tensorboard), Ray missing where the recipe
 places the backend on it, what the chosen backend refuses (`backends.registry.check`), and
 prompts plus `rollout.max_new_tokens` past the model's positions (a learned table, or a rotary
@@ -28,6 +29,7 @@ from pipeline.rewards.scoring import RewardFn, resolve
 from pipeline.shell.backend_input import backend_input
 from pipeline.shell.recipe import Recipe
 from pipeline.sinks import check_installed
+from stages.chat_turns import chat_turns
 from stages.checkpoint import open_resume
 from stages.prompts import PromptSet, SyntheticSource, build_prompts
 
@@ -75,6 +77,7 @@ def preflight(recipe: Recipe, *, model: bool = True, resume: bool = True) -> Che
     environment = None
     if recipe.rollout.environment is not None:
         environment = resolve_environment(recipe.rollout.environment, recipe.rollout.environment_args)
+        chat_turns(recipe.prompts, recipe.rollout, prompts.tokenizer)  # refuses a template it cannot continue
         if limit is not None and prompts.longest + recipe.rollout.max_episode_tokens > limit.positions:
             raise RecipeError(
                 f"rollout.max_episode_tokens: {recipe.rollout.max_episode_tokens} tokens after the "

@@ -75,6 +75,7 @@ class Recipe(Section, frozen=True):
             data_parallel=self.train.data_parallel,
             partial=self.rollout.partial,
             reward_function=self.reward.function,
+            environment=self.rollout.environment,
         )
         check_engine(
             sampling_of(self),

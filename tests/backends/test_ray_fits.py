@@ -20,8 +20,8 @@ def node(alive: bool = True, **resources: float) -> dict[str, Any]:
     return {"Alive": alive, "Resources": resources}
 
 
-def actors(*overrides: str) -> list[tuple[str, dict[str, float]]]:
-    recipe = pipeline.load_recipe(QUICKSTART, ["placement.backend=ray", *overrides])
+def actors(*overrides: str, recipe_path: str = QUICKSTART) -> list[tuple[str, dict[str, float]]]:
+    recipe = pipeline.load_recipe(recipe_path, ["placement.backend=ray", *overrides])
     assert isinstance(recipe.placement, RayPlacement)
     ranks = recipe.train.tensor_parallel
     gpus = {"engine": 0.0, "trainer": 0.0}
@@ -75,6 +75,20 @@ def test_a_placement_the_cluster_cannot_hold(overrides: list[str], nodes: list[A
     with pytest.raises(RecipeError) as raised:
         check_fits(actors(*overrides), nodes)
     assert str(raised.value) == message
+
+
+def test_environment_workers_ask_for_their_cpus() -> None:
+    wanted = actors(
+        "placement.environment_workers=2",
+        "placement.environment_cpus=2",
+        recipe_path="recipes/multi-turn-cpu.yaml",
+    )
+    with pytest.raises(RecipeError) as raised:
+        check_fits(wanted, [node(CPU=4)])
+    assert str(raised.value) == (
+        "placement.environment_cpus, placement.trainer_cpus: the run's actors ask Ray for 5 CPU in all, "
+        "but the cluster has 4; ask for less, or add nodes"
+    )
 
 
 def test_a_placement_that_fits_passes() -> None:

@@ -136,14 +136,15 @@ def test_under_a_token_budget_a_long_tailed_group_is_split_into_runs() -> None:
 def test_a_checkpoint_with_another_parameter_list_is_refused_in_one_line(tmp_path: Path) -> None:
     """A trainer.pt written before q/k/v and gate/up were fused holds one optimizer entry per
     projection: loading it must be a clear error, not a zip or optimizer traceback."""
+    from backends.torch.state_file import load_state
     from pipeline.contracts.errors import RecipeError
 
     trainer = _trainer(micro_batch_samples=256, updates_per_step=1)
     trainer._train_step(_groups())
     trainer.save(tmp_path)
-    state = torch.load(tmp_path / "trainer.pt", weights_only=False)
+    state = load_state(tmp_path / "trainer.pt")
     state["optimizer"]["param_groups"][0]["params"].append(999)  # one more, as the unfused layout had
-    torch.save(state, tmp_path / "trainer.pt")
+    torch.save(state, tmp_path / "trainer.pt")  # whole, as checkpoints of that time were written
     with pytest.raises(RecipeError) as error:
         _trainer(micro_batch_samples=256, updates_per_step=1).load(tmp_path)
     assert str(error.value) == (

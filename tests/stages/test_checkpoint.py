@@ -54,6 +54,18 @@ def _run_stopping_after(recipe: Any, step: int) -> None:
     anyio.run(lambda: pipeline.run(recipe, stop=stop, echo=echo))
 
 
+def _kill_after_first_checkpoint(args: list[str], run_dir: Path) -> int:
+    """Run `args`, SIGKILL it at a random moment up to 0.3 s after `run_dir`'s first committed
+    checkpoint; its exit status (-SIGKILL where the kill came before it ended)."""
+    process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while not committed(run_dir / "checkpoints") and time.monotonic() < deadline and process.poll() is None:
+        time.sleep(0.01)
+    time.sleep(random.uniform(0.0, 0.3))
+    process.send_signal(signal.SIGKILL)
+    return process.wait()
+
+
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> dict[int, tuple[str, ...]]:
     run_dir = tmp_path_factory.mktemp("straight") / "run"
@@ -76,13 +88,7 @@ def test_sigkill_after_a_save_then_resume_is_bit_exact(
     run_dir = tmp_path / "run"
     args = [sys.executable, "-m", "pipeline", "run", "recipes/quickstart.yaml", f"run.dir={run_dir}", *SMALL]
     args += ["run.steps=6", "checkpoint.every_steps=1", "--quiet"]
-    process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 120
-    while not committed(run_dir / "checkpoints") and time.monotonic() < deadline and process.poll() is None:
-        time.sleep(0.01)
-    time.sleep(random.uniform(0.0, 0.3))
-    process.send_signal(signal.SIGKILL)
-    process.wait()
+    _kill_after_first_checkpoint(args, run_dir)
     anyio.run(pipeline.run, _recipe(run_dir, "run.steps=6"))
     assert _figures(run_dir) == uninterrupted
 
@@ -172,6 +178,55 @@ def test_every_prompt_is_trained_exactly_once_across_stop_and_resume(
     assert summary.steps_done == 8
     assert len(trained) == len(set(trained)) == 8 * 3
     assert set(trained) == {f"train-{i}" for i in range(8 * 3)}
+
+
+# Runs a recipe with the real backend, appending to a log file, as each step starts training,
+# "<step> <prompt id> ..." of the prompts it trains (flushed line by line: a kill loses none).
+RECORDING_SCRIPT = """
+import sys, anyio, pipeline
+from pipeline.channel import Channel
+from pipeline.contracts.messages import Group
+from pipeline.shell import run as shell_run
+log = open(sys.argv[2], "a", buffering=1)
+prompt_of, send, place = {}, Channel.send, shell_run.place
+async def spy(self, item):
+    if self.name == "scored" and isinstance(item, Group):
+        prompt_of[item.group_id] = item.prompt.prompt_id
+    await send(self, item)
+def placing(*args, **kwargs):
+    placed = place(*args, **kwargs)
+    trainer, step = placed.trainer, placed.trainer.train_step
+    async def recording(groups):
+        ids = [prompt_of[g.group_id] for g in groups]
+        log.write(" ".join([str(trainer.completed_steps + 1), *ids]) + "\\n")
+        return await step(groups)
+    trainer.train_step = recording
+    return placed
+Channel.send, shell_run.place = spy, placing
+recipe = pipeline.load_recipe(sys.argv[3], [f"run.dir={sys.argv[1]}", *sys.argv[4:]])
+anyio.run(shell_run.run_program, recipe)
+"""
+
+
+def test_sigkill_then_resume_trains_every_prompt_exactly_once_multi_turn_included(tmp_path: Path) -> None:
+    """The multi-turn recipe (the guess environment, L = 1: a batch generated ahead of the one
+    training) killed at a random moment after its first checkpoint, then resumed: the steps the
+    checkpoint kept and the resumed run's steps train every prompt once."""
+    run_dir, log = tmp_path / "run", tmp_path / "trained.log"
+    steps, per_step = 6, 4
+    args = [sys.executable, "-c", RECORDING_SCRIPT, str(run_dir), str(log), "recipes/multi-turn-cpu.yaml"]
+    args += ["run.progress=false", "run.plot=false", "eval.every_steps=0", "gates.checks=[]"]
+    args += [f"run.steps={steps}", f"prompts.prompts_per_step={per_step}", "checkpoint.every_steps=1"]
+    assert _kill_after_first_checkpoint(args, run_dir) == -signal.SIGKILL
+    kept = int(committed(run_dir / "checkpoints")[-1].name.removeprefix("step-"))
+    assert kept < steps
+    before = [line.split() for line in log.read_text().splitlines()]
+    subprocess.run(args, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    after = [line.split() for line in log.read_text().splitlines()[len(before) :]]
+    trained = [line for line in before if int(line[0]) <= kept] + after
+    assert [int(step) for step, *_ in trained] == list(range(1, steps + 1))
+    prompts = [prompt for _, *ids in trained for prompt in ids]
+    assert sorted(prompts) == sorted(f"train-{i}" for i in range(steps * per_step))
 
 
 def test_resume_never_refuses_a_used_run_dir(tmp_path: Path) -> None:

@@ -22,9 +22,10 @@ from pipeline.contracts.messages import Completion, Prompt, TrainGroup, TrainSam
 from pipeline.gate import EngineGate
 from pipeline.logs import reset_warnings
 from pipeline.testing import FakeEngine, FakeTime, FakeTrainer
+from stages.chat_turns import ChatTurns
 from stages.episodes import Episode, Episodes
 from stages.rollout import RolloutSection
-from stages.tokenizer import CharTokenizer
+from stages.tokenizer import CharTokenizer, Tokenizer
 from tests.stages.test_flow import drive, make_recipe, metrics
 
 TOKENIZER = CharTokenizer("0123456789=<>?")
@@ -79,24 +80,28 @@ async def _play(
     *,
     during: Callable[[EngineGate], Awaitable[None]] | None = None,
     counts: Counter[str] | None = None,
+    prompt: Prompt = PROMPT,
+    tokenizer: Tokenizer = TOKENIZER,
+    chat: ChatTurns | None = None,
     **section: Any,
 ) -> tuple[Episode | BaseException, float]:
-    """One episode (and `during(gate)` beside it); its result, or what it raised, and the fake
-    time when it ended."""
+    """One episode from `prompt` (and `during(gate)` beside it); its result, or what it raised,
+    and the fake time when it ended."""
     clock = DeadlineClock(source=fake)
     gate = EngineGate(engine, clock)
     episodes = Episodes(
         RolloutSection(**{"max_retries": 0, **section}),
         factory=env,
-        tokenizer=TOKENIZER,
+        tokenizer=tokenizer,
         gate=gate,
         clock=clock,
+        chat=chat,
     )
     out: dict[str, Any] = {}
 
     async def episode() -> None:
         try:
-            out["result"] = await episodes.run(PROMPT, counts=counts if counts is not None else Counter())
+            out["result"] = await episodes.run(prompt, counts=counts if counts is not None else Counter())
         except Exception as error:
             out["result"] = error
         out["at"] = fake.now()

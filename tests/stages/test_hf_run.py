@@ -20,6 +20,7 @@ from transformers import (
 )
 
 import pipeline
+from backends.torch.state_file import load_state
 from pipeline.contracts.errors import RecipeError
 from pipeline.metrics import read
 from pipeline.shell.generate import generate
@@ -75,7 +76,7 @@ def test_export_loads_in_transformers_and_generates_our_tokens(hf_run: Path, tmp
     out = export(checkpoint, tmp_path / "exported")
     for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
         assert (out / name).is_file(), name
-    trained = torch.load(checkpoint / "trainer.pt", weights_only=False)["model"]
+    trained = load_state(checkpoint / "trainer.pt")["model"]
     hf = AutoModelForCausalLM.from_pretrained(out).eval()
     assert type(hf).__name__ == open_model(checkpoint).config.architecture  # the family it started as
     for name, tensor in hf.state_dict().items():

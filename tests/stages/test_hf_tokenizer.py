@@ -96,3 +96,16 @@ def test_no_eos_anywhere_is_named(tiny_qwen2_dir: Path, tmp_path: Path) -> None:
         f"model.path: no end-of-sequence token: neither {model / 'tokenizer_config.json'} has an "
         f"eos_token nor {model / 'generation_config.json'} an eos_token_id"
     )
+
+
+def test_a_template_reads_one_time_for_the_whole_run(tiny_qwen2_dir: Path, tmp_path: Path) -> None:
+    """`strftime_now` is the time the tokenizer was built: an episode's earlier turns, rendered
+    again after each turn, keep their date."""
+    model = tmp_path / "model"
+    shutil.copytree(tiny_qwen2_dir, model)
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    config["chat_template"] = "{{ strftime_now('%H:%M:%S.%f') }}{{ messages[-1]['content'] }}"
+    (model / "tokenizer_config.json").write_text(json.dumps(config))
+    tokenizer = HFTokenizer(model)
+    first = tokenizer.render_chat(QUESTION)
+    assert tokenizer.render_chat(QUESTION) == first

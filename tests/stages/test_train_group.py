@@ -32,8 +32,8 @@ def _group(lengths: list[int], rewards: list[float | None], poisoned: int = -1) 
 
 
 def test_rewards_are_shaped_by_the_overlong_penalty_before_the_advantages() -> None:
-    """max_new_tokens 10, buffer 4: lengths 6, 8, 10 lose 0, 0.5 and 1.0 (penalty 1.0)."""
-    algorithm = Algorithm(overlong_buffer=4, max_new_tokens=10)
+    """max_response_tokens 10, buffer 4: lengths 6, 8, 10 lose 0, 0.5 and 1.0 (penalty 1.0)."""
+    algorithm = Algorithm(overlong_buffer=4, max_response_tokens=10)
     trained = train_group(_group([6, 8, 10], [1.0, 1.0, 1.0]), algorithm)
     assert [s.reward for s in trained.samples] == [1.0, 0.5, 0.0]
     assert [s.advantage for s in trained.samples] == pytest.approx(grpo([1.0, 0.5, 0.0]))

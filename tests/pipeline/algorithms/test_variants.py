@@ -11,9 +11,10 @@ from dataclasses import replace
 import pytest
 import torch
 
+import pipeline
 from pipeline.algorithms import advantages as estimators
 from pipeline.algorithms.config import Algorithm, LossConfig
-from pipeline.algorithms.presets import resolve
+from pipeline.algorithms.presets import algorithm_of, resolve
 from pipeline.algorithms.update import Chunk, run_update
 from pipeline.contracts.errors import RecipeError
 from pipeline.contracts.messages import TrainGroup, TrainSample
@@ -133,7 +134,7 @@ def close(got: tuple[float, list[list[float]]], expected: tuple[float, list[list
 
 
 def preset(name: str) -> Algorithm:
-    return resolve(TrainSection(algorithm=name), max_new_tokens=MAX_NEW, samples_per_prompt=3)  # type: ignore[arg-type]
+    return resolve(TrainSection(algorithm=name), max_response_tokens=MAX_NEW, samples_per_prompt=3)  # type: ignore[arg-type]
 
 
 def test_advantage_estimators_by_hand() -> None:
@@ -167,7 +168,7 @@ def test_the_presets_knobs() -> None:
     )
     # A knob set on its own beats the preset's.
     mixed = resolve(
-        TrainSection(algorithm="gspo", clip_low=0.1), max_new_tokens=MAX_NEW, samples_per_prompt=3
+        TrainSection(algorithm="gspo", clip_low=0.1), max_response_tokens=MAX_NEW, samples_per_prompt=3
     )
     assert (mixed.policy_loss, mixed.loss.clip_low) == ("sequence", 0.1)
 
@@ -209,7 +210,7 @@ def test_gspo_sequence_ratio_by_hand(is_correction: str) -> None:
 def test_a_custom_loss_by_module_and_function() -> None:
     name = "tests.pipeline.algorithms.custom_loss:squared_advantage"
     algorithm = resolve(
-        TrainSection(policy_loss=name, advantage="rloo"), max_new_tokens=MAX_NEW, samples_per_prompt=3
+        TrainSection(policy_loss=name, advantage="rloo"), max_response_tokens=MAX_NEW, samples_per_prompt=3
     )
     adv = algorithm.advantages()(REWARDS)
     tokens = sum(LENGTHS)
@@ -219,8 +220,26 @@ def test_a_custom_loss_by_module_and_function() -> None:
 
 
 def test_the_overlong_penalty_by_hand() -> None:
-    algorithm = Algorithm(overlong_buffer=4, overlong_penalty=0.5, max_new_tokens=10)
+    algorithm = Algorithm(overlong_buffer=4, overlong_penalty=0.5, max_response_tokens=10)
     assert [algorithm.overlong(n) for n in (1, 6, 7, 9, 10, 12)] == [0.0, 0.0, -0.125, -0.375, -0.5, -0.5]
+
+
+def test_with_an_environment_the_response_budget_is_the_episodes() -> None:
+    """An episode's response is everything after its prompt (the multi-turn recipe's
+    rollout.max_episode_tokens: 16), not one turn (its max_new_tokens: 1): Dr. GRPO's token sum
+    divides by it, DAPO's overlong buffer is a quarter of it and its penalty ends there."""
+    multi_turn = "recipes/multi-turn-cpu.yaml"
+    dapo = algorithm_of(pipeline.load_recipe(multi_turn, ["train.algorithm=dapo"]))
+    assert (dapo.max_response_tokens, dapo.overlong_buffer) == (16, 4)
+    assert [dapo.overlong(n) for n in (12, 14, 16)] == [0.0, -0.5, -1.0]
+    dr_grpo = algorithm_of(pipeline.load_recipe(multi_turn, ["train.algorithm=dr_grpo"]))
+    assert (dr_grpo.loss_aggregation, dr_grpo.max_response_tokens) == ("token_sum", 16)
+    with pytest.raises(RecipeError) as error:
+        algorithm_of(pipeline.load_recipe(multi_turn, ["train.overlong_buffer=16"]))
+    assert str(error.value) == (
+        "train.overlong_buffer: 16 must be below rollout.max_episode_tokens (16): the penalty would "
+        "start before the first token"
+    )
 
 
 @pytest.mark.parametrize(
@@ -248,13 +267,13 @@ def test_the_overlong_penalty_by_hand() -> None:
 )
 def test_a_wrong_name_or_combination_is_one_recipe_error(section: TrainSection, message: str) -> None:
     with pytest.raises(RecipeError) as error:
-        resolve(section, max_new_tokens=MAX_NEW, samples_per_prompt=3)
+        resolve(section, max_response_tokens=MAX_NEW, samples_per_prompt=3)
     assert str(error.value) == message
 
 
 def test_dynamic_sampling_needs_groups() -> None:
     with pytest.raises(RecipeError, match=r"^train.dynamic_sampling needs rollout.samples_per_prompt >= 2"):
-        resolve(TrainSection(algorithm="dapo"), max_new_tokens=MAX_NEW, samples_per_prompt=1)
+        resolve(TrainSection(algorithm="dapo"), max_response_tokens=MAX_NEW, samples_per_prompt=1)
 
 
 def test_the_clip_fraction_counts_the_tokens_whose_ratio_left_the_range() -> None:

@@ -247,6 +247,12 @@ VALID_RUN_FIELDS = "dir, steps, seed, stop_grace_s, progress, log_every_steps, p
             id="placement-reward-workers-reasoning-gym",
         ),
         pytest.param(
+            "placement:\n  backend: ray\n  environment_workers: 2\n",
+            "placement.environment_workers: 2 needs rollout.environment (module:Class): a single-turn "
+            "run has no environments to run; set placement.environment_workers: 0",
+            id="placement-environment-workers-single-turn",
+        ),
+        pytest.param(
             "colocated: false\nmodel:\n  device: cuda\n  config: {vocab_size: 16}\n"
             "placement:\n  backend: ray\n  engine_gpus: 0\n",
             "placement.engine_gpus: 0, but model.device: cuda: Ray shows an actor only the GPUs it asks "
@@ -361,6 +367,11 @@ VALID_RUN_FIELDS = "dir, steps, seed, stop_grace_s, progress, log_every_steps, p
             "rollout:\n  environment: a:B\n  max_new_tokens: 8\n  max_episode_tokens: 4\n",
             "rollout: max_new_tokens (8) must be <= max_episode_tokens (4): no turn would fit in an episode",
             id="episode-budget-below-a-turn",
+        ),
+        pytest.param(
+            "rollout:\n  observation_role: system\n",
+            "rollout.observation_role: Invalid enum value 'system'; expected one of: tool, user",
+            id="observation-role",
         ),
         pytest.param(
             "placement:\n  backend: ray\n  weights: nccl\n",

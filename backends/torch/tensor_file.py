@@ -1,0 +1,204 @@
+"""A nested state's tensors as raw bytes in a file of their own, written and read by many threads.
+
+`write_tensors(path, state)` writes every distinct tensor of `state` (dicts, lists, tuples
+rebuilt; tensors that are the same view of the same storage, tied weights, written once) into
+`path` at 64-byte aligned offsets, and returns the state with each tensor replaced by a
+`StoredTensor` (its offset, dtype and shape): the skeleton, small, that the caller pickles
+beside it. `read_tensors(path, skeleton)` gives the state back, each tensor a view of one buffer
+read from the file (or, `mmap`, of the file mapped copy-on-write, read as it is used); a tied
+tensor comes back as one tensor again.
+
+Why not `torch.save` of the whole state: it pickles and writes each record holding the
+interpreter lock, and its pages wait in the page cache until the kernel's dirty limits or the
+fsync send them to the disk. Here the bytes go in file order, in pieces of `CHUNK`, by
+`os.pwrite` (which releases the lock), and each piece's write-back to the disk is started as
+soon as it is written (`sync_file_range` on Linux), so the disk writes while the rest is
+copied and the checkpoint's fsync finds little left. In order, from one thread: pieces written
+by many threads at once land on the disk out of order, and were slower on the GPU machine.
+Reads, which need no order, run on many threads. The bytes of a tensor are its storage as it
+is in memory (the machine's byte order): a file is read back on a machine of the same byte
+order.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from collections import OrderedDict
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+
+CHUNK = 64 * 2**20  # bytes one thread writes or reads at a time
+_ALIGN = 64
+_THREADS = min(16, os.cpu_count() or 1)
+_SYNC_FILE_RANGE_WRITE = 2  # start write-out of the range's dirty pages, do not wait
+
+
+def _sync_file_range() -> Callable[..., int] | None:
+    try:
+        function = ctypes.CDLL(None, use_errno=True).sync_file_range  # ctypes releases the GIL
+    except (AttributeError, OSError):
+        return None
+    function.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    function.restype = ctypes.c_int
+    return function  # type: ignore[no-any-return]
+
+
+_SYNC_FILE_RANGE = _sync_file_range()
+
+
+class StoredTensor(NamedTuple):
+    """Where a tensor's bytes lie in the tensor file, and what they hold."""
+
+    offset: int
+    dtype: str  # torch's name for it: "float32", "bfloat16", ...
+    shape: tuple[int, ...]
+
+
+def write_tensors(path: Path, state: Any) -> Any:
+    """Write `state`'s tensors to `path` (see the module docstring); the skeleton."""
+    stored: dict[tuple[Any, ...], tuple[torch.Tensor, StoredTensor]] = {}
+    size = 0
+
+    def place(tensor: torch.Tensor) -> StoredTensor:
+        nonlocal size
+        key = (
+            tensor.untyped_storage().data_ptr(),
+            tensor.storage_offset(),
+            tensor.shape,
+            tensor.stride(),
+            tensor.dtype,
+        )
+        if key not in stored:
+            entry = StoredTensor(size, str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape))
+            stored[key] = (tensor.detach().cpu().contiguous(), entry)
+            size += -(-tensor.numel() * tensor.element_size() // _ALIGN) * _ALIGN
+        return stored[key][1]
+
+    skeleton = _rebuild(state, place)
+    pieces = [
+        (entry.offset + start, view[start : start + CHUNK])
+        for tensor, entry in stored.values()
+        if tensor.numel()
+        for view in [_bytes(tensor)]
+        for start in range(0, len(view), CHUNK)
+    ]
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        os.ftruncate(fd, size)  # the gaps between tensors read as zeros
+        for at, view in sorted(pieces, key=lambda piece: piece[0]):
+            start = at
+            while len(view):
+                written = os.pwrite(fd, view, at)
+                at, view = at + written, view[written:]
+            _start_writeback(fd, start, at - start)
+    finally:
+        os.close(fd)
+    return skeleton
+
+
+def _start_writeback(fd: int, offset: int, nbytes: int) -> None:
+    """Have the kernel start writing `fd`'s bytes [offset, offset + nbytes) to the disk now,
+    without waiting (Linux's sync_file_range; elsewhere nothing: the fsync writes them)."""
+    if _SYNC_FILE_RANGE is not None:
+        _SYNC_FILE_RANGE(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)
+
+
+def read_tensors(path: Path, skeleton: Any, *, mmap: bool = False) -> Any:
+    """`skeleton`'s state with its tensors read from `path` (`OSError` if the file is missing or
+    shorter than its tensors, `ValueError` if a dtype is unknown). Each tensor has storage of its
+    own, as `torch.load` gives it; with `mmap`, each is a view of the file mapped copy-on-write
+    (read as it is used: for weights to be copied elsewhere, as an export does)."""
+    size = path.stat().st_size
+    entries: dict[StoredTensor, torch.dtype] = {}
+
+    def collect(entry: StoredTensor) -> StoredTensor:
+        dtype = getattr(torch, entry.dtype, None)
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"unknown dtype {entry.dtype!r}")
+        end = entry.offset + _numel(entry.shape) * dtype.itemsize
+        if end > size:
+            raise OSError(f"{path.name} holds {size} bytes, a tensor ends at {end}")
+        entries[entry] = dtype
+        return entry
+
+    _rebuild(skeleton, collect, stored=True)
+    loaded: dict[StoredTensor, torch.Tensor] = {}
+    if mmap:
+        mapped = torch.from_file(str(path), shared=False, size=size, dtype=torch.uint8)
+        for entry, dtype in entries.items():
+            nbytes = _numel(entry.shape) * dtype.itemsize
+            window = mapped[entry.offset : entry.offset + nbytes]
+            loaded[entry] = (
+                window.view(dtype).view(entry.shape) if nbytes else torch.empty(entry.shape, dtype=dtype)
+            )
+    else:
+        loaded = {entry: torch.empty(entry.shape, dtype=dtype) for entry, dtype in entries.items()}
+        pieces = [
+            (entry.offset + start, view[start : start + CHUNK])
+            for entry, tensor in loaded.items()
+            if tensor.numel()
+            for view in [_bytes(tensor)]
+            for start in range(0, len(view), CHUNK)
+        ]
+        fd = os.open(path, os.O_RDONLY)
+        try:
+
+            def read(piece: tuple[int, memoryview]) -> None:
+                at, view = piece
+                while len(view):
+                    got = os.preadv(fd, [view], at)
+                    if got == 0:
+                        raise OSError(f"{path.name}: shorter than its size while being read")
+                    at, view = at + got, view[got:]
+
+            _each(read, pieces)
+        finally:
+            os.close(fd)
+    return _rebuild(skeleton, loaded.__getitem__, stored=True)
+
+
+def _each(work: Callable[[Any], None], items: Any) -> None:
+    items = list(items)
+    if len(items) <= 1:
+        for item in items:
+            work(item)
+        return
+    with ThreadPoolExecutor(max_workers=_THREADS, thread_name_prefix="tensor-file") as pool:
+        for _ in pool.map(work, items):
+            pass
+
+
+def _bytes(tensor: torch.Tensor) -> memoryview:
+    return tensor.reshape(-1).view(torch.uint8).numpy().data
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    count = 1
+    for n in shape:
+        count *= n
+    return count
+
+
+def _rebuild(value: Any, leaf: Callable[[Any], Any], *, stored: bool = False) -> Any:
+    """`value` with its containers rebuilt and `leaf` applied to each tensor (`stored`: to each
+    `StoredTensor`)."""
+    if isinstance(value, StoredTensor if stored else torch.Tensor):
+        return leaf(value)
+    if isinstance(value, dict):
+        out = (OrderedDict if isinstance(value, OrderedDict) else dict)(
+            (k, _rebuild(v, leaf, stored=stored)) for k, v in value.items()
+        )
+        metadata = getattr(value, "_metadata", None)  # a module state dict's versions
+        if metadata is not None:
+            out._metadata = metadata  # type: ignore[attr-defined]
+        return out
+    if isinstance(value, list):
+        return [_rebuild(v, leaf, stored=stored) for v in value]
+    if isinstance(value, tuple) and not hasattr(value, "_fields"):
+        return tuple(_rebuild(v, leaf, stored=stored) for v in value)
+    return value

@@ -1,0 +1,120 @@
+"""Paged KV caches as megatron's dynamic engine lays them out, attention written out over them,
+and the CPU cases of `backends/megatron/paged_decode.py`'s kernels.
+
+`python -m tests.backends.paged_decode_case` with TRITON_INTERPRET=1 (Triton's interpreter runs
+the kernels on CPU tensors; it must be on before Triton is first imported, so the test runs it
+in a process of its own) prints one JSON object: for each case the largest difference of the
+kernel's output and logsumexp from `reference`, and whether the two agree on the queries that
+see no key. The cases are float32: Triton 3.6's interpreter gets `tl.dot` of bf16 tiles wrong
+(products of order 1e10 from unit-scale inputs), so bf16 is tested on the GPU, by
+tests/gpu/test_megatron_paged_decode.py, which takes the caches and the reference from here.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import torch
+from torch import Tensor
+
+
+def paged(
+    lengths: list[int],
+    *,
+    block_tokens: int,
+    kv_heads: int,
+    d: int,
+    spare_blocks: int = 3,
+    dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Caches [blocks, block_tokens, kv_heads, d] and a block table for requests of `lengths`
+    keys: each request's blocks scattered through the pool (not in order, not adjacent), the
+    table two columns wider than the longest request and two rows longer than the batch, the
+    unused entries -1, as megatron's."""
+    counts = [-(-n // block_tokens) for n in lengths]
+    blocks = sum(counts) + spare_blocks
+    k = torch.randn(blocks, block_tokens, kv_heads, d, dtype=dtype, device=device)
+    v = torch.randn_like(k)
+    order = torch.randperm(blocks, device=device).to(torch.int32)
+    table = torch.full((len(lengths) + 2, max(counts) + 2), -1, dtype=torch.int32, device=device)
+    taken = 0
+    for row, count in enumerate(counts):
+        table[row, :count] = order[taken : taken + count]
+        taken += count
+    return k, v, table
+
+
+def reference(
+    q: Tensor, k: Tensor, v: Tensor, table: Tensor, lengths: list[int], scale: float, causal: bool
+) -> tuple[Tensor, Tensor]:
+    """Softmax attention in float64 of queries [B, S, H, D] over each request's gathered keys
+    (query s sees the first n - (S - 1 - s) of n with `causal`): output [B, S, H, D] (0 where a
+    query sees no key) and logsumexp [B, H, S] (-inf there)."""
+    b, s, h, d = q.shape
+    group = h // k.shape[2]
+    out = torch.zeros(b, s, h, d, dtype=torch.float64, device=q.device)
+    lse = torch.full((b, h, s), float("-inf"), dtype=torch.float64, device=q.device)
+    for row, n in enumerate(lengths):
+        blocks = table[row][table[row] >= 0].long()
+        keys, values = (c[blocks].flatten(0, 1)[:n].double().repeat_interleave(group, 1) for c in (k, v))
+        for i in range(s):
+            seen = n - (s - 1 - i) if causal else n
+            if seen <= 0:
+                continue
+            scores = torch.einsum("hd,nhd->hn", q[row, i].double(), keys[:seen]) * scale
+            lse[row, :, i] = scores.logsumexp(-1)
+            out[row, i] = torch.einsum("hn,nhd->hd", scores.softmax(-1), values[:seen])
+    return out, lse
+
+
+# name: (lengths, block_tokens, kv_heads, query heads, head dim, queries a request, causal, splits)
+CASES: dict[str, tuple[list[int], int, int, int, int, int, bool, int]] = {
+    # GQA 3 query heads a KV head; lengths of 1 key, within a block, ending mid-block, exactly
+    # one block, none (a padded row), several tiles of keys across blocks.
+    "mixed_lengths_gqa": ([1, 37, 16, 0, 150], 16, 2, 6, 32, 1, True, 1),
+    "split_keys": ([1, 37, 16, 0, 150], 16, 2, 6, 32, 1, True, 4),
+    "two_queries_causal": ([2, 37, 1, 90], 16, 2, 4, 16, 2, True, 2),
+    "two_queries_full": ([2, 37, 1, 90], 16, 2, 4, 16, 2, False, 1),
+    "one_query_head_a_kv_head_dim_64": ([5, 70], 32, 2, 2, 64, 1, True, 1),
+}
+
+
+def _compare(out: Tensor, lse: Tensor, want: tuple[Tensor, Tensor]) -> dict[str, Any]:
+    want_out, want_lse = want
+    seen = want_lse.isfinite()
+    return {
+        "out": (out.double() - want_out).abs().max().item(),
+        "lse": (lse.double() - want_lse)[seen].abs().max().item(),
+        "unseen_agree": torch.equal(lse.isfinite(), seen),
+    }
+
+
+def run() -> dict[str, Any]:
+    from backends.megatron import flash_adapter, paged_decode
+
+    results: dict[str, Any] = {}
+    for name, (lengths, block_tokens, kv_heads, heads, d, s, causal, splits) in CASES.items():
+        torch.manual_seed(0)
+        k, v, table = paged(lengths, block_tokens=block_tokens, kv_heads=kv_heads, d=d)
+        q = torch.randn(len(lengths), s, heads, d)
+        seqlens = torch.tensor(lengths, dtype=torch.int32)
+        out, lse = paged_decode.attend(q, k, v, table, seqlens, d**-0.5, causal, num_splits=splits)
+        results[name] = _compare(out, lse, reference(q, k, v, table, lengths, d**-0.5, causal))
+    # megatron's call: the adapter takes the kernel (the gather's torch flash kernel has no CPU
+    # implementation), its default scale 1/sqrt(D).
+    lengths = [3, 40, 0, 17]
+    torch.manual_seed(1)
+    k, v, table = paged(lengths, block_tokens=16, kv_heads=2, d=32)
+    q = torch.randn(len(lengths), 1, 6, 32)
+    seqlens = torch.tensor(lengths, dtype=torch.int32)
+    out, lse = flash_adapter.flash_attn_with_kvcache(
+        q, k, v, cache_seqlens=seqlens, causal=True, block_table=table, return_softmax_lse=True, num_splits=0
+    )
+    results["adapter"] = _compare(out, lse, reference(q, k, v, table, lengths, 32**-0.5, True))
+    return results
+
+
+if __name__ == "__main__":
+    print(json.dumps(run()))

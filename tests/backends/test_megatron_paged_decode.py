@@ -1,0 +1,133 @@
+"""`backends/megatron/paged_decode.py`'s kernels against attention written out over the same
+paged cache, on the CPU through Triton's interpreter (one process for every case:
+tests/backends/paged_decode_case.py), and the choices it makes on the host."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("triton")
+
+from backends.megatron import paged_decode  # noqa: E402
+from tests.backends.paged_decode_case import CASES, paged  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def interpreted() -> dict[str, Any]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        [sys.executable, "-W", "error", "-m", "tests.backends.paged_decode_case"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+@pytest.mark.parametrize("case", [*CASES, "adapter"])
+def test_the_kernel_gives_softmax_attention_over_each_rows_own_blocks(
+    interpreted: dict[str, Any], case: str
+) -> None:
+    """Mixed lengths (1 key, mid-block, a whole block, none, several tiles over scattered
+    blocks), GQA, keys split over programs, two queries a request with and without the causal
+    cut, head dim 64, and the flash adapter's `flash_attn_with_kvcache` taking the kernel: the
+    output and logsumexp of plain softmax attention; a query that sees no key has logsumexp
+    -inf and output 0."""
+    got = interpreted[case]
+    assert got["out"] < 1e-5 and got["lse"] < 1e-5, got
+    assert got["unseen_agree"], got
+
+
+def _h200(monkeypatch: pytest.MonkeyPatch) -> torch.device:
+    monkeypatch.setattr(
+        torch.cuda, "get_device_properties", lambda device: SimpleNamespace(multi_processor_count=132)
+    )
+    return torch.device("cuda")
+
+
+def test_a_decode_batch_that_fills_the_device_is_not_split(monkeypatch: pytest.MonkeyPatch) -> None:
+    """256 rows x 2 KV heads are 512 programs for 132 SMs: each walks its row whole."""
+    assert paged_decode.splits(256 * 2, 1024, _h200(monkeypatch)) == 1
+
+
+def test_few_long_rows_split_their_keys_by_the_tables_width(monkeypatch: pytest.MonkeyPatch) -> None:
+    """2 programs leave SMs idle: their keys are split in a power of two, each split at least
+    MIN_SPLIT_KEYS of the width a row can hold, at most MAX_SPLITS; a table narrower than two
+    splits is not split."""
+    device = _h200(monkeypatch)
+    assert paged_decode.splits(2, 1024, device) == 4
+    assert paged_decode.splits(2, 1536, device) == 4  # 6 splits' worth: rounded down
+    assert paged_decode.splits(2, 65536, device) == paged_decode.MAX_SPLITS
+    assert paged_decode.splits(2, 256, device) == 1
+
+
+def test_cpu_tensors_take_the_gather_without_the_interpreter() -> None:
+    """The adapter's fallback: the kernel runs on CUDA tensors (or under Triton's interpreter)."""
+    k, v, table = paged([5], block_tokens=16, kv_heads=2, d=32)
+    q = torch.randn(1, 1, 6, 32)
+    assert not paged_decode.supports(q, k, v, table, torch.tensor([5], dtype=torch.int32))
+
+
+@pytest.mark.parametrize(
+    ("heads", "d", "strided", "runs"),
+    [
+        (6, 32, False, True),
+        (6, 96, False, False),
+        (6, 512, False, False),
+        (5, 32, False, False),
+        (6, 32, True, False),
+    ],
+    ids=["gqa", "head-dim-96", "head-dim-512", "heads-not-a-multiple", "strided-head-dim"],
+)
+def test_inputs_the_kernel_cannot_take_go_to_the_gather(
+    monkeypatch: pytest.MonkeyPatch, heads: int, d: int, strided: bool, runs: bool
+) -> None:
+    import triton
+
+    monkeypatch.setattr(triton.knobs.runtime, "interpret", True)
+    k, v, table = paged([5], block_tokens=16, kv_heads=2, d=d)
+    q = torch.randn(1, 1, heads, 2 * d)[..., ::2] if strided else torch.randn(1, 1, heads, d)
+    assert paged_decode.supports(q, k, v, table, torch.tensor([5], dtype=torch.int32)) == runs
+
+
+def test_the_kernel_compiles_for_the_h200_with_pipelined_vector_loads() -> None:
+    """What the interpreter cannot show: `_partials` compiles for sm_90 (megatron's engine shape:
+    6 query heads a KV head, head dim 128, bf16), and with the cache's pointers and strides
+    multiples of 16 (as a launch over megatron's cache specialises them) its key and value
+    tiles are read by asynchronous copies (`cp.async`: loads of later tiles overlap the
+    current tile's math) in 16-byte vectors."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    kernel = paged_decode._partials
+    constants = {"CAUSAL": True, "GROUP": 6, "GROUP_PAD": 16, "D": 128, "TILE": paged_decode.TILE}
+    constants |= {"SPLITS": 1, "STEPPED": False}
+    pointers = {"q": "*bf16", "k_cache": "*bf16", "v_cache": "*bf16", "out": "*bf16", "part_out": "*bf16"}
+    pointers |= {"table": "*i32", "seqlens": "*i32", "lse": "*fp32", "part_max": "*fp32", "part_sum": "*fp32"}
+    names = kernel.arg_names
+    signature = {n: "constexpr" if n in constants else pointers.get(n, "i32") for n in names}
+    signature["scale_log2"] = "fp32"
+    aligned = [i for i, n in enumerate(names) if signature[n] in ("*bf16", "*i32", "*fp32", "i32")]
+    source = ASTSource(
+        kernel,
+        signature,
+        {(names.index(n),): v for n, v in constants.items()},
+        attrs={(i,): [["tt.divisibility", 16]] for i in aligned if names[i] != "queries"},
+    )
+    ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+    assert "cp.async" in ptx and "ld.global.v4" in ptx
