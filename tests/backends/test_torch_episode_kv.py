@@ -49,12 +49,14 @@ def _model(positions: int = 0) -> Decoder:
     return model
 
 
-def _engine(model: Decoder, keep_bytes: int, *, shared: bool = True, **options: Any) -> TorchEngine:
+def _engine(
+    model: Decoder, keep_bytes: int, *, shared: bool = True, new: int = NEW, **options: Any
+) -> TorchEngine:
     return TorchEngine(
         Sampler(model),
         shared=shared,
         source=model if shared else copy.deepcopy(model),
-        max_new_tokens=NEW,
+        max_new_tokens=new,
         temperature=1.0,
         top_p=1.0,
         stop_token_ids=(),
@@ -253,6 +255,48 @@ async def test_turns_entering_together_restore_their_own_keys_and_values_in_one_
     whole = _engine(_model(positions=19), 0)
     try:
         for key, context in [*contexts.items(), ("other", other)]:
+            (want,) = await whole.generate(context, 1, greedy=True)
+            assert second[key].tokens == want.tokens
+            assert second[key].logprobs == pytest.approx(want.logprobs, abs=1e-5)
+    finally:
+        whole.close()
+
+
+async def test_cache_positions_past_a_row_s_tokens_never_reach_its_continuation() -> None:
+    """Two episodes continue together, one with fewer tokens than the other, over a cache whose
+    memory past what is restored and prefilled holds NaN (as fresh memory under flash decode
+    may): the shorter row's attention spans the longer's positions, masked, and its token and
+    logprob are still a whole-context prefill's. One new token a turn: no decode step reads the
+    cache (the eager CPU step would read NaN as well)."""
+    model = _model()
+    engine = _engine(model, 1 << 20, new=1)
+    contexts: dict[str, list[int]] = {"a": [2, 3, 4], "b": [2, 6, 7, 8, 9, 10, 11]}
+    second: dict[str, Completion] = {}
+
+    async def turn(key: str) -> None:
+        (second[key],) = await engine.generate(contexts[key], 1, greedy=True, episode=key)
+
+    try:
+        with anyio.fail_after(60):
+            await engine.generate([2, *range(3, 14)], 2)  # a cache that no later loop grows (anew)
+            for key in contexts:
+                await turn(key)
+                contexts[key] = [*contexts[key], *second[key].tokens, 12]
+            while engine._loop is not None:
+                await anyio.sleep(0.01)
+            for part in engine.sampler.cache.flat:
+                part.fill_(float("nan"))
+            loops = engine.calls
+            async with anyio.create_task_group() as tg:
+                for key in contexts:
+                    tg.start_soon(turn, key)
+    finally:
+        engine.close()
+    assert engine.calls == loops + 1  # continued together
+    assert [second[key].reused_tokens for key in contexts] == [3, 7]
+    whole = _engine(_model(), 0, new=1)
+    try:
+        for key, context in contexts.items():
             (want,) = await whole.generate(context, 1, greedy=True)
             assert second[key].tokens == want.tokens
             assert second[key].logprobs == pytest.approx(want.logprobs, abs=1e-5)
