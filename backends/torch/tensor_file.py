@@ -25,7 +25,7 @@ from __future__ import annotations
 import ctypes
 import os
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -80,13 +80,7 @@ def write_tensors(path: Path, state: Any) -> Any:
         return stored[key][1]
 
     skeleton = _rebuild(state, place)
-    pieces = [
-        (entry.offset + start, view[start : start + CHUNK])
-        for tensor, entry in stored.values()
-        if tensor.numel()
-        for view in [_bytes(tensor)]
-        for start in range(0, len(view), CHUNK)
-    ]
+    pieces = _pieces((entry.offset, tensor) for tensor, entry in stored.values())
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         os.ftruncate(fd, size)  # the gaps between tensors read as zeros
@@ -138,13 +132,7 @@ def read_tensors(path: Path, skeleton: Any, *, mmap: bool = False) -> Any:
             )
     else:
         loaded = {entry: torch.empty(entry.shape, dtype=dtype) for entry, dtype in entries.items()}
-        pieces = [
-            (entry.offset + start, view[start : start + CHUNK])
-            for entry, tensor in loaded.items()
-            if tensor.numel()
-            for view in [_bytes(tensor)]
-            for start in range(0, len(view), CHUNK)
-        ]
+        pieces = _pieces((entry.offset, tensor) for entry, tensor in loaded.items())
         fd = os.open(path, os.O_RDONLY)
         try:
 
@@ -171,6 +159,18 @@ def _each(work: Callable[[Any], None], items: Any) -> None:
     with ThreadPoolExecutor(max_workers=_THREADS, thread_name_prefix="tensor-file") as pool:
         for _ in pool.map(work, items):
             pass
+
+
+def _pieces(placed: Iterable[tuple[int, torch.Tensor]]) -> list[tuple[int, memoryview]]:
+    """Each tensor's bytes (at its offset in the file) cut into pieces of at most `CHUNK`, each
+    with its own offset in the file."""
+    return [
+        (offset + start, view[start : start + CHUNK])
+        for offset, tensor in placed
+        if tensor.numel()
+        for view in [_bytes(tensor)]
+        for start in range(0, len(view), CHUNK)
+    ]
 
 
 def _bytes(tensor: torch.Tensor) -> memoryview:
