@@ -27,7 +27,7 @@ LOSS = Algorithm(loss=LossConfig(clip_low=0.2, clip_high=0.28, kl_coef=0.0, is_c
 # The loss variants, each as the trainers take it (advantages are the samples' own).
 VARIANTS = {
     "grpo": LOSS,
-    "dr_grpo": replace(LOSS, loss_aggregation="token_sum", max_new_tokens=9),
+    "dr_grpo": replace(LOSS, loss_aggregation="token_sum", max_response_tokens=9),
     "gspo": replace(LOSS, policy_loss="sequence", loss_aggregation="sequence_mean"),
     "custom": replace(LOSS, policy_loss="tests.pipeline.algorithms.custom_loss:squared_advantage"),
 }

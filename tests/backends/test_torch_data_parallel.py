@@ -33,7 +33,7 @@ CUSTOM = "tests.pipeline.algorithms.custom_loss:squared_advantage"
 
 def variant(name: str) -> Algorithm:
     section = TrainSection(policy_loss=CUSTOM) if name == "custom" else TrainSection(algorithm=name)  # type: ignore[arg-type]
-    return resolve(section, max_new_tokens=9, samples_per_prompt=4)
+    return resolve(section, max_response_tokens=9, samples_per_prompt=4)
 
 
 def groups(seed: int, vocab: int = 24, *, episodes: bool = False) -> list[TrainGroup]:
