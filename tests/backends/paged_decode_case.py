@@ -7,7 +7,7 @@ in a process of its own) prints one JSON object: for each case the largest diffe
 kernel's output and logsumexp from `reference`, and whether the two agree on the queries that
 see no key. The cases are float32: Triton 3.6's interpreter gets `tl.dot` of bf16 tiles wrong
 (products of order 1e10 from unit-scale inputs), so bf16 is tested on the GPU, by
-tests/gpu/test_megatron_paged_decode.py, which takes the caches and the reference from here.
+tests/gpu/test_megatron_paged_decode_gpu.py, which takes the caches and the reference from here.
 """
 
 from __future__ import annotations
