@@ -275,3 +275,21 @@ def test_validate_refuses_a_template_that_rewrites_earlier_turns(
     (line,) = capsys.readouterr().err.splitlines()
     # Further in: tiny-hf.yaml's system prompt comes first.
     assert line == "error: " + EARLIER_TURNS_REFUSED.format(at=133)
+
+
+# ChatML, but a tool message also reads a message the conversation does not have.
+FAILS_ON_TOOL = TRIMS.replace(
+    "{% set content = message['content'] %}",
+    "{% set content = message['content'] %}{% if message['role'] == 'tool' %}"
+    "{% set content = content ~ messages[99]['content'] %}{% endif %}",
+)
+
+
+def test_a_template_that_fails_to_render_is_refused_in_one_line(tmp_path: Path) -> None:
+    """A template error (not `raise_exception`) is a `RecipeError` naming the field, not a traceback."""
+    with pytest.raises(RecipeError) as raised:
+        _chat(tokenizer_dir(tmp_path, FAILS_ON_TOOL))
+    assert str(raised.value) == (
+        "prompts.chat_template: the model's chat template fails to render: UndefinedError: "
+        "list object has no element 99"
+    )
