@@ -333,3 +333,19 @@ async def test_the_templates_tokens_after_a_closed_turn_are_encoded_as_they_foll
     messages.append({"role": "assistant", "content": "7"})
     rendered = tokenizer.encode_plain(tokenizer.render(messages, add_generation_prompt=False))
     assert prompt.tokens + episode.tokens == tuple(rendered[:-1])  # all but the closing newline
+
+
+def test_a_turn_end_its_tokenizer_does_not_encode_as_that_token_is_refused(tmp_path: Path) -> None:
+    """<|im_end|> in the vocabulary but not an added token: its text encodes as pieces, so the
+    text after a closed turn cannot be encoded as it follows the token; refused when built."""
+    directory = tokenizer_dir(tmp_path)
+    spec = json.loads((directory / "tokenizer.json").read_text())
+    spec["added_tokens"] = [t for t in spec["added_tokens"] if t["content"] != "<|im_end|>"]
+    spec["model"]["vocab"].setdefault("<|im_end|>", len(spec["model"]["vocab"]))
+    (directory / "tokenizer.json").write_text(json.dumps(spec))
+    with pytest.raises(RecipeError) as raised:
+        _chat(directory)
+    assert str(raised.value) == (
+        "prompts.chat_template: the model's chat template cannot continue an episode: its "
+        "tokenizer does not encode the text of the turn's end as that token"
+    )
