@@ -20,7 +20,9 @@ tokens:
 
 The template's end of an assistant turn (`turn_end`: the stop id whose text it writes right
 after a message's content, `<|im_end|>` in ChatML) is the model's own when it generated it:
-trained (loss mask 1), its text not part of the message's content. A turn without it (cut at
+trained (loss mask 1), its text not part of the message's content, and the template's text
+after it encoded as it follows that token (a tokenizer that marks a space before the text it
+encodes, SentencePiece style, marks none after a special token). A turn without it (cut at
 `max_new_tokens`, or ended by another stop id, whose text then stays in the content) has the
 template's turn end written after it, with the observation.
 
@@ -127,7 +129,15 @@ class Conversation:
         if not added.startswith(written):
             raise _refused(f"it does not write the model's turn as generated{_difference(written, added)}")
         self.messages, self.text = messages, text
-        return tuple(tokenizer.encode_plain(added[len(written) :], where="the chat template's text"))
+        rest = added[len(written) :]
+        if not closed:
+            return tuple(tokenizer.encode_plain(rest, where="the chat template's text"))
+        # Encoded as it follows the turn's end token: a tokenizer that marks a space before the
+        # text it encodes ("▁", SentencePiece style) marks none after a special token.
+        ids = tokenizer.encode_plain(tokenizer.text_of(turn[-1:]) + rest, where="the chat template's text")
+        if ids[:1] != [turn[-1]]:
+            raise _refused("its tokenizer does not encode the text of the turn's end as that token")
+        return tuple(ids[1:])
 
 
 def _refused(reason: str) -> RecipeError:

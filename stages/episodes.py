@@ -17,7 +17,8 @@ raises `GiveUp`, and its group is dropped as a single-turn group would be. An en
 raises, overruns `env_s` or answers something malformed fails only its episode: it is returned
 with `EpisodeStats.failed` set and no reward (never trained on), counted in `counts["env_failures"]`,
 and past `max_env_failures` the run stops (`DropBudgetExceeded`). An environment with a
-`close()` method has it called once its episode ends, however it ends.
+`close()` method has it called once its episode ends, however it ends (a close that raises
+is warned of, its episode kept as it ended).
 
 With `prompts.chat_template` (`chat`, stages/chat_turns.py) an episode is a chat through the
 model's template: the tokens between two turns are the template's end of the assistant's turn,
@@ -198,7 +199,7 @@ class Episodes:
             if isinstance(self.gate.engine, KeepsEpisodes):
                 self.gate.engine.end_episode(key)
             if isinstance(env, ClosingEnvironment):
-                env.close()
+                self._close(env)
         if section.episode_reward == "sum":
             reward = math.fsum(rewards)
         else:
@@ -244,6 +245,17 @@ class Episodes:
         if bad:
             raise EnvironmentFailed(f"{name} returned non-finite values: {bad}")
         return result
+
+    @staticmethod
+    def _close(env: ClosingEnvironment) -> None:
+        """Call the environment's close(); one that raises is warned of (its episode has ended
+        and stays as it ended: a bug there does not stop the run, as on an environment worker)."""
+        try:
+            env.close()
+        except Exception as error:
+            warn_once(
+                log, "environment close", "environment close() raised %s: %s", type(error).__name__, error
+            )
 
     @staticmethod
     def _text(observation: Observation) -> str:

@@ -114,14 +114,24 @@ class HFTokenizer:
         return self.render(messages, add_generation_prompt=True)
 
     def render(self, messages: Sequence[Mapping[str, str]], *, add_generation_prompt: bool) -> str:
-        """The chat template's text for `messages` (`role` and `content` each)."""
-        return self._chat_template().render(
-            messages=messages,
-            add_generation_prompt=add_generation_prompt,
-            tools=None,
-            documents=None,
-            **self.special_tokens,
-        )
+        """The chat template's text for `messages` (`role` and `content` each); a template that
+        fails to compile or render (a Jinja error, not its own `raise_exception`) is a
+        `RecipeError` naming prompts.chat_template."""
+        from jinja2 import TemplateError
+
+        try:
+            return self._chat_template().render(
+                messages=messages,
+                add_generation_prompt=add_generation_prompt,
+                tools=None,
+                documents=None,
+                **self.special_tokens,
+            )
+        except TemplateError as error:
+            raise RecipeError(
+                f"prompts.chat_template: the model's chat template fails to render: "
+                f"{type(error).__name__}: {error}"
+            ) from None
 
     def text_of(self, ids: Sequence[int]) -> str:
         """The text of `ids` exactly, special tokens (and stop ids) written out as their text."""

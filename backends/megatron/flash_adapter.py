@@ -195,7 +195,8 @@ def gathered_decode(
     causal: bool,
 ) -> tuple[Tensor, Tensor]:
     """`flash_attn_with_kvcache`'s attention over the rows' blocks gathered into contiguous keys
-    (module docstring), with the logsumexp as torch's varlen kernel lays it out."""
+    (module docstring), with the logsumexp [B, H, S] as flash-attn's (torch's varlen kernel
+    gives it [H, B * S]; megatron's sink-softmax correction reads [B, H, S])."""
     b, s, h, d = q.shape
     cu_q = torch.arange(0, (b + 1) * s, s, dtype=torch.int32, device=q.device)
     out, lse = _paged(
@@ -209,4 +210,4 @@ def gathered_decode(
         causal,
         _used(block_table, b, lambda: int(cache_seqlens[:b].max()), k_cache.shape[1]),
     )
-    return out.view(b, s, h, d), lse
+    return out.view(b, s, h, d), lse.view(h, b, s).transpose(0, 1)

@@ -12,8 +12,9 @@ Bounds and lifetime: the kept entries hold at most ``budget`` bytes of device me
 keeping one more evicts the least recently kept first (an entry larger than the whole budget is
 not kept). `take` removes its entry, hit or miss (a live request's keys are in its slot; a
 mismatched entry is of no further use). `forget` drops an ended episode's entry; `clear` drops
-them all: the engine calls it whenever the weights it serves change (a wake, a refit: kept keys
-and values are the old weights') and at a stand-down (the memory goes back for training). A
+them all: the engine calls it at a stand-down (the memory goes back for training, and a wake
+finds nothing kept: it may serve new weights) and whenever the weights it serves change
+otherwise (a refit, a weights load: kept keys and values are the old weights'). A
 request given up while its loop ran may still leave an entry no episode takes again: the budget
 bounds such entries, and they are the first evicted.
 

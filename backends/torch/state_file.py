@@ -2,7 +2,7 @@
 
 `TorchTrainer` writes `trainer.pt` (model, master weights, optimizer, scheduler, RNG, counters),
 `TorchEngine` writes `engine.pt` (its sampling RNG). A state's tensors go in a file of their own
-beside it, `trainer.tensors` for `trainer.pt`, written by many threads
+beside it, `trainer.tensors` for `trainer.pt`, written raw in file order, read by many threads
 (`backends.torch.tensor_file`); the `.pt` file is a small `torch.save` of the rest, each tensor
 in it a reference into the tensor file. Files written whole by `torch.save` (before the tensor
 files) load as they always did. A state holding NaN or infinity is never written

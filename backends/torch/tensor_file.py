@@ -1,4 +1,4 @@
-"""A nested state's tensors as raw bytes in a file of their own, written and read by many threads.
+"""A nested state's tensors as raw bytes in a file of their own, written in order, read by many threads.
 
 `write_tensors(path, state)` writes every distinct tensor of `state` (dicts, lists, tuples
 rebuilt; tensors that are the same view of the same storage, tied weights, written once) into

@@ -33,6 +33,7 @@ one-turn case and needs no environment.
 
 An environment that holds something to let go of has a `close()` method (`ClosingEnvironment`):
 it is called once, when its episode ends, however it ends (done, truncated, failed, cancelled).
+One that raises is warned of; the episode stays as it ended.
 
 With `placement.environment_workers` (Ray) each episode's environment is built and run in an
 environment-worker actor (`backends/ray/environments.py`) under the same deadlines and failure

@@ -56,6 +56,17 @@ def test_the_adapter_decodes_through_the_kernel_as_the_gather_does() -> None:
     torch.testing.assert_close(out.float(), gathered.float(), atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize(("s", "causal"), [(1, True), (2, True), (2, False)])
+def test_the_gather_gives_the_logsumexp_as_flash_attn_lays_it_out(s: int, causal: bool) -> None:
+    """[B, H, S], as the kernel's and flash-attn's (the path of head dims the kernel refuses,
+    and of CUDA without Triton): megatron's sink-softmax correction reads it so."""
+    lengths = [n for n in LENGTHS if n > 1]  # every query sees a key: flash-attn's lse is finite
+    q, k, v, table, seqlens = _inputs(lengths, 128, s)
+    out, lse = flash_adapter.gathered_decode(q, k, v, table, seqlens, 128**-0.5, causal)
+    assert lse.shape == (len(lengths), HEADS, s)
+    _close(out, lse, reference(q, k, v, table, lengths, 128**-0.5, causal))
+
+
 @pytest.mark.parametrize("rows", [2, 256])
 def test_a_captured_launch_replays_for_other_lengths(rows: int) -> None:
     """Captured once (keys split for 2 rows, whole for 256) at one key a row, replayed after

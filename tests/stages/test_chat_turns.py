@@ -22,7 +22,7 @@ from pipeline.testing import FakeEngine, FakeTime, FakeTrainer
 from stages.chat_turns import ChatTurns
 from stages.episodes import Episode
 from stages.hf_tokenizer import HFTokenizer
-from tests.conftest import write_tiny_tokenizer
+from tests.conftest import TINY_CORPUS, write_tiny_tokenizer
 from tests.stages.test_episodes import _play
 from tests.stages.test_flow import drive, make_recipe
 
@@ -275,3 +275,77 @@ def test_validate_refuses_a_template_that_rewrites_earlier_turns(
     (line,) = capsys.readouterr().err.splitlines()
     # Further in: tiny-hf.yaml's system prompt comes first.
     assert line == "error: " + EARLIER_TURNS_REFUSED.format(at=133)
+
+
+# ChatML, but a tool message also reads a message the conversation does not have.
+FAILS_ON_TOOL = TRIMS.replace(
+    "{% set content = message['content'] %}",
+    "{% set content = message['content'] %}{% if message['role'] == 'tool' %}"
+    "{% set content = content ~ messages[99]['content'] %}{% endif %}",
+)
+
+
+def test_a_template_that_fails_to_render_is_refused_in_one_line(tmp_path: Path) -> None:
+    """A template error (not `raise_exception`) is a `RecipeError` naming the field, not a traceback."""
+    with pytest.raises(RecipeError) as raised:
+        _chat(tokenizer_dir(tmp_path, FAILS_ON_TOOL))
+    assert str(raised.value) == (
+        "prompts.chat_template: the model's chat template fails to render: UndefinedError: "
+        "list object has no element 99"
+    )
+
+
+def _metaspace_dir(directory: Path) -> Path:
+    """The tiny tokenizer directory, its tokenizer a SentencePiece-style BPE that marks a word's
+    space with "▁" and adds one before the text it encodes (Metaspace, prepend_scheme "first",
+    as Mistral's and Llama's converted tokenizers do): never after a special token."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer_dir(directory)
+    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first")
+    tokenizer.decoder = decoders.Metaspace(prepend_scheme="first")
+    corpus = ["system\nuser\nassistant\ntool\nhigher lower right", *TINY_CORPUS]
+    special = ["<unk>", "<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    tokenizer.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=200, special_tokens=special))
+    tokenizer.save(str(directory / "tokenizer.json"))
+    return directory
+
+
+async def test_the_templates_tokens_after_a_closed_turn_are_encoded_as_they_follow_its_end(
+    tmp_path: Path,
+) -> None:
+    """With a tokenizer that adds a "▁" before the text it encodes, the template's text after a
+    turn the model closed with <|im_end|> is encoded as it follows that token (no "▁" of its
+    own): a turn tokenized as the template's text would be gives the whole conversation's text
+    encoded in one piece, as a single-turn prompt would be."""
+    directory = _metaspace_dir(tmp_path / "model")
+    tokenizer, _, prompt = _chat(directory)
+    end = tokenizer.eos_id
+    whole = tokenizer.encode_plain(tokenizer.text_of(prompt.tokens) + "7<|im_end|>")
+    turn = tuple(whole[len(prompt.tokens) :])
+    assert turn[-1] == end
+    episode, _, _ = await _episode(directory, [(turn, "stop")] * 3)
+    assert isinstance(episode, Episode), episode
+    messages = [{"role": "user", "content": QUESTION}]
+    for reply in ("higher", "lower"):
+        messages += [{"role": "assistant", "content": "7"}, {"role": "tool", "content": reply}]
+    messages.append({"role": "assistant", "content": "7"})
+    rendered = tokenizer.encode_plain(tokenizer.render(messages, add_generation_prompt=False))
+    assert prompt.tokens + episode.tokens == tuple(rendered[:-1])  # all but the closing newline
+
+
+def test_a_turn_end_its_tokenizer_does_not_encode_as_that_token_is_refused(tmp_path: Path) -> None:
+    """<|im_end|> in the vocabulary but not an added token: its text encodes as pieces, so the
+    text after a closed turn cannot be encoded as it follows the token; refused when built."""
+    directory = tokenizer_dir(tmp_path)
+    spec = json.loads((directory / "tokenizer.json").read_text())
+    spec["added_tokens"] = [t for t in spec["added_tokens"] if t["content"] != "<|im_end|>"]
+    spec["model"]["vocab"].setdefault("<|im_end|>", len(spec["model"]["vocab"]))
+    (directory / "tokenizer.json").write_text(json.dumps(spec))
+    with pytest.raises(RecipeError) as raised:
+        _chat(directory)
+    assert str(raised.value) == (
+        "prompts.chat_template: the model's chat template cannot continue an episode: its "
+        "tokenizer does not encode the text of the turn's end as that token"
+    )

@@ -358,3 +358,40 @@ async def test_environment_failures_past_the_budget_stop_the_pipeline(tmp_path: 
         "last: step raised RuntimeError: the board caught fire"
     )
     assert trainer.steps == []
+
+
+class Closes(Replies):
+    """Counts its `close` calls; `broken`: each raises."""
+
+    broken = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.closed = 0
+
+    def close(self) -> None:
+        self.closed += 1
+        if self.broken:
+            raise OSError("socket already closed")
+
+
+class ClosesAndRaises(Closes):
+    async def step(self, turn: Turn) -> Observation:
+        raise KeyError("board")
+
+
+@pytest.mark.parametrize("broken", [False, True], ids=["closes", "close-raises"])
+@pytest.mark.parametrize("env_type", [Closes, ClosesAndRaises], ids=["done", "failed"])
+async def test_an_environment_is_closed_once_and_a_close_that_raises_is_a_warning(
+    env_type: type[Closes], broken: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An episode ended (done or failed) has its environment's close() called once; a close
+    that raises is warned of, the episode as it was (not a traceback that stops the run)."""
+    reset_warnings()
+    env = env_type()
+    env.broken = broken
+    episode, _ = await _play(lambda: env, ScriptedEngine(), FakeTime())
+    assert isinstance(episode, Episode), episode
+    assert env.closed == 1
+    assert episode.stats.failed == ("" if env_type is Closes else "step raised KeyError: 'board'")
+    assert ("close() raised OSError: socket already closed" in caplog.text) == broken
