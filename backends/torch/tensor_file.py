@@ -75,21 +75,21 @@ def write_tensors(path: Path, state: Any) -> Any:
         )
         if key not in stored:
             entry = StoredTensor(size, str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape))
-            stored[key] = (tensor.detach().cpu().contiguous(), entry)
+            stored[key] = (tensor.detach(), entry)
             size += -(-tensor.numel() * tensor.element_size() // _ALIGN) * _ALIGN
         return stored[key][1]
 
     skeleton = _rebuild(state, place)
-    pieces = _pieces((entry.offset, tensor) for tensor, entry in stored.values())
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         os.ftruncate(fd, size)  # the gaps between tensors read as zeros
-        for at, view in sorted(pieces, key=lambda piece: piece[0]):
-            start = at
-            while len(view):
-                written = os.pwrite(fd, view, at)
-                at, view = at + written, view[written:]
-            _start_writeback(fd, start, at - start)
+        for tensor, entry in stored.values():  # in file order; one host copy at a time (a GPU's)
+            for at, view in _pieces([(entry.offset, tensor.cpu().contiguous())]):
+                start = at
+                while len(view):
+                    written = os.pwrite(fd, view, at)
+                    at, view = at + written, view[written:]
+                _start_writeback(fd, start, at - start)
     finally:
         os.close(fd)
     return skeleton
