@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -100,6 +101,9 @@ async def test_a_failing_background_write_stops_the_run_and_keeps_the_last_good_
     def step(index: int, groups: Any) -> None:
         if index == 6:  # step 7 trains once the write has failed (fake time outruns the thread)
             assert failed.wait(timeout=60)
+            deadline = time.monotonic() + 60
+            while writer_threads() and time.monotonic() < deadline:  # its failure kept, not only raised
+                time.sleep(0.005)
 
     recipe = make_recipe(tmp_path, steps=9, checkpoint={"every_steps": 3})
     with pytest.raises(CheckpointError) as raised:
