@@ -9,9 +9,10 @@ A step: the groups are shuffled with the backend's generator and split whole int
 micro-batches whose gradients add up. Every update compares against the pre-step policy: the
 first minibatch's pre-step logprobs are the detached logprobs of its own forward (no update has
 run yet), and those of each later minibatch are computed before the first update, in one
-forward without gradients (a step of N updates costs N-1 minibatches' such forwards, not N). The aggregation's weights come from the whole
-minibatch's counts, so the micro-batch split does not change the update. A non-finite loss or
-gradient norm skips that update (the backend drops its gradients), so no NaN reaches the weights.
+forward without gradients (a step of N updates costs N-1 minibatches' such forwards, not N).
+The aggregation's weights come from the whole minibatch's counts, so the micro-batch split does
+not change the update. A non-finite loss or gradient norm skips that update (the backend drops
+its gradients), so no NaN reaches the weights.
 
 Data parallel (`DataParallel`): every rank is given the step's same groups and shuffles them
 alike; of each minibatch it trains its own share (`shares`: whole groups, balanced by tokens),
