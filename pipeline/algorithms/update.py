@@ -6,11 +6,13 @@ samples; the loss, its aggregation, clipping and IS correction here) is written 
 
 A step: the groups are shuffled with the backend's generator and split whole into
 `updates_per_step` minibatches, one optimizer update each; the backend packs each minibatch into
-micro-batches whose gradients add up. With several updates a step the pre-step logprobs are
-computed first (later updates compare against the pre-step policy); with one they equal the
-detached logprobs of the same forward. The aggregation's weights come from the whole
-minibatch's counts, so the micro-batch split does not change the update. A non-finite loss or
-gradient norm skips that update (the backend drops its gradients), so no NaN reaches the weights.
+micro-batches whose gradients add up. Every update compares against the pre-step policy: the
+first minibatch's pre-step logprobs are the detached logprobs of its own forward (no update has
+run yet), and those of each later minibatch are computed before the first update, in one
+forward without gradients (a step of N updates costs N-1 minibatches' such forwards, not N).
+The aggregation's weights come from the whole minibatch's counts, so the micro-batch split does
+not change the update. A non-finite loss or gradient norm skips that update (the backend drops
+its gradients), so no NaN reaches the weights.
 
 Data parallel (`DataParallel`): every rank is given the step's same groups and shuffles them
 alike; of each minibatch it trains its own share (`shares`: whole groups, balanced by tokens),
@@ -158,9 +160,9 @@ def run_update(
     minibatches = [backend.micro_batches(part) if part else [] for part in parts]
     chunks = [c for minibatch in minibatches for c in minibatch]
     with torch.no_grad():
-        if updates_per_step > 1:
-            for chunk in chunks:
-                chunk.old = backend.logprobs(chunk)
+        # The first minibatch's own forward runs before any update: its logprobs are pre-step.
+        for chunk in (c for minibatch in minibatches[1:] for c in minibatch):
+            chunk.old = backend.logprobs(chunk)
         if backend.has_reference:
             for chunk in chunks:
                 chunk.reference = backend.logprobs(chunk, reference=True)
@@ -172,7 +174,7 @@ def run_update(
         loss = torch.zeros((), device=backend.device)
         for chunk in minibatch:
             lp = backend.logprobs(chunk)
-            if chunk.old is None:  # one update: this forward's logprobs are the pre-step ones
+            if chunk.old is None:  # the first minibatch: this forward's logprobs are the pre-step ones
                 chunk.old = lp.detach()
             out = loss_fn(
                 LossInputs(

@@ -85,6 +85,27 @@ def _group(g: int, prompt: tuple[int, ...], lengths: list[int]) -> TrainGroup:
     )
 
 
+def test_of_two_updates_only_the_second_minibatch_takes_a_forward_without_gradients(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The first minibatch's pre-step logprobs are its own forward's (no update has run yet);
+    only the later minibatches' are computed apart, before the first update (the pinned
+    figures above check that they are the pre-step policy's)."""
+    trainer = _trainer(micro_batch_samples=256, updates_per_step=2)
+    forwards: list[tuple[int, bool]] = []
+    logprobs = trainer.logprobs
+
+    def counted(chunk, *, reference: bool = False):  # type: ignore[no-untyped-def]
+        forwards.append((len(chunk.inputs.responses), torch.is_grad_enabled()))
+        return logprobs(chunk, reference=reference)
+
+    monkeypatch.setattr(trainer, "logprobs", counted)
+    trainer._train_step(_groups())
+    # Two minibatches of two groups of three (one micro-batch each): one forward without
+    # gradients (the second minibatch, first), then each minibatch's forward for its update.
+    assert forwards == [(6, False), (6, True), (6, True)]
+
+
 def test_micro_batches_take_whole_groups_in_order_up_to_the_sample_cap() -> None:
     """Without a token budget, a micro-batch takes whole groups in the minibatch's order (no
     length bucketing: responses are packed at their own lengths, so none pads to another) and

@@ -38,11 +38,13 @@ def test_lag_never_exceeds_lookahead(tmp_path: Path, colocated: bool, lookahead:
 
 def test_on_policy_step_engine_and_trainer_agree(tmp_path: Path) -> None:
     records = _run(tmp_path, "run.steps=3", "eval.every_steps=0", "async_rl.max_lookahead_versions=0")
+    updates = pipeline.load_recipe("recipes/quickstart.yaml").train.updates_per_step
     for record in (r for r in records if "train/loss" in r):
         assert record["rollout/max_lag"] == 0
         assert abs(record["train/token_mult_prob_error"] - 1.0) < 1e-3
         assert record["train/gen_kl_error"] < 1e-4
-        assert record["train/applied_updates"] == 1  # what the train stage's skip limit reads
+        # Every update applied: what the train stage's skip limit reads.
+        assert record["train/applied_updates"] == updates
 
 
 def test_multi_turn_engine_and_trainer_agree_on_the_models_tokens_only(tmp_path: Path) -> None:
