@@ -120,7 +120,11 @@ async def test_resume_continues_bit_for_bit(tmp_path: Path, how: str) -> None:
     assert got == expected
     for (name, a), b in zip(first.model.named_parameters(), resumed.model.parameters(), strict=True):
         assert torch.equal(a, b), name
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["megatron", "megatron-trainer.pt", "megatron-trainer.tensors"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "megatron",
+        "megatron-trainer.pt",
+        "megatron-trainer.tensors",
+    ]
     first.close()
     resumed.close()
 
