@@ -64,6 +64,9 @@ def test_partial_rollouts_continue_across_megatron_steps(tmp_path: Path) -> None
         "eval.every_steps=0",
         "rollout.partial=true",
         "async_rl.max_lookahead_versions=1",
+        # One update a step: step 3's stand-down then always finds the next batch in flight (4 of 4
+        # runs); with the recipe's two, its longer step let the batch finish first in 1 run of 4.
+        "train.updates_per_step=1",
     )
     assert len(records) == 6
     assert any(r["rollout/partial_samples"] > 0 for r in records)
