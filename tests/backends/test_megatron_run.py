@@ -64,8 +64,11 @@ def test_partial_rollouts_continue_across_megatron_steps(tmp_path: Path) -> None
         "eval.every_steps=0",
         "rollout.partial=true",
         "async_rl.max_lookahead_versions=1",
-        # One update a step: step 3's stand-down then always finds the next batch in flight (4 of 4
-        # runs); with the recipe's two, its longer step let the batch finish first in 1 run of 4.
+        # A batch 4x the quickstart's, one update a step: step 3's stand-down then finds the next
+        # batch in flight (3 of 3 runs at load 12). With the recipe's own 32 prompts the batch
+        # often finished first (no run of 6 froze a row at load 7), and the test failed on a
+        # loaded machine.
+        "prompts.prompts_per_step=128",
         "train.updates_per_step=1",
     )
     assert len(records) == 6
