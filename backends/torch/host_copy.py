@@ -124,7 +124,7 @@ class HostCopier:
         def fill(value: Any) -> Any:
             if isinstance(value, torch.Tensor):
                 return copies[_key(value)]
-            return _rebuild(value, fill, leaf)
+            return rebuild(value, fill, leaf)
 
         return fill(state)
 
@@ -169,13 +169,15 @@ def _plan(state: Any, leaf: Leaf | None) -> tuple[dict[tuple[Any, ...], tuple[to
                 tensors[k] = (value, offset)
                 offset += -(-value.numel() * value.element_size() // _ALIGN) * _ALIGN
             return value
-        return _rebuild(value, collect, leaf)
+        return rebuild(value, collect, leaf)
 
     collect(state)
     return tensors, offset, any(t.device.type == "cuda" for t, _ in tensors.values())
 
 
-def _rebuild(value: Any, each: Callable[[Any], Any], leaf: Callable[..., Any] | None) -> Any:
+def rebuild(value: Any, each: Callable[[Any], Any], leaf: Callable[..., Any] | None = None) -> Any:
+    """`value`'s containers (dict, list, tuple; not named tuples) rebuilt, `each` applied to what
+    they hold; `leaf(value, each)` may rebuild a type of its own (NotImplemented for the rest)."""
     if leaf is not None:
         done = leaf(value, each)
         if done is not NotImplemented:

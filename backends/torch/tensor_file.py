@@ -24,13 +24,14 @@ from __future__ import annotations
 
 import ctypes
 import os
-from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
+
+from backends.torch.host_copy import rebuild
 
 CHUNK = 64 * 2**20  # bytes one thread writes or reads at a time
 _ALIGN = 64
@@ -79,7 +80,7 @@ def write_tensors(path: Path, state: Any) -> Any:
             size += -(-tensor.numel() * tensor.element_size() // _ALIGN) * _ALIGN
         return stored[key][1]
 
-    skeleton = _rebuild(state, place)
+    skeleton = _each_leaf(state, torch.Tensor, place)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         os.ftruncate(fd, size)  # the gaps between tensors read as zeros
@@ -120,7 +121,7 @@ def read_tensors(path: Path, skeleton: Any, *, mmap: bool = False) -> Any:
         entries[entry] = dtype
         return entry
 
-    _rebuild(skeleton, collect, stored=True)
+    _each_leaf(skeleton, StoredTensor, collect)
     loaded: dict[StoredTensor, torch.Tensor] = {}
     if mmap:
         mapped = torch.from_file(str(path), shared=False, size=size, dtype=torch.uint8)
@@ -147,7 +148,7 @@ def read_tensors(path: Path, skeleton: Any, *, mmap: bool = False) -> Any:
             _each(read, pieces)
         finally:
             os.close(fd)
-    return _rebuild(skeleton, loaded.__getitem__, stored=True)
+    return _each_leaf(skeleton, StoredTensor, loaded.__getitem__)
 
 
 def _each(work: Callable[[Any], None], items: Any) -> None:
@@ -184,21 +185,10 @@ def _numel(shape: tuple[int, ...]) -> int:
     return count
 
 
-def _rebuild(value: Any, leaf: Callable[[Any], Any], *, stored: bool = False) -> Any:
-    """`value` with its containers rebuilt and `leaf` applied to each tensor (`stored`: to each
-    `StoredTensor`)."""
-    if isinstance(value, StoredTensor if stored else torch.Tensor):
-        return leaf(value)
-    if isinstance(value, dict):
-        out = (OrderedDict if isinstance(value, OrderedDict) else dict)(
-            (k, _rebuild(v, leaf, stored=stored)) for k, v in value.items()
-        )
-        metadata = getattr(value, "_metadata", None)  # a module state dict's versions
-        if metadata is not None:
-            out._metadata = metadata  # type: ignore[attr-defined]
-        return out
-    if isinstance(value, list):
-        return [_rebuild(v, leaf, stored=stored) for v in value]
-    if isinstance(value, tuple) and not hasattr(value, "_fields"):
-        return tuple(_rebuild(v, leaf, stored=stored) for v in value)
-    return value
+def _each_leaf(value: Any, kind: type, leaf: Callable[[Any], Any]) -> Any:
+    """`value` rebuilt (`host_copy.rebuild`) with `leaf` applied to each `kind` in it."""
+
+    def each(item: Any) -> Any:
+        return leaf(item) if isinstance(item, kind) else rebuild(item, each)
+
+    return each(value)
