@@ -55,7 +55,7 @@ class SyntheticSource(Section, tag="synthetic", tag_field="kind", frozen=True):
     min_digits: PositiveInt = 5
     max_digits: PositiveInt = 5
     num_heldout: NonNegativeInt = 256
-    high: Annotated[int, msgspec.Meta(ge=1, le=9)] = 9  # task guess: the largest hidden number
+    high: Annotated[int, msgspec.Meta(ge=1, le=999)] = 9  # task guess: the largest hidden number
 
     def __post_init__(self) -> None:
         if self.min_digits > self.max_digits:

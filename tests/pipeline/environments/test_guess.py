@@ -23,13 +23,13 @@ async def play(secret: int, policy, **kwargs) -> list[Observation]:  # type: ign
     return replies
 
 
-def bisect(replies: list[str]) -> str:
-    """Binary search over 0-9, replaying the replies so far."""
-    low, high = 0, 9
+def bisect(replies: list[str], top: int = 9, width: int = 1) -> str:
+    """Binary search over 0..top, replaying the replies so far; guesses `width` digits wide."""
+    low, high = 0, top
     for reply in replies:
         guess = (low + high) // 2
         low, high = (guess + 1, high) if reply == ">" else (low, guess - 1)
-    return str((low + high) // 2)
+    return str((low + high) // 2).zfill(width)
 
 
 def scripted(guesses: list[str]):  # type: ignore[no-untyped-def]
@@ -42,6 +42,15 @@ async def test_binary_search_finds_every_number_and_a_blind_policy_at_most_four(
     assert all(r.reward == 1.0 and r.info["success"] == 1.0 for r in searched)
     blind = [(await play(n, lambda replies: str(len(replies))))[-1] for n in range(10)]
     assert [r.info["success"] for r in blind] == [1.0] * 4 + [0.0] * 6
+
+
+async def test_two_digit_guesses_with_leading_zeros_find_every_number_below_a_hundred() -> None:
+    searched = [(await play(n, lambda r: bisect(r, 99, 2), max_guesses=7))[-1] for n in range(100)]
+    assert all(r.info["success"] == 1.0 for r in searched)
+    assert max(r.info["guesses"] for r in searched) == 7.0
+    blind = [(await play(n, lambda r: f"{len(r):02d}", max_guesses=7))[-1] for n in range(100)]
+    assert sum(r.info["success"] for r in blind) == 7.0
+    assert [r.text for r in await play(5, scripted(["٣", "05"]))] == ["?", "="]  # ASCII digits only
 
 
 async def test_replies_and_rewards() -> None:
