@@ -10,7 +10,7 @@ reward: 1 for a win, 0 for a loss; `info` logs `success` and `guesses`.
 
 With numbers 0-9 and four guesses, halving the range each turn (a binary search) finds every
 number, while a policy that ignores the replies finds four numbers of ten at best; with 0-99 and
-seven guesses, every number against seven of a hundred.
+seven guesses, every number against seven of a hundred (eight of a hundred with eight guesses).
 """
 
 from __future__ import annotations
