@@ -189,7 +189,10 @@ class MegatronAdam:
         copies into every tensor of each master's Adam state, its "step" too, which the
         checkpoint's parameter state does not hold (KeyError: 'step'; megatron restores the step
         counts itself, from the param groups). So the rest loads first, then the parameter state
-        with the step counts held as plain numbers, which that copy skips, then as tensors again."""
+        with the step counts held as plain numbers, which that copy skips, then as tensors again,
+        each master its own: megatron's load hands every master one shared step tensor, which
+        torch's Adam then advances once per master at each update (its bias correction then
+        computed at a step count near the number of masters, and a resumed run off its course)."""
         chained = self.optimizer.chained_optimizers
         parts = [state] if len(chained) == 1 else [part for _, part in sorted(state.items())]
         for inner, part in zip(chained, parts, strict=True):
@@ -206,7 +209,7 @@ class MegatronAdam:
                 inner.load_parameter_state_from_fully_reshardable(param_state)
             finally:
                 for p, step in steps.items():
-                    adam[p]["step"] = step
+                    adam[p]["step"] = step.detach().clone()
 
     def _fresh_state(self) -> None:
         """A load's template needs the state's tensors, which torch's Adam makes only at its

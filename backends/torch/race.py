@@ -76,6 +76,7 @@ if triton is not None:
         out_index,
         out_logit,
         vocab,
+        row_stride,
         chunks,
         SLICE: tl.constexpr,
         CHUNK: tl.constexpr,
@@ -86,7 +87,7 @@ if triton is not None:
         seed = tl.load(seed_ptr)
         inv_t = tl.load(inv_t_ptr)
         noisy = tl.load(noisy_ptr)
-        base = logits + row.to(tl.int64) * vocab
+        base = logits + row.to(tl.int64) * row_stride
         counters = (row * chunks + chunk) * (CHUNK // 4) + lane
         top = tl.full((SLICE,), float("-inf"), tl.float32)
         total = tl.zeros((SLICE,), tl.float32)
@@ -150,18 +151,19 @@ def race_draw(
     out: tuple[Tensor, Tensor] | None = None,
 ) -> tuple[Tensor, Tensor]:
     """(token [rows] int64, its logprob under log_softmax(logits * inv_temperature) [rows]
-    float32) from logits [rows, vocab] (contiguous, any float dtype), written into ``out``
+    float32) from logits [rows, vocab] (each row contiguous; rows may be padded apart, as
+    cuBLAS leaves a bf16 head's output for some widths; any float dtype), written into ``out``
     when given. ``seed``: int64 device scalar; ``noisy``: float32 device scalar, 1 to sample,
     0 for the argmax. Capturable in a CUDA graph (every input is read from device memory)."""
     rows, vocab = logits.shape
-    if logits.stride() != (vocab, 1):
-        raise ValueError(f"race_draw needs contiguous logits, got strides {logits.stride()}")
+    if logits.stride(1) != 1:
+        raise ValueError(f"race_draw needs each row of logits contiguous, got strides {logits.stride()}")
     chunks = triton.cdiv(vocab, CHUNK)
     dev = logits.device
     top, total, score, logit = (torch.empty(rows, chunks, dtype=torch.float32, device=dev) for _ in range(4))
     index = torch.empty(rows, chunks, dtype=torch.int32, device=dev)
     _partials[(rows, chunks)](
-        logits, seed, inv_temperature, noisy, top, total, score, index, logit, vocab, chunks,
+        logits, seed, inv_temperature, noisy, top, total, score, index, logit, vocab, logits.stride(0), chunks,
         SLICE=SLICE, CHUNK=CHUNK, num_warps=4,
     )  # fmt: skip
     token, logprob = out if out is not None else (

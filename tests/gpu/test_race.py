@@ -68,3 +68,16 @@ def test_draws_over_a_long_vocabulary_are_uniform_across_columns() -> None:
     chi2 = float(((counts - rows / 40) ** 2 / (rows / 40)).sum())
     assert chi2 < 80, (chi2, counts)  # 39 degrees of freedom: p < 1e-4 by chance
     torch.testing.assert_close(logprob, torch.full_like(logprob, -math.log(vocab)))
+
+
+def test_rows_padded_apart_draw_as_contiguous_ones() -> None:
+    # cuBLAS leaves a bf16 head's [rows, 20] output with rows 24 apart at some batch sizes.
+    torch.manual_seed(0)
+    padded = (torch.randn(1024, 24, device="cuda") * 3).bfloat16()
+    logits = padded[:, :20]
+    inv_t, seed, noisy = _scalars(5, 1.0, 1.0)
+    token, logprob = race_draw(logits, inv_t, seed, noisy)
+    again, again_logprob = race_draw(logits.contiguous(), inv_t, seed, noisy)
+    assert torch.equal(token, again) and torch.equal(logprob, again_logprob)
+    greedy, _ = race_draw(logits, inv_t, seed, torch.tensor(0.0, device="cuda"))
+    assert torch.equal(greedy, logits.float().argmax(-1))
