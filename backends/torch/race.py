@@ -163,8 +163,8 @@ def race_draw(
     top, total, score, logit = (torch.empty(rows, chunks, dtype=torch.float32, device=dev) for _ in range(4))
     index = torch.empty(rows, chunks, dtype=torch.int32, device=dev)
     _partials[(rows, chunks)](
-        logits, seed, inv_temperature, noisy, top, total, score, index, logit, vocab, logits.stride(0), chunks,
-        SLICE=SLICE, CHUNK=CHUNK, num_warps=4,
+        logits, seed, inv_temperature, noisy, top, total, score, index, logit,
+        vocab, logits.stride(0), chunks, SLICE=SLICE, CHUNK=CHUNK, num_warps=4,
     )  # fmt: skip
     token, logprob = out if out is not None else (
         torch.empty(rows, dtype=torch.long, device=dev),
