@@ -113,7 +113,7 @@ class _Row:
 
 
 class _Request:
-    __slots__ = ("cancelled", "done", "episode", "greedy", "n", "prompt", "result", "rows", "wake")
+    __slots__ = ("cancelled", "done", "episode", "greedy", "n", "prompt", "result", "rows")
 
     def __init__(self, prompt: Sequence[int], greedy: bool, limits: list[int], episode: str | None) -> None:
         self.prompt = list(prompt)
@@ -124,7 +124,6 @@ class _Request:
         self.result: list[Completion] | BaseException | None = None
         self.done = False
         self.cancelled = False
-        self.wake = anyio.Event()  # set (on the event loop) when it may be done; renewed per wait
 
 
 def _sampler_requests(batch: list[_Request]) -> list[tuple[list[int], list[_Row]]]:
@@ -196,11 +195,7 @@ class TorchEngine:
         self._active: list[_Request] = []  # admitted to the loop in flight (compute thread)
         self._width = 0  # the loop in flight's slots
         self._paused = 0  # refits waiting for the loop to end
-        # The waiting callers' events: a change that concerns every caller (a loop ended, a wake,
-        # a refit done) sets them all; an answered request sets its own caller's alone (with
-        # thousands of one-row requests, as an episode's turns are, waking every caller at each
-        # answer made the event loop's work grow with the square of the requests in flight).
-        self._waiting: set[anyio.Event] = set()
+        self._changed = anyio.Event()
         self.calls = 0  # decode loops run
 
     async def generate(
@@ -231,12 +226,7 @@ class TorchEngine:
                         self._starting = False
                         self._notify()  # a loop runs now, or another caller may start one
                     continue
-                request.wake = wake = anyio.Event()
-                self._waiting.add(wake)
-                try:
-                    await wake.wait()
-                finally:
-                    self._waiting.discard(wake)
+                await self._changed.wait()
         finally:
             request.cancelled = True  # answered, or given up: nobody should sample for it
             with self._lock:
@@ -384,17 +374,14 @@ class TorchEngine:
         if all(row.reason is not None for row in request.rows):
             request.result = [row.completion(self.partial_rollouts) for row in request.rows]
             request.done = True
-            self._wake_callers(request)
+            self._wake_callers()
 
-    def _wake_callers(self, request: _Request | None = None) -> None:
-        """From the compute thread: let the event loop's waiting callers look again, or only
-        ``request``'s (unless it has closed under a loop that outlived it)."""
+    def _wake_callers(self) -> None:
+        """From the compute thread: let the event loop's waiting callers look again (unless
+        it has closed under a loop that outlived it)."""
         assert self._event_loop is not None, "set when the loop started"
         if not self._event_loop.is_closed():
-            if request is None:
-                self._event_loop.call_soon_threadsafe(self._notify)
-            else:  # its current event read on the event loop, where the caller renews it
-                self._event_loop.call_soon_threadsafe(lambda: request.wake.set())
+            self._event_loop.call_soon_threadsafe(self._notify)
 
     def statistics(self) -> SlotStats:
         return SlotStats(
@@ -410,9 +397,8 @@ class TorchEngine:
             return sum(row.frozen for r in self._queue for row in r.rows)
 
     def _notify(self) -> None:
-        for wake in self._waiting:
-            wake.set()
-        self._waiting.clear()
+        self._changed.set()
+        self._changed = anyio.Event()
 
     async def stand_down(self) -> None:
         """Release the KV cache once the loop in flight has ended (the release runs on the
