@@ -272,6 +272,8 @@ class Sampler:
 
         ``dropped``: asked at each check of every live admission; one it says to drop (its
         caller gave up) has its unfinished rows' slots freed at once and never reaches ``sink``.
+        Asked again as a finished row's keys and values are kept (``kept``): one given up since
+        the check keeps nothing.
 
         ``freeze``: a host flag read at each step boundary; once set, the loop hands every live
         admission to ``sink`` at once, the rows that had not finished with finish_reason
@@ -345,7 +347,7 @@ class Sampler:
                     done[torch.tensor(freed, device=dev)] = True  # no longer generating
                 done_list = done.tolist()
                 self._hand_over(
-                    loop, done_list, generated, tokens, logprobs, stop_token_ids, sink, frozen, kept
+                    loop, done_list, generated, tokens, logprobs, stop_token_ids, sink, frozen, kept, dropped
                 )
                 if frozen:
                     break
@@ -449,10 +451,12 @@ class Sampler:
         sink: Sink,
         frozen: bool,
         kept: KVKeep | None,
+        dropped: Callable[[Admission], bool] | None,
     ) -> None:
         """Take every finished row (every live row at a freeze, those not ``done`` "frozen")
         off the device in one copy and free its slot (its keys and values kept first where its
-        admission asks, `_keep`); hand each admission whose rows are all back to ``sink``."""
+        admission asks and ``dropped`` does not say its caller gave up, `_keep`); hand each
+        admission whose rows are all back to ``sink``."""
         rows = loop.finished(done, everything=frozen)
         if not rows:
             return
@@ -469,14 +473,22 @@ class Sampler:
         for (live, row, slot), completion in zip(rows, out, strict=True):
             live.out[row] = completion
             if kept is not None and live.admission.keep is not None:
-                self._keep(kept, live.admission, completion, slot)
+                self._keep(kept, live.admission, completion, slot, dropped)
         for live in loop.release(rows):
             sink(live.admission, [c for c in live.out if c is not None])
 
-    def _keep(self, kept: KVKeep, admission: Admission, completion: Completion, slot: int) -> None:
+    def _keep(
+        self,
+        kept: KVKeep,
+        admission: Admission,
+        completion: Completion,
+        slot: int,
+        dropped: Callable[[Admission], bool] | None,
+    ) -> None:
         """Copy the keys and values of ``slot``'s row into ``kept`` under the admission's key:
         its prompt and every generated token but the last (the last one's position the loop
-        may have written since with a wasted step's draw)."""
+        may have written since with a wasted step's draw); nothing if ``dropped`` says, as it is
+        kept, that its caller gave up (after the check that would have dropped it)."""
         assert len(admission.limits) == 1, "one row per kept admission"
         known = len(admission.prompt) + len(completion.tokens) - 1
         cache = self.cache
@@ -486,7 +498,8 @@ class Sampler:
             for kv in (cache.keys[layer], cache.values[layer])
         ]
         kv = torch.stack(parts).view(cache.layers, 2, *parts[0].shape)
-        kept.keep(admission.keep, KeptKV((*admission.prompt, *completion.tokens[:-1]), kv))
+        given_up = (lambda: dropped(admission)) if dropped is not None else (lambda: False)
+        kept.keep(admission.keep, KeptKV((*admission.prompt, *completion.tokens[:-1]), kv), given_up=given_up)
 
     def _prefill_admissions(self, admissions: list[Admission], slots: list[int]) -> Tensor:
         """Prefill ``admissions`` into their ``slots`` (each admission the next ones, in order):

@@ -380,3 +380,36 @@ async def test_a_turn_frozen_at_a_stand_down_continues_under_new_weights_and_the
     assert out[2].reused_tokens == len(third) - 2
     assert out[2].tokens == last.tokens
     assert out[2].logprobs == pytest.approx(last.logprobs, abs=1e-5)
+
+
+def test_a_turn_given_up_as_its_row_finishes_keeps_nothing() -> None:
+    """The caller gives up after the loop's check asked whether to drop the turn and before its
+    finished row's keys and values are kept (its episode may be forgotten already): nothing is
+    kept under the episode's key; a turn not given up is kept."""
+    from backends.torch.sampler import Admission
+
+    sampler = Sampler(_model())
+    kept = KVKeep(1 << 20)
+    asked: dict[str, int] = {}
+
+    def given_up(admission: Admission) -> bool:
+        """The turn of episode "gone" is given up once the loop has asked once."""
+        asked[admission.key] = asked.get(admission.key, 0) + 1
+        return admission.key == "gone" and asked[admission.key] > 1
+
+    for key in ("gone", "kept"):
+        # One token: the row finishes by the loop's first check, which asks once.
+        admissions = [Admission(list(PROMPT.tokens), [1], key, keep=key)]
+        handed: list[str] = []
+        sampler.serve(
+            lambda rows, positions: admissions[:] if rows is None else [],
+            lambda admission, out: handed.append(admission.key),
+            max_new_tokens=1,
+            temperature=0.0,
+            generator=torch.Generator().manual_seed(0),
+            dropped=given_up,
+            kept=kept,
+        )
+        assert handed == [key]  # finished before the caller gave up: handed back
+    assert kept.take("gone", [*PROMPT.tokens, 5]) is None
+    assert kept.take("kept", [*PROMPT.tokens, 5]) is not None
