@@ -530,16 +530,16 @@ class Sampler:
 
     def _extend(self, admissions: list[Admission], slots: list[int]) -> Tensor:
         """Restore each admission's kept keys and values (``cached``, its prompt's first tokens)
-        into its slot's cache row, then prefill the rest of every prompt in one forward pass
-        (right-padded); the hidden states [len(admissions), hidden] at each prompt's last
-        position."""
+        into its slot's cache row, then prefill the rest of every prompt; the hidden states
+        [len(admissions), hidden] at each prompt's last position. As `_prefill` bounds its
+        forward passes, no pass takes more than `_PREFILL_TOKENS` tokens: rows go together
+        (right-padded) as many as fit, and a row's new tokens longer than that (a long reply) go
+        in pieces, each attending over the keys its row's earlier pieces wrote."""
         dev = self.device
-        m, cache = self.model, self.cache
+        cache = self.cache
         kept = [a.cached for a in admissions if a.cached is not None]
         known = [len(c.tokens) for c in kept]
         new = [a.prompt[k:] for a, k in zip(admissions, known, strict=True)]
-        lengths = [len(n) for n in new]
-        width = max(lengths)
         rows = torch.tensor(
             [slot for slot, k in zip(slots, known, strict=True) for _ in range(k)], device=dev
         )
@@ -548,6 +548,35 @@ class Sampler:
         for layer in range(cache.layers):
             cache.keys[layer][rows, :, at] = restored[layer, 0].transpose(0, 1)
             cache.values[layer][rows, :, at] = restored[layer, 1].transpose(0, 1)
+        hidden_out = torch.empty(
+            len(admissions), self.model.config.hidden_size, dtype=cache.dtype, device=dev
+        )
+        span = min(max(len(n) for n in new), _PREFILL_TOKENS)  # a pass's tokens a row, at most
+        chunk = max(1, _PREFILL_TOKENS // span)
+        for first in range(0, len(new), chunk):
+            part = range(first, min(first + chunk, len(new)))
+            for done in range(0, max(len(new[i]) for i in part), span):
+                going = [i for i in part if done < len(new[i])]
+                hidden = self._extend_pass(
+                    [slots[i] for i in going],
+                    [known[i] + done for i in going],
+                    [new[i][done : done + span] for i in going],
+                )
+                last = [r for r, i in enumerate(going) if done + span >= len(new[i])]
+                if last:
+                    hidden_out[torch.tensor([going[r] for r in last], device=dev)] = hidden[
+                        torch.tensor(last, device=dev)
+                    ]
+        return hidden_out
+
+    def _extend_pass(self, slots: list[int], known: list[int], new: list[list[int]]) -> Tensor:
+        """One forward pass of `_extend`: row i's tokens ``new[i]`` (right-padded) after the
+        ``known[i]`` positions its cache row ``slots[i]`` holds; the hidden states [len(new),
+        hidden] at each row's last new token."""
+        dev = self.device
+        m = self.model
+        lengths = [len(n) for n in new]
+        width = max(lengths)
         ids = torch.tensor([n + [0] * (width - len(n)) for n in new], dtype=torch.long, device=dev)
         # A padding token takes its row's last position: in range, and it sees only that row's keys.
         positions = torch.tensor(
@@ -555,7 +584,7 @@ class Sampler:
             device=dev,
         )
         cos, sin = m.rotary(positions)
-        attention = _Extend(cache, slots, known, lengths, positions)
+        attention = _Extend(self.cache, slots, known, lengths, positions)
         parts = compiled_layer_parts() if self.compiled and not self.eager_rounding else PLAIN_PARTS
         hidden = m.model.norm(m.run_layers(m.embed(ids, positions), cos, sin, attention, parts))
         return hidden[torch.arange(len(new), device=dev), torch.tensor(lengths, device=dev) - 1]

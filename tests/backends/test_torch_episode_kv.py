@@ -413,3 +413,55 @@ def test_a_turn_given_up_as_its_row_finishes_keeps_nothing() -> None:
         assert handed == [key]  # finished before the caller gave up: handed back
     assert kept.take("gone", [*PROMPT.tokens, 5]) is None
     assert kept.take("kept", [*PROMPT.tokens, 5]) is not None
+
+
+async def test_continued_turns_prefill_in_passes_of_at_most_the_prefill_s_tokens(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Two episodes continue together under a prefill bound of 4 tokens a forward pass: a's 2 new
+    tokens go in one pass, b's 8 (a long reply) in two of 4, the second attending over the keys
+    the first wrote; each still gives the tokens and logprobs of a whole-context prefill."""
+    from backends.torch import sampler
+
+    monkeypatch.setattr(sampler, "_PREFILL_TOKENS", 4)
+    model = _model()
+    engine = _engine(model, 1 << 20)
+    prompts = {"a": [2, 3, 4], "b": [2, 6, 7, 8]}
+    replies = {"a": [11], "b": [12, 13, 14, 15, 12, 13, 14]}
+    shapes: list[tuple[int, int]] = []
+    second: dict[str, Completion] = {}
+    try:
+        with anyio.fail_after(60):
+            first = {
+                key: (await engine.generate(p, 1, greedy=True, episode=key))[0] for key, p in prompts.items()
+            }
+            contexts = {key: [*prompts[key], *first[key].tokens, *replies[key]] for key in prompts}
+
+            def count(_: Any, args: tuple[torch.Tensor, ...]) -> None:
+                if args[0].dim() == 2:
+                    shapes.append(tuple(args[0].shape))
+
+            model.model.embed_tokens.register_forward_pre_hook(count)
+            while engine._loop is not None:
+                await anyio.sleep(0.01)
+            loops = engine.calls
+
+            async def turn(key: str) -> None:
+                (second[key],) = await engine.generate(contexts[key], 1, greedy=True, episode=key)
+
+            async with anyio.create_task_group() as tg:
+                for key in prompts:
+                    tg.start_soon(turn, key)
+    finally:
+        engine.close()
+    assert engine.calls == loops + 1  # continued together
+    assert [second[key].reused_tokens for key in prompts] == [len(prompts[key]) + NEW - 1 for key in prompts]
+    assert sorted(shapes) == [(1, 2), (1, 4), (1, 4)]
+    whole = _engine(_model(), 0)
+    try:
+        for key, context in contexts.items():
+            (want,) = await whole.generate(context, 1, greedy=True)
+            assert second[key].tokens == want.tokens
+            assert second[key].logprobs == pytest.approx(want.logprobs, abs=1e-5)
+    finally:
+        whole.close()
