@@ -397,12 +397,14 @@ def test_a_turn_given_up_as_its_row_finishes_keeps_nothing() -> None:
         asked[admission.key] = asked.get(admission.key, 0) + 1
         return admission.key == "gone" and asked[admission.key] > 1
 
-    for key in ("gone", "kept"):
-        # One token: the row finishes by the loop's first check, which asks once.
-        admissions = [Admission(list(PROMPT.tokens), [1], key, keep=key)]
+    def serve(key: str) -> list[str]:
+        """One turn of episode ``key``, of one token: its row finishes by the loop's first
+        check, which asks once; the keys handed back."""
         handed: list[str] = []
         sampler.serve(
-            lambda rows, positions: admissions[:] if rows is None else [],
+            lambda rows, positions: (
+                [Admission(list(PROMPT.tokens), [1], key, keep=key)] if rows is None else []
+            ),
             lambda admission, out: handed.append(admission.key),
             max_new_tokens=1,
             temperature=0.0,
@@ -410,7 +412,10 @@ def test_a_turn_given_up_as_its_row_finishes_keeps_nothing() -> None:
             dropped=given_up,
             kept=kept,
         )
-        assert handed == [key]  # finished before the caller gave up: handed back
+        return handed
+
+    for key in ("gone", "kept"):
+        assert serve(key) == [key]  # finished before the caller gave up: handed back
     assert kept.take("gone", [*PROMPT.tokens, 5]) is None
     assert kept.take("kept", [*PROMPT.tokens, 5]) is not None
 

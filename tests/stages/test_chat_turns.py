@@ -351,7 +351,9 @@ def test_a_turn_end_its_tokenizer_does_not_encode_as_that_token_is_refused(tmp_p
     )
 
 
-async def test_a_plain_episodes_text_replies_are_encoded_as_they_follow_the_models_turn(tmp_path: Path) -> None:
+async def test_a_plain_episodes_text_replies_are_encoded_as_they_follow_the_models_turn(
+    tmp_path: Path,
+) -> None:
     """Without a chat template, with a tokenizer that adds a "▁" before the text it encodes: each
     reply's text is encoded as it follows the model's turn (ended by its end-of-sequence token),
     with no "▁" of its own, so the episode's context is the whole conversation's text encoded in
