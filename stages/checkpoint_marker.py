@@ -60,8 +60,12 @@ def checksum(path: Path) -> int:
             if not hasattr(buffers, "view"):
                 buffers.view = memoryview(bytearray(_CHUNK))
             view = buffers.view[:length]
-            if os.preadv(fd, [view], start) != length:
-                raise OSError(f"{path}: shorter than its size while being read")
+            done = 0
+            while done < length:  # a read may return fewer bytes than asked (a network file system)
+                got = os.preadv(fd, [view[done:]], start + done)
+                if not got:
+                    raise OSError(f"{path}: shorter than its size while being read")
+                done += got
             return zlib.crc32(view)
 
         with ThreadPoolExecutor(max_workers=_THREADS, thread_name_prefix="checksum") as pool:

@@ -86,6 +86,11 @@ class HFTokenizer:
         pad_token = self.special_tokens.get("pad_token")
         self.pad_id: int = self._token_id(pad_token, TOKENIZER_CONFIG_FILE) if pad_token else self.eos_id
         self.vocab_size: int = self._tokenizer.get_vocab_size(with_added_tokens=True)
+        # What `encode_plain` encodes its text after: the end-of-sequence token's text, where it
+        # encodes as that one token (an added token, split off before anything else), else nothing.
+        eos_text = self._tokenizer.id_to_token(self.eos_id)
+        encoded = self._tokenizer.encode(eos_text or "", add_special_tokens=False).ids
+        self._anchor: str | None = eos_text if encoded == [self.eos_id] else None
         self._template: Any = None
         self._built = datetime.now()
 
@@ -99,8 +104,13 @@ class HFTokenizer:
         return self._tokenizer.encode(text, add_special_tokens=True).ids
 
     def encode_plain(self, text: str, *, where: str = "text") -> list[int]:
-        """`text` as it continues a sequence: no special tokens added."""
-        return self._tokenizer.encode(text, add_special_tokens=False).ids
+        """`text` as it continues a sequence: no special tokens added, and encoded as it follows
+        a special token (the end-of-sequence token, which the model's turns end with), so a
+        tokenizer that marks a space before the text it encodes ("▁", SentencePiece style:
+        Metaspace with prepend_scheme "first") puts no stray mark between the two."""
+        if self._anchor is None:
+            return self._tokenizer.encode(text, add_special_tokens=False).ids
+        return self._tokenizer.encode(self._anchor + text, add_special_tokens=False).ids[1:]
 
     def encode_chat(self, text: str, *, system: str | None = None, where: str = "text") -> list[int]:
         """Ids of `text` as a user turn (after `system`, if given) rendered by the chat template."""

@@ -11,13 +11,16 @@ handle on the controller.
 
 from __future__ import annotations
 
+import asyncio
 import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import anyio
+import ray
 
+from pipeline.clock import MonotonicTime
 from pipeline.contracts.environments import ClosingEnvironment, Environment, Observation, Turn
 from pipeline.contracts.messages import Prompt
 from pipeline.contracts.protocols import Snapshotting
@@ -249,20 +252,34 @@ class RewardWorker:
         return await score_all(self.fn, pairs)
 
 
+# The environment worker's concurrency groups (`ray.remote(concurrency_groups=...)`): `blocked_for`
+# answers on a loop of its own while an environment holds the one the environments run on.
+ENVIRONMENT_GROUPS = {"watch": 1}
+_TICK_S = 0.1  # how often the environments' loop notes that it runs
+_now = MonotonicTime().now
+
+
 class EnvironmentWorker:
     """Holds episodes' environments (`rollout.environment`, one object an episode, built here
     from its `module:Class` and keyword arguments), each under the key the controller gave its
     episode; their calls interleave on this actor's event loop, as they would on the controller's.
-    What an environment raises reaches the caller as Ray's task error around it."""
+    What an environment raises reaches the caller as Ray's task error around it.
+
+    An environment that makes a synchronous call on that loop (a `time.sleep`, blocking I/O)
+    holds every episode of the worker meanwhile: `blocked_for` says for how long it has, from a
+    concurrency group of its own (`ENVIRONMENT_GROUPS`), which answers while the loop is held."""
 
     def __init__(self, name: str, args: dict[str, Any]) -> None:
         self.factory = resolve(name, args)
         self.live: dict[int, Environment] = {}
+        self.beat: float | None = None  # when the environments' loop last ran its tick
 
     def pid(self) -> int:
         return os.getpid()
 
     async def start(self, key: int, prompt: Prompt) -> Observation:
+        if self.beat is None:
+            self._tick()
         self.live[key] = env = self.factory()
         return await env.start(prompt)
 
@@ -273,6 +290,16 @@ class EnvironmentWorker:
         env = self.live.pop(key, None)
         if isinstance(env, ClosingEnvironment):
             env.close()
+
+    def _tick(self) -> None:
+        self.beat = _now()
+        asyncio.get_running_loop().call_later(_TICK_S, self._tick)
+
+    @ray.method(concurrency_group="watch")
+    async def blocked_for(self) -> float:
+        """Seconds the environments' event loop has been held by one synchronous call (0 while
+        it runs, to within a tick)."""
+        return 0.0 if self.beat is None else max(0.0, _now() - self.beat - _TICK_S)
 
     def episodes(self) -> int:
         """The episodes whose environments it holds now."""

@@ -12,11 +12,18 @@ cancels the actor's task too. A worker that dies fails the episodes it held, eac
 (`EnvironmentWorkerLost`, counted against `rollout.max_env_failures` as any environment
 failure), and is replaced by a new actor for the episodes after (`environment_worker_restarts`);
 an episode whose start found it dead starts once more on the new one.
+
+An environment that makes a synchronous call on its worker's event loop holds every episode of
+that worker meanwhile (their calls fail by `env_s`, which the controller keeps: it is not on
+that loop). A call cut off asks the worker, on a loop of its own, how long its environments'
+loop has been held; past `BLOCKED_S`, one warning says so, naming the worker. The worker is
+kept: the held call ends in its own time (a cancel cannot interrupt it).
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
@@ -29,6 +36,11 @@ from backends.ray.lost import ACTOR_LOST, cause
 from backends.ray.workers import Worker, WorkerPool
 from pipeline.contracts.environments import Observation, Turn
 from pipeline.contracts.messages import Prompt
+from pipeline.logs import warn_once
+
+log = logging.getLogger("backends.ray.environments")
+BLOCKED_S = 1.0  # an environment's synchronous call this long has stalled its worker
+PROBE_S = 1.0  # for a worker's answer on how long its loop has been held
 
 
 class EnvironmentWorkerLost(RuntimeError):
@@ -93,4 +105,25 @@ class RemoteEnvironment:
             raise EnvironmentWorkerLost(f"its environment worker died ({cause(error)})") from None
         except anyio.get_cancelled_exc_class():
             ray.cancel(ref)
+            with anyio.CancelScope(shield=True), anyio.move_on_after(PROBE_S):
+                await self._held(worker, actor)
             raise
+
+    @staticmethod
+    async def _held(worker: Worker, actor: Any) -> None:
+        """For a call cut off (by `env_s`, or a stop): warn if an environment holds its worker's
+        event loop with a synchronous call, which stalls every episode there."""
+        try:
+            held = await actor.blocked_for.remote()
+        except ray.exceptions.RayError:
+            return  # a dead worker: the calls that see its death report it
+        if held > BLOCKED_S:
+            warn_once(
+                log,
+                "blocked environment worker",
+                "an environment has held its worker's event loop (pid %d) for %.1f s in one "
+                "synchronous call: every episode on that worker waits meanwhile, and fails by "
+                "rollout.env_s; make blocking calls in a thread (await asyncio.to_thread(...))",
+                worker.pid,
+                held,
+            )

@@ -36,7 +36,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from backends.input import Input
 from backends.placement import Placed, RayPlacement, gpus, shares_gpu, weights_transport
-from backends.ray.actors import BackendPart, EnvironmentWorker, RewardWorker
+from backends.ray.actors import ENVIRONMENT_GROUPS, BackendPart, EnvironmentWorker, RewardWorker
 from backends.ray.collective import Collective
 from backends.ray.counters import PLACEMENT_COUNTERS
 from backends.ray.engines import RayEngine, Replica
@@ -53,7 +53,8 @@ _say = logging.getLogger("pipeline.startup").info  # the run's start-up narratio
 START_S = 600.0  # for the actors to come up (importing torch, building the model)
 _Part = ray.remote(BackendPart)
 _Rewards = ray.remote(RewardWorker)
-_Environments = ray.remote(EnvironmentWorker)
+# ray types `remote` without its concurrency_groups option, which it takes at run time
+_Environments = ray.remote(concurrency_groups=ENVIRONMENT_GROUPS)(EnvironmentWorker)  # type: ignore[call-overload]
 
 
 def place_on_ray(spec: Input, *, vocab_size: int, stop_ids: Sequence[int]) -> Placed:

@@ -9,7 +9,7 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
-from backends.torch.errors import UnsupportedModelError
+from backends.torch.errors import ModelLoadError, UnsupportedModelError
 
 PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
 PositiveFloat = Annotated[float, msgspec.Meta(gt=0)]
@@ -112,7 +112,9 @@ class ModelConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
         Raises UnsupportedModelError, naming ``source``, for architectures other than
         Llama/Mistral/Qwen2/Qwen3ForCausalLM and for features this backend does not implement:
         among them a Mistral sliding window narrower than ``max_position_embeddings`` (a window
-        at least that wide never limits attention within the model's context).
+        at least that wide never limits attention within the model's context); ModelLoadError,
+        naming ``source``, for values that break the contract above (``num_key_value_heads``
+        not dividing ``num_attention_heads``, an odd ``head_dim``, ...).
         """
         architectures = d.get("architectures") or []
         # A tuple keeps odd values hashable for the lookup and readable in the message.
@@ -183,6 +185,8 @@ class ModelConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
             )
         except KeyError as exc:
             raise UnsupportedModelError(f"{source}: missing required key {exc.args[0]!r}") from None
+        except ValueError as exc:  # values that break the contract (heads that do not divide ...)
+            raise ModelLoadError(f"{source}: {exc}") from None
 
     @property
     def position_limit(self) -> int | None:

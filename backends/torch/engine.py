@@ -11,9 +11,10 @@ batch's when L >= 1. The queue is shared with the compute thread under a lock; t
 a request once all its rows are back and wakes the waiting callers through the event loop
 (`call_soon_threadsafe`). The loop outlives the caller that started it, so one caller's
 deadline never orphans the others; a request whose caller gave up (a timeout, a stop) gives
-its slots back at the next check; when the loop ends, a caller still waiting starts the next. A
-request of the other mode, one that does not fit, more rows waiting than twice the loop's
-width (unless the loop is at `max_rows`), a stand-down and a refit all make the loop admit
+its slots back at the next check, and keeps nothing of its episode; when the loop ends, a
+caller still waiting starts the next. A request of the other mode, one that does not fit, more
+rows waiting than twice the loop's width (unless the loop is at `max_rows`), a stand-down and a
+refit all make the loop admit
 nothing more, so it ends once its rows finish. `max_rows` (`rollout.max_rows`) sets a loop's
 slots: it opens that wide with the requests that fit under it, and the rest enter as rows
 finish; a loop opened by a few rows (those frozen at a stand-down, continuing after the wake)

@@ -14,9 +14,10 @@ not kept). `take` removes its entry, hit or miss (a live request's keys are in i
 mismatched entry is of no further use). `forget` drops an ended episode's entry; `clear` drops
 them all: the engine calls it at a stand-down (the memory goes back for training, and a wake
 finds nothing kept: it may serve new weights) and whenever the weights it serves change
-otherwise (a refit, a weights load: kept keys and values are the old weights'). A
-request given up while its loop ran may still leave an entry no episode takes again: the budget
-bounds such entries, and they are the first evicted.
+otherwise (a refit, a weights load: kept keys and values are the old weights'). A request
+given up (a deadline, a stop) keeps nothing, even one whose row finished as its caller gave up:
+its episode may have ended and been forgotten already, and its entry would hold memory until
+evicted.
 
 Thread-safe: the compute thread keeps and takes, the event loop forgets.
 """
@@ -25,7 +26,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import NamedTuple
 
 from torch import Tensor
@@ -57,12 +58,15 @@ class KVKeep:
     def resident_bytes(self) -> int:
         return self._bytes
 
-    def keep(self, key: Hashable, kept: KeptKV) -> None:
+    def keep(self, key: Hashable, kept: KeptKV, *, given_up: Callable[[], bool] = lambda: False) -> None:
         """Keep ``kept`` under ``key`` (replacing what was kept under it), evicting the least
-        recently kept entries until it fits; one larger than the budget is not kept."""
+        recently kept entries until it fits; one larger than the budget is not kept, nor one
+        whose request ``given_up`` says its caller gave up. ``given_up`` is asked under the
+        lock `forget` takes: a caller that marks its request given up before it forgets the
+        episode never leaves an entry behind, however the two threads interleave."""
         with self._lock:
             self._pop(key)
-            if kept.nbytes > self.budget:
+            if kept.nbytes > self.budget or given_up():
                 return
             while self._bytes + kept.nbytes > self.budget:
                 self._pop(next(iter(self._entries)))

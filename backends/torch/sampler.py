@@ -272,6 +272,8 @@ class Sampler:
 
         ``dropped``: asked at each check of every live admission; one it says to drop (its
         caller gave up) has its unfinished rows' slots freed at once and never reaches ``sink``.
+        Asked again as a finished row's keys and values are kept (``kept``): one given up since
+        the check keeps nothing.
 
         ``freeze``: a host flag read at each step boundary; once set, the loop hands every live
         admission to ``sink`` at once, the rows that had not finished with finish_reason
@@ -345,7 +347,7 @@ class Sampler:
                     done[torch.tensor(freed, device=dev)] = True  # no longer generating
                 done_list = done.tolist()
                 self._hand_over(
-                    loop, done_list, generated, tokens, logprobs, stop_token_ids, sink, frozen, kept
+                    loop, done_list, generated, tokens, logprobs, stop_token_ids, sink, frozen, kept, dropped
                 )
                 if frozen:
                     break
@@ -449,10 +451,12 @@ class Sampler:
         sink: Sink,
         frozen: bool,
         kept: KVKeep | None,
+        dropped: Callable[[Admission], bool] | None,
     ) -> None:
         """Take every finished row (every live row at a freeze, those not ``done`` "frozen")
         off the device in one copy and free its slot (its keys and values kept first where its
-        admission asks, `_keep`); hand each admission whose rows are all back to ``sink``."""
+        admission asks and ``dropped`` does not say its caller gave up, `_keep`); hand each
+        admission whose rows are all back to ``sink``."""
         rows = loop.finished(done, everything=frozen)
         if not rows:
             return
@@ -469,14 +473,22 @@ class Sampler:
         for (live, row, slot), completion in zip(rows, out, strict=True):
             live.out[row] = completion
             if kept is not None and live.admission.keep is not None:
-                self._keep(kept, live.admission, completion, slot)
+                self._keep(kept, live.admission, completion, slot, dropped)
         for live in loop.release(rows):
             sink(live.admission, [c for c in live.out if c is not None])
 
-    def _keep(self, kept: KVKeep, admission: Admission, completion: Completion, slot: int) -> None:
+    def _keep(
+        self,
+        kept: KVKeep,
+        admission: Admission,
+        completion: Completion,
+        slot: int,
+        dropped: Callable[[Admission], bool] | None,
+    ) -> None:
         """Copy the keys and values of ``slot``'s row into ``kept`` under the admission's key:
         its prompt and every generated token but the last (the last one's position the loop
-        may have written since with a wasted step's draw)."""
+        may have written since with a wasted step's draw); nothing if ``dropped`` says, as it is
+        kept, that its caller gave up (after the check that would have dropped it)."""
         assert len(admission.limits) == 1, "one row per kept admission"
         known = len(admission.prompt) + len(completion.tokens) - 1
         cache = self.cache
@@ -486,7 +498,8 @@ class Sampler:
             for kv in (cache.keys[layer], cache.values[layer])
         ]
         kv = torch.stack(parts).view(cache.layers, 2, *parts[0].shape)
-        kept.keep(admission.keep, KeptKV((*admission.prompt, *completion.tokens[:-1]), kv))
+        given_up = (lambda: dropped(admission)) if dropped is not None else (lambda: False)
+        kept.keep(admission.keep, KeptKV((*admission.prompt, *completion.tokens[:-1]), kv), given_up=given_up)
 
     def _prefill_admissions(self, admissions: list[Admission], slots: list[int]) -> Tensor:
         """Prefill ``admissions`` into their ``slots`` (each admission the next ones, in order):
@@ -517,16 +530,16 @@ class Sampler:
 
     def _extend(self, admissions: list[Admission], slots: list[int]) -> Tensor:
         """Restore each admission's kept keys and values (``cached``, its prompt's first tokens)
-        into its slot's cache row, then prefill the rest of every prompt in one forward pass
-        (right-padded); the hidden states [len(admissions), hidden] at each prompt's last
-        position."""
+        into its slot's cache row, then prefill the rest of every prompt; the hidden states
+        [len(admissions), hidden] at each prompt's last position. As `_prefill` bounds its
+        forward passes, no pass takes more than `_PREFILL_TOKENS` tokens: rows go together
+        (right-padded) as many as fit, and a row's new tokens longer than that (a long reply) go
+        in pieces, each attending over the keys its row's earlier pieces wrote."""
         dev = self.device
-        m, cache = self.model, self.cache
+        cache = self.cache
         kept = [a.cached for a in admissions if a.cached is not None]
         known = [len(c.tokens) for c in kept]
         new = [a.prompt[k:] for a, k in zip(admissions, known, strict=True)]
-        lengths = [len(n) for n in new]
-        width = max(lengths)
         rows = torch.tensor(
             [slot for slot, k in zip(slots, known, strict=True) for _ in range(k)], device=dev
         )
@@ -535,6 +548,35 @@ class Sampler:
         for layer in range(cache.layers):
             cache.keys[layer][rows, :, at] = restored[layer, 0].transpose(0, 1)
             cache.values[layer][rows, :, at] = restored[layer, 1].transpose(0, 1)
+        hidden_out = torch.empty(
+            len(admissions), self.model.config.hidden_size, dtype=cache.dtype, device=dev
+        )
+        span = min(max(len(n) for n in new), _PREFILL_TOKENS)  # a pass's tokens a row, at most
+        chunk = max(1, _PREFILL_TOKENS // span)
+        for first in range(0, len(new), chunk):
+            part = range(first, min(first + chunk, len(new)))
+            for done in range(0, max(len(new[i]) for i in part), span):
+                going = [i for i in part if done < len(new[i])]
+                hidden = self._extend_pass(
+                    [slots[i] for i in going],
+                    [known[i] + done for i in going],
+                    [new[i][done : done + span] for i in going],
+                )
+                last = [r for r, i in enumerate(going) if done + span >= len(new[i])]
+                if last:
+                    hidden_out[torch.tensor([going[r] for r in last], device=dev)] = hidden[
+                        torch.tensor(last, device=dev)
+                    ]
+        return hidden_out
+
+    def _extend_pass(self, slots: list[int], known: list[int], new: list[list[int]]) -> Tensor:
+        """One forward pass of `_extend`: row i's tokens ``new[i]`` (right-padded) after the
+        ``known[i]`` positions its cache row ``slots[i]`` holds; the hidden states [len(new),
+        hidden] at each row's last new token."""
+        dev = self.device
+        m = self.model
+        lengths = [len(n) for n in new]
+        width = max(lengths)
         ids = torch.tensor([n + [0] * (width - len(n)) for n in new], dtype=torch.long, device=dev)
         # A padding token takes its row's last position: in range, and it sees only that row's keys.
         positions = torch.tensor(
@@ -542,7 +584,7 @@ class Sampler:
             device=dev,
         )
         cos, sin = m.rotary(positions)
-        attention = _Extend(cache, slots, known, lengths, positions)
+        attention = _Extend(self.cache, slots, known, lengths, positions)
         parts = compiled_layer_parts() if self.compiled and not self.eager_rounding else PLAIN_PARTS
         hidden = m.model.norm(m.run_layers(m.embed(ids, positions), cos, sin, attention, parts))
         return hidden[torch.arange(len(new), device=dev), torch.tensor(lengths, device=dev) - 1]

@@ -3,6 +3,7 @@ their own that imports the contracts only: each worker actor imports it to build
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import anyio
@@ -50,3 +51,25 @@ class Stalls(Raises):
         if self.log:
             with Path(self.log).open("a") as log:
                 log.write(line + "\n")
+
+
+class Blocks(Raises):
+    """Where the prompt's answer is `block`, its step holds its worker's event loop for
+    `seconds` in a synchronous sleep (appending `blocking` to the file `log` as it begins); else
+    it ends the episode won."""
+
+    def __init__(self, log: str, seconds: float) -> None:
+        self.log = log
+        self.seconds = seconds
+        self.block = False
+
+    async def start(self, prompt: Prompt) -> Observation:
+        self.block = prompt.answer == "block"
+        return Observation(text="?")
+
+    async def step(self, turn: Turn) -> Observation:
+        if self.block:
+            with Path(self.log).open("a") as log:
+                log.write("blocking\n")
+            time.sleep(self.seconds)
+        return Observation(reward=1.0, done=True)

@@ -6,6 +6,7 @@ them (one line each, counted) and is replaced; and a run's rollout plays its epi
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import time
@@ -20,13 +21,14 @@ import ray
 
 import pipeline
 from backends.placement import Placed
-from backends.ray.actors import EnvironmentWorker
+from backends.ray.actors import ENVIRONMENT_GROUPS, EnvironmentWorker
 from backends.ray.environments import EnvironmentPool
 from pipeline.clock import DeadlineClock
 from pipeline.contracts.errors import DropBudgetExceeded
 from pipeline.contracts.messages import Prompt
 from pipeline.environments import resolve
 from pipeline.gate import EngineGate
+from pipeline.logs import reset_warnings
 from pipeline.shell.run import start_backend
 from pipeline.testing import FakeEngine, FakeTrainer
 from stages.episodes import Episode, Episodes
@@ -49,7 +51,7 @@ def pools(ray_cluster: Any) -> Iterator[Pools]:
     """Builds pools of environment workers (`pools(name, workers=1)`) as the Ray placement
     does, with its counts in `pool.counts`; kills their actors after the test."""
     actors: list[Any] = []
-    remote = ray.remote(EnvironmentWorker)
+    remote = ray.remote(concurrency_groups=ENVIRONMENT_GROUPS)(EnvironmentWorker)
 
     def build(name: str, workers: int = 1, **args: Any) -> EnvironmentPool:
         def spawn() -> tuple[Any, int]:
@@ -202,6 +204,39 @@ async def test_an_episode_that_starts_on_a_dead_worker_starts_again_on_its_repla
     assert isinstance(episode, Episode) and episode.reward == 1.0
     assert (counts["env_failures"], pool.counts["environment_worker_restarts"]) == (0, 1)
     assert pool.workers[0].pid != dead and let_go(pool)
+
+
+async def test_an_environment_that_blocks_its_workers_loop_is_reported_and_env_s_still_fires(
+    pools: Pools, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An environment's step holds its worker's event loop in a synchronous sleep: its own call
+    and the start of an episode sent to the same worker meanwhile each fail by `env_s` (the
+    controller's deadline fires), and one warning names the worker whose loop is held."""
+    reset_warnings()
+    log = tmp_path / "blocks.log"
+    pool = pools(f"{HERE}:Blocks", log=str(log), seconds=6.0)
+    counts: Counter[str] = Counter()
+    blocking = Prompt(prompt_id="p0", text="?", tokens=PROMPT.tokens, answer="block")
+    results: dict[str, Any] = {}
+
+    async def one(name: str, prompt: Prompt) -> None:
+        results[name] = await play(pool.environment, counts, prompt, env_s=2.0)
+
+    with caplog.at_level(logging.WARNING, logger="backends.ray.environments"):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(one, "blocks", blocking)
+            assert await logged(log, ["blocking"])
+            tg.start_soon(one, "beside", PROMPT)
+    failed = {name: r.stats.failed for name, r in results.items() if isinstance(r, Episode)}
+    assert failed == {
+        "blocks": "step took longer than rollout.env_s=2 s",
+        "beside": "start took longer than rollout.env_s=2 s",
+    }
+    warnings = [r.getMessage() for r in caplog.records if r.name == "backends.ray.environments"]
+    assert len(warnings) == 1 and warnings[0].startswith(
+        f"an environment has held its worker's event loop (pid {pool.workers[0].pid}) for "
+    )
+    assert let_go(pool)
 
 
 def test_a_runs_rollout_plays_its_episodes_on_the_workers(tmp_path: Path, pools: Pools) -> None:

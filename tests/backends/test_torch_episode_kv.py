@@ -211,55 +211,77 @@ async def test_an_evicted_episode_prefills_its_next_turn_whole() -> None:
     assert b2.logprobs == pytest.approx(b_fresh.logprobs, abs=1e-5)
 
 
-async def test_turns_entering_together_restore_their_own_keys_and_values_in_one_prefill() -> None:
-    """Two episodes' second turns (kept contexts of different lengths, new tokens of different
-    lengths) and a request of no episode open one loop together: the two continue in one
-    right-padded forward pass, the other is prefilled whole beside them, and each gives the
-    tokens and logprobs of a whole-context prefill. Learned positions, every request at the
-    table's end: a's padding stays inside it (at a's last position, not past it)."""
-    model = _model(positions=19)
-    engine = _engine(model, 1 << 20)
-    prompts = {"a": [2, 3, 4, 5, 6, 7, 8, 9, 10, 11], "b": [2, 6, 7, 8]}
-    replies = {"a": [11], "b": [12, 13, 14, 15, 12, 13, 14]}
-    other = [2, 5, 5, 6, 7]
+async def _second_turns(
+    engine: TorchEngine,
+    prompts: dict[str, list[int]],
+    replies: dict[str, list[int]],
+    others: dict[str, list[int]] | None = None,
+) -> tuple[dict[str, Completion], dict[str, list[int]], list[tuple[int, int]]]:
+    """Each episode's first turn from ``prompts`` (greedy, one by one), then their second turns
+    (each its first turn's context and ``replies``) and requests of no episode (``others``)
+    sent together, in one loop (asserted): the second turns' Completions, their contexts, and
+    the shape of each prefill's tokens for the second turns. Closes the engine."""
+    model = engine.sampler.model
     shapes: list[tuple[int, int]] = []
+    second: dict[str, Completion] = {}
+
+    def count(_: Any, args: tuple[torch.Tensor, ...]) -> None:
+        if args[0].dim() == 2:
+            shapes.append(tuple(args[0].shape))
+
+    async def turn(key: str, context: list[int], episode: str | None) -> None:
+        (second[key],) = await engine.generate(context, 1, greedy=True, episode=episode)
+
     try:
         with anyio.fail_after(60):
             first = {
                 key: (await engine.generate(p, 1, greedy=True, episode=key))[0] for key, p in prompts.items()
             }
             contexts = {key: [*prompts[key], *first[key].tokens, *replies[key]] for key in prompts}
-
-            def count(_: Any, args: tuple[torch.Tensor, ...]) -> None:
-                if args[0].dim() == 2:
-                    shapes.append(tuple(args[0].shape))
-
             model.model.embed_tokens.register_forward_pre_hook(count)
-            while engine._loop is not None:  # b's loop may still look for requests to admit
+            while engine._loop is not None:  # the last loop may still look for requests to admit
                 await anyio.sleep(0.01)
             loops = engine.calls
-            second: dict[str, Completion] = {}
-
-            async def turn(key: str, context: list[int], episode: str | None) -> None:
-                (second[key],) = await engine.generate(context, 1, greedy=True, episode=episode)
-
             async with anyio.create_task_group() as tg:
                 for key, context in contexts.items():
                     tg.start_soon(turn, key, context, key)
-                tg.start_soon(turn, "other", other, None)
+                for key, context in (others or {}).items():
+                    tg.start_soon(turn, key, context, None)
     finally:
         engine.close()
     assert engine.calls == loops + 1  # the second turns shared one loop
-    assert sorted(shapes) == [(1, len(other)), (2, 1 + len(replies["b"]))]
     assert [second[key].reused_tokens for key in prompts] == [len(prompts[key]) + NEW - 1 for key in prompts]
-    whole = _engine(_model(positions=19), 0)
+    return second, contexts, shapes
+
+
+async def _as_whole_prefills(
+    second: dict[str, Completion], contexts: dict[str, list[int]], model: Decoder, new: int = NEW
+) -> None:
+    """Each of ``second`` has the tokens and logprobs of its context prefilled whole by a fresh
+    engine on ``model`` that keeps nothing."""
+    whole = _engine(model, 0, new=new)
     try:
-        for key, context in [*contexts.items(), ("other", other)]:
+        for key, context in contexts.items():
             (want,) = await whole.generate(context, 1, greedy=True)
             assert second[key].tokens == want.tokens
             assert second[key].logprobs == pytest.approx(want.logprobs, abs=1e-5)
     finally:
         whole.close()
+
+
+async def test_turns_entering_together_restore_their_own_keys_and_values_in_one_prefill() -> None:
+    """Two episodes' second turns (kept contexts of different lengths, new tokens of different
+    lengths) and a request of no episode open one loop together: the two continue in one
+    right-padded forward pass, the other is prefilled whole beside them, and each gives the
+    tokens and logprobs of a whole-context prefill. Learned positions, every request at the
+    table's end: a's padding stays inside it (at a's last position, not past it)."""
+    prompts = {"a": [2, 3, 4, 5, 6, 7, 8, 9, 10, 11], "b": [2, 6, 7, 8]}
+    replies = {"a": [11], "b": [12, 13, 14, 15, 12, 13, 14]}
+    other = [2, 5, 5, 6, 7]
+    engine = _engine(_model(positions=19), 1 << 20)
+    second, contexts, shapes = await _second_turns(engine, prompts, replies, {"other": other})
+    assert sorted(shapes) == [(1, len(other)), (2, 1 + len(replies["b"]))]
+    await _as_whole_prefills(second, {**contexts, "other": other}, _model(positions=19))
 
 
 async def test_cache_positions_past_a_row_s_tokens_never_reach_its_continuation() -> None:
@@ -294,14 +316,7 @@ async def test_cache_positions_past_a_row_s_tokens_never_reach_its_continuation(
         engine.close()
     assert engine.calls == loops + 1  # continued together
     assert [second[key].reused_tokens for key in contexts] == [3, 7]
-    whole = _engine(_model(), 0, new=1)
-    try:
-        for key, context in contexts.items():
-            (want,) = await whole.generate(context, 1, greedy=True)
-            assert second[key].tokens == want.tokens
-            assert second[key].logprobs == pytest.approx(want.logprobs, abs=1e-5)
-    finally:
-        whole.close()
+    await _as_whole_prefills(second, contexts, _model(), new=1)
 
 
 def test_the_keep_evicts_the_least_recently_kept_and_gives_back_only_a_continued_prefix() -> None:
@@ -380,3 +395,57 @@ async def test_a_turn_frozen_at_a_stand_down_continues_under_new_weights_and_the
     assert out[2].reused_tokens == len(third) - 2
     assert out[2].tokens == last.tokens
     assert out[2].logprobs == pytest.approx(last.logprobs, abs=1e-5)
+
+
+def test_a_turn_given_up_as_its_row_finishes_keeps_nothing() -> None:
+    """The caller gives up after the loop's check asked whether to drop the turn and before its
+    finished row's keys and values are kept (its episode may be forgotten already): nothing is
+    kept under the episode's key; a turn not given up is kept."""
+    from backends.torch.sampler import Admission
+
+    sampler = Sampler(_model())
+    kept = KVKeep(1 << 20)
+    asked: dict[str, int] = {}
+
+    def given_up(admission: Admission) -> bool:
+        """The turn of episode "gone" is given up once the loop has asked once."""
+        asked[admission.key] = asked.get(admission.key, 0) + 1
+        return admission.key == "gone" and asked[admission.key] > 1
+
+    def serve(key: str) -> list[str]:
+        """One turn of episode ``key``, of one token: its row finishes by the loop's first
+        check, which asks once; the keys handed back."""
+        handed: list[str] = []
+        sampler.serve(
+            lambda rows, positions: (
+                [Admission(list(PROMPT.tokens), [1], key, keep=key)] if rows is None else []
+            ),
+            lambda admission, out: handed.append(admission.key),
+            max_new_tokens=1,
+            temperature=0.0,
+            generator=torch.Generator().manual_seed(0),
+            dropped=given_up,
+            kept=kept,
+        )
+        return handed
+
+    for key in ("gone", "kept"):
+        assert serve(key) == [key]  # finished before the caller gave up: handed back
+    assert kept.take("gone", [*PROMPT.tokens, 5]) is None
+    assert kept.take("kept", [*PROMPT.tokens, 5]) is not None
+
+
+async def test_continued_turns_prefill_in_passes_of_at_most_the_prefill_s_tokens(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Two episodes continue together under a prefill bound of 4 tokens a forward pass: a's 2 new
+    tokens go in one pass, b's 8 (a long reply) in two of 4, the second attending over the keys
+    the first wrote; each still gives the tokens and logprobs of a whole-context prefill."""
+    from backends.torch import sampler
+
+    monkeypatch.setattr(sampler, "_PREFILL_TOKENS", 4)
+    prompts = {"a": [2, 3, 4], "b": [2, 6, 7, 8]}
+    replies = {"a": [11], "b": [12, 13, 14, 15, 12, 13, 14]}
+    second, contexts, shapes = await _second_turns(_engine(_model(), 1 << 20), prompts, replies)
+    assert sorted(shapes) == [(1, 2), (1, 4), (1, 4)]
+    await _as_whole_prefills(second, contexts, _model())

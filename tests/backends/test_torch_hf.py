@@ -2,6 +2,7 @@
 trips, shards, clear errors."""
 
 import json
+import shutil
 from pathlib import Path
 
 import msgspec
@@ -24,6 +25,9 @@ from backends.torch.config import ModelConfig
 from backends.torch.errors import ModelLoadError, UnsupportedModelError
 from backends.torch.hf import WEIGHTS_FILE, load_pretrained, read_config, save_pretrained
 from backends.torch.model import Decoder
+from pipeline.shell.cli import main
+
+TINY_HF = Path(__file__).parents[1] / "data" / "tiny-hf.yaml"
 
 SHAPE = dict(
     vocab_size=61,
@@ -230,6 +234,29 @@ def test_unsupported_family_features_are_named(arch: str, config: dict, feature:
     with pytest.raises(UnsupportedModelError) as err:
         ModelConfig.from_hf_dict(config | {"architectures": [arch]}, source="m/config.json")
     assert str(err.value) == f"m/config.json: {arch} with {feature} is not supported"
+
+
+def test_a_config_json_whose_heads_do_not_divide_is_a_recipe_error_at_validate(
+    tiny_qwen2_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """num_key_value_heads that does not divide num_attention_heads in a model's config.json:
+    `validate` exits 2 with one line naming the file and both fields, not a traceback."""
+    model = tmp_path / "model"
+    shutil.copytree(tiny_qwen2_dir, model)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps(config | {"num_key_value_heads": 3}))
+    with pytest.raises(ModelLoadError) as err:
+        read_config(model)
+    expected = (
+        f"{model / 'config.json'}: num_attention_heads ({config['num_attention_heads']}) must be a "
+        "multiple of num_key_value_heads (3)"
+    )
+    assert str(err.value) == expected
+    data = tmp_path / "math.jsonl"
+    data.write_text(json.dumps({"prompt": "What is 3 + 4?", "answer": "7"}) + "\n")
+    assert main(["validate", str(TINY_HF), f"model.path={model}", f"prompts.source.path={data}"]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line == f"error: model.path: {expected}"
 
 
 def test_missing_files_are_named(tmp_path: Path) -> None:

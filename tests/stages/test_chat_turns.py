@@ -349,3 +349,26 @@ def test_a_turn_end_its_tokenizer_does_not_encode_as_that_token_is_refused(tmp_p
         "prompts.chat_template: the model's chat template cannot continue an episode: its "
         "tokenizer does not encode the text of the turn's end as that token"
     )
+
+
+async def test_a_plain_episodes_text_replies_are_encoded_as_they_follow_the_models_turn(
+    tmp_path: Path,
+) -> None:
+    """Without a chat template, with a tokenizer that adds a "▁" before the text it encodes: each
+    reply's text is encoded as it follows the model's turn (ended by its end-of-sequence token),
+    with no "▁" of its own, so the episode's context is the whole conversation's text encoded in
+    one piece (a reply encoded alone would put a stray "▁" token in it)."""
+    directory = _metaspace_dir(tmp_path / "model")
+    tokenizer = HFTokenizer(directory)
+    prompt = Prompt(prompt_id="p0", text=QUESTION, tokens=tuple(tokenizer.encode(QUESTION)), answer="7")
+    turn = (*tokenizer.encode(" 7"), tokenizer.eos_id)
+    engine = ScriptedChat([(turn, "stop")] * 3)
+    episode, _ = await _play(Feedback, engine, FakeTime(), prompt=prompt, tokenizer=tokenizer)
+    assert isinstance(episode, Episode), episode
+    assert episode.loss_mask.count(0) == len(tokenizer.encode_plain("higher")) + len(
+        tokenizer.encode_plain("lower")
+    )
+    context = prompt.tokens + episode.tokens
+    text = tokenizer.text_of(context)
+    assert text == QUESTION + " 7<|im_end|>higher 7<|im_end|>lower 7<|im_end|>"
+    assert tuple(tokenizer.encode(text)) == context

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -298,3 +299,40 @@ def test_a_files_checksum_summed_in_pieces_is_the_whole_files(
     data = random.Random(size).randbytes(size)
     (tmp_path / "f").write_bytes(data)
     assert checkpoint_marker.checksum(tmp_path / "f") == zlib.crc32(data)
+
+
+def test_a_checksum_reads_on_after_a_short_read_and_names_a_file_that_ended_early(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A read may return fewer bytes than asked (network file systems do): the checksum reads
+    on and is the whole file's; a file that ends before its size (truncated under the read)
+    is an OSError naming it, which a resume reads as a damaged checkpoint."""
+    import os
+    import zlib
+
+    from stages import checkpoint_marker
+
+    monkeypatch.setattr(checkpoint_marker, "_CHUNK", 1000)
+    data = random.Random(0).randbytes(4567)
+    path = tmp_path / "f"
+    path.write_bytes(data)
+    preadv = os.preadv
+
+    def short(fd: int, buffers: list[memoryview], offset: int) -> int:
+        return preadv(fd, [buffers[0][:300]], offset)  # at most 300 bytes a call
+
+    monkeypatch.setattr(os, "preadv", short)
+    assert checkpoint_marker.checksum(path) == zlib.crc32(data)
+
+    ended: list[int] = []
+
+    def ends(fd: int, buffers: list[memoryview], offset: int) -> int:
+        assert offset not in ended, "read again where the file had ended"
+        if offset >= 4000:
+            ended.append(offset)
+            return 0
+        return short(fd, buffers, offset)
+
+    monkeypatch.setattr(os, "preadv", ends)
+    with pytest.raises(OSError, match=rf"^{re.escape(str(path))}: shorter than its size while being read$"):
+        checkpoint_marker.checksum(path)
