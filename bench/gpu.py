@@ -45,7 +45,8 @@ Parts (each can be picked with --parts):
     python -m bench.gpu --parts generate --new-tokens 2048 --bench-lengths 256,0.9 --repeats 1
     python -m bench.gpu --parts generate --megatron-inference
     python -m bench.gpu --parts generate --megatron-inference --repeats 1 \
-        --megatron-variants async+race,legacy+race,async+megatron,legacy+megatron --megatron-trace 16
+        --megatron-variants legacy+megatron,legacy+race,async+megatron,async+race,async+fused \
+        --megatron-trace 16
 """
 
 from __future__ import annotations
@@ -480,9 +481,9 @@ def bench_train(args: argparse.Namespace) -> dict[str, Any]:
 
 def _megatron_variant(text: str) -> str:
     schedule, _, sampler = text.partition("+")
-    if schedule not in ("async", "legacy") or sampler not in ("race", "megatron"):
+    if schedule not in ("async", "legacy") or sampler not in ("race", "fused", "megatron"):
         raise argparse.ArgumentTypeError(
-            f"give SCHEDULE+SAMPLER, SCHEDULE async or legacy, SAMPLER race or megatron; got {text!r}"
+            f"give SCHEDULE+SAMPLER, SCHEDULE async or legacy, SAMPLER race, fused or megatron; got {text!r}"
         )
     return text
 
@@ -542,7 +543,7 @@ def main() -> None:
         type=lambda text: [_megatron_variant(v) for v in text.split(",")],
         default=["async+race"],
         help="with --megatron-inference: comma list of SCHEDULE+SAMPLER, SCHEDULE async (the "
-        "pipeline's) or legacy, SAMPLER race (the pipeline's) or megatron; each one built and timed",
+        "pipeline's) or legacy, SAMPLER race (the pipeline's), fused or megatron; each one built and timed",
     )
     parser.add_argument(
         "--megatron-profile",

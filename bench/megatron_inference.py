@@ -8,8 +8,10 @@ them, with the bytes each stand-down gave back to the driver.
 
 Each variant (`--megatron-variants SCHEDULE+SAMPLER,...`, `serve.Serving`) builds its own model
 and engine: SCHEDULE is megatron's `async` schedule (the pipeline's) or its `legacy` one, SAMPLER
-`race` (`backends/megatron/sampling.py`, the pipeline's) or `megatron` (its `TorchSampling`, whose
-draw waits for the GPU; same logprobs on this batch, temperature 1 with no top-p).
+`race` (`backends/megatron/sampling.py`, the pipeline's), `fused` (the same with the torch
+engine's one-pass CUDA kernel on steps it fits, as this batch's) or `megatron` (its
+`TorchSampling`, whose draw waits for the GPU; same logprobs on this batch, temperature 1 with no
+top-p).
 
 Without graphs only the first call is timed (nothing is captured or compiled in it) and the
 handoffs are megatron's recompute ones, also timed with megatron's own `delete_cuda_graphs` in

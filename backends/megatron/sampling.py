@@ -22,6 +22,11 @@ temperature 1. `RaceSampling` is the controller's sampler (`controller._sampling
   temperature 1 for a greedy token (its parameters say 1), which is what the torch engine
   reports and the trainer recomputes. megatron's own processed logprobs are those of the
   filtered, renormalised nucleus (0 for a greedy token).
+
+`FusedRaceSampling` (a bench variant, `serve.Serving`) draws a training batch's step (every row
+sampled at one temperature, no top-p) with the torch engine's one-pass CUDA kernel instead
+(`backends/torch/race.py`: the token and its logprob from one read of the logits, its noise
+from Philox counters inside the kernel: the same distribution, other draws).
 """
 
 from __future__ import annotations
@@ -32,6 +37,8 @@ import torch
 from megatron.core.inference.sampling.base import Sampling
 from megatron.core.inference.sampling_params import SamplingParams
 from torch import Tensor
+
+from backends.torch import race as race_kernel
 
 
 def sampling_params(
@@ -101,6 +108,48 @@ class RaceSampling(Sampling):
         else:  # a row per prompt token (prefill, without materialize_only_last_token_logits)
             temperature = temperature[token_to_request_index.to(logits.device, non_blocking=True)]
         return torch.log_softmax(logits / temperature[:, None], dim=-1)
+
+
+class FusedRaceSampling(RaceSampling):
+    """`RaceSampling` whose draw of a step of sampled rows at one temperature with no top-p runs
+    `race_draw` (module docstring) on CUDA. The kernel's logprobs are kept for the
+    `log_probs_kernel` call that megatron makes next for the same rows (right after each draw,
+    in either schedule), which returns them broadcast over the vocabulary: megatron reads the
+    drawn token's entry alone (top-n logprobs are never asked for). Other steps, and a call that
+    does not follow a fused draw of its rows, take `RaceSampling`'s ops."""
+
+    def __init__(self, rng: torch.Generator) -> None:
+        super().__init__(rng)
+        self._drawn: Tensor | None = None  # the last fused draw's logprobs, until read
+
+    def sample_kernel(self, logits: Tensor, n: int, context: Any, **options: Any) -> Tensor:
+        """`RaceSampling.sample_kernel`'s arguments (megatron's interface)."""
+        self._drawn = None
+        temperature = context.active_request_metadata["temperature"][:n]  # pinned host memory
+        fused = (
+            options["no_top_k"]
+            and options["no_top_p"]
+            and options.get("gather_indices") is None
+            and options.get("token_to_request_index") is None
+            and race_kernel.available(logits.device)
+            and bool((temperature == temperature[0]).all())
+        )
+        if not fused:
+            return super().sample_kernel(logits, n, context, **options)
+        output = options.get("output")
+        seed = torch.empty((), dtype=torch.long, device=logits.device).random_(generator=self._rng)
+        noisy = torch.ones((), dtype=torch.float32, device=logits.device)
+        inverse = context.gpu_view.temperature[:1].reciprocal()
+        tokens, self._drawn = race_kernel.race_draw(logits[:n], inverse, seed, noisy)
+        return tokens if output is None else output.copy_(tokens)
+
+    def log_probs_kernel(
+        self, logits: Tensor, context: Any, *, token_to_request_index: Tensor | None = None
+    ) -> Tensor:
+        drawn, self._drawn = self._drawn, None
+        if drawn is None or token_to_request_index is not None or drawn.shape[0] != logits.shape[0]:
+            return super().log_probs_kernel(logits, context, token_to_request_index=token_to_request_index)
+        return drawn[:, None].expand_as(logits)
 
 
 def race(scaled: Tensor, top_p: Tensor | None, generator: torch.Generator) -> Tensor:

@@ -92,7 +92,7 @@ from backends.bench_lengths import length_draw
 from backends.input import Input
 from backends.megatron import flash_adapter
 from backends.megatron.inference import MegatronInference
-from backends.megatron.sampling import RaceSampling, sampling_params
+from backends.megatron.sampling import FusedRaceSampling, RaceSampling, sampling_params
 from backends.torch.config import ModelConfig
 from backends.torch.kv_pool import KVPool, VirtualMemoryPool
 from pipeline.contracts.backend_input import Sampling
@@ -166,10 +166,11 @@ def _kv_cache_in_use(engine: Any) -> int:
 class Serving(NamedTuple):
     """How the engine steps: the pipeline serves with the defaults; the bench also times the
     others (`bench/megatron_inference.py`). `schedule`: megatron's `async_sched_mode`;
-    `sampler`: "race" (`RaceSampling`) or "megatron" (its own `TorchSampling`)."""
+    `sampler`: "race" (`RaceSampling`), "fused" (`FusedRaceSampling`) or "megatron" (its own
+    `TorchSampling`)."""
 
     schedule: AsyncScheduleMode = AsyncScheduleMode.ASYNC
-    sampler: Literal["race", "megatron"] = "race"
+    sampler: Literal["race", "fused", "megatron"] = "race"
 
 
 SERVING = Serving()  # the pipeline's
@@ -329,7 +330,7 @@ def dynamic_engine(
     seed: int,
     device: torch.device,
     graphs: KVHandoff | None = None,
-    sampler: Literal["race", "megatron"] = "race",
+    sampler: Literal["race", "fused", "megatron"] = "race",
 ) -> DynamicInferenceEngine:
     """megatron's engine over `model`; called on the engine's own thread. With `graphs` its
     decode steps are captured into CUDA graphs, over a cache in the handoff's pool; its
@@ -347,8 +348,9 @@ def dynamic_engine(
         pool_cache(context, pool)
     controller = TextGenerationController(GPTInferenceWrapper(model, context), tokens)
     controller.sampling_rng.manual_seed(seed)
-    if sampler == "race":  # else megatron's own TorchSampling, as the controller built it
-        controller._sampling = RaceSampling(controller.sampling_rng)
+    if sampler != "megatron":  # else its own TorchSampling, as the controller built it
+        kind = RaceSampling if sampler == "race" else FusedRaceSampling
+        controller._sampling = kind(controller.sampling_rng)
     return DynamicInferenceEngine(controller, context)  # captures the graphs
 
 

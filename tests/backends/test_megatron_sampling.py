@@ -18,6 +18,7 @@ from megatron.core.inference.text_generation_controllers.text_generation_control
     TextGenerationController,
 )
 
+from backends.megatron import sampling  # noqa: E402
 from backends.megatron.sampling import RaceSampling, sampling_params  # noqa: E402
 from backends.torch.sampling import draw  # noqa: E402
 
@@ -154,3 +155,42 @@ def test_megatrons_controller_and_context_call_it_for_the_tokens_and_their_logpr
         [torch.log_softmax(logits[:6] / 0.7, dim=-1), torch.log_softmax(logits[6:], dim=-1)]
     ).gather(-1, tokens[:, None])
     torch.testing.assert_close(selected, expected.squeeze(-1))
+
+
+def test_the_fused_draw_hands_its_logprobs_to_the_next_logprob_call_alone(monkeypatch) -> None:
+    """`FusedRaceSampling` (its CUDA kernel replaced by a stand-in here): a step of sampled rows at
+    one temperature is drawn by the kernel, and megatron's logprob step that follows reads the
+    kernel's logprobs at the drawn tokens; a second logprob call, and a step with a greedy row,
+    top-p rows or two temperatures, take `RaceSampling`'s ops."""
+    calls = []
+
+    def race_draw(logits, inverse, seed, noisy):
+        calls.append((float(inverse), float(noisy)))
+        return logits.argmax(dim=-1), -torch.arange(1.0, logits.shape[0] + 1)
+
+    monkeypatch.setattr(sampling.race_kernel, "available", lambda device: True)
+    monkeypatch.setattr(sampling.race_kernel, "race_draw", race_draw)
+    logits = _logits(8)
+    rows = [_params(0.5, 1.0)] * 8
+    context = _context(rows)
+    context.config = InferenceConfig(logprobs_mode="processed_logprobs")
+    sampler = sampling.FusedRaceSampling(torch.Generator().manual_seed(1))
+    out = torch.full((8,), -1)
+    sampler.sample_kernel(logits, 8, context, no_top_k=True, no_top_p=True, output=out)
+    assert calls == [(2.0, 1.0)] and torch.equal(out, logits.argmax(dim=-1))
+    context._processed_log_probs = lambda *args, **kwargs: DynamicInferenceContext._processed_log_probs(
+        context, *args, **kwargs
+    )
+    selected, _ = DynamicInferenceContext.calculate_log_probs_tensors(
+        context, logits[None], out, only_last_token_logits=True, sampling=sampler
+    )
+    assert torch.equal(selected, -torch.arange(1.0, 9))
+    again = sampler.log_probs_kernel(logits, context)  # nothing drawn since: computed
+    torch.testing.assert_close(again, torch.log_softmax(logits / 0.5, dim=-1))
+    greedy_row = [_params(0.5, 1.0)] * 7 + [_params(0.5, 1.0, greedy=True)]
+    for mixed in (greedy_row, [_params(0.5, 0.9)] * 8, [_params(0.5, 1.0)] * 4 + [_params(0.7, 1.0)] * 4):
+        flags = {"no_top_k": all(p.top_k == 0 for p in mixed), "no_top_p": all(p.top_p == 0 for p in mixed)}
+        plain = RaceSampling(torch.Generator().set_state(sampler._rng.get_state()))
+        expected = plain.sample_kernel(logits, 8, _context(mixed), **flags)
+        assert torch.equal(sampler.sample_kernel(logits, 8, _context(mixed), **flags), expected)
+    assert len(calls) == 1

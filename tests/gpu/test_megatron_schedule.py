@@ -19,7 +19,7 @@ from megatron.core.inference.sampling.torch_sampling import TorchSampling  # noq
 
 import pipeline  # noqa: E402
 from backends.megatron.build import build_backend  # noqa: E402
-from backends.megatron.sampling import RaceSampling, sampling_params  # noqa: E402
+from backends.megatron.sampling import FusedRaceSampling, RaceSampling, sampling_params  # noqa: E402
 from backends.megatron.serve import Serving, build_inference  # noqa: E402
 from pipeline.shell.backend_input import backend_input  # noqa: E402
 
@@ -84,37 +84,56 @@ async def test_the_async_schedule_draws_the_legacy_schedules_tokens_and_logprobs
         )
 
 
-def _context(rows: int, device: torch.device) -> SimpleNamespace:
-    """A batch of sampled top-p rows and greedy rows as megatron's context holds it: pinned host
-    metadata and its GPU view."""
-    params = [sampling_params(i % 4 == 0, 8, temperature=0.8, top_p=0.9, termination=1) for i in range(rows)]
+def _context(params: list, device: torch.device) -> SimpleNamespace:
+    """Rows of `params` as megatron's context holds them: pinned host metadata and its GPU view."""
     temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32)
     top_k = torch.tensor([p.top_k for p in params], dtype=torch.int32)
     top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32)
     metadata = {"temperature": temperature, "top_k": top_k, "top_p": top_p}
     return SimpleNamespace(
-        total_request_count=rows,
+        total_request_count=len(params),
         paused_request_count=0,
         active_request_metadata={k: v.pin_memory() for k, v in metadata.items()},
         gpu_view=SimpleNamespace(**{k: v.to(device) for k, v in metadata.items()}),
     )
 
 
-def test_the_race_sampler_never_waits_for_the_gpu_where_megatrons_does() -> None:
+def _params(greedy: bool, top_p: float):
+    return sampling_params(greedy, 8, temperature=0.8, top_p=top_p, termination=1)
+
+
+@pytest.mark.parametrize(
+    ("kind", "params"),
+    [
+        (RaceSampling, [_params(i % 4 == 0, 0.9) for i in range(256)]),  # top-p rows, greedy rows
+        (FusedRaceSampling, [_params(False, 1.0)] * 256),  # a training batch: the kernel's draw
+    ],
+    ids=["race", "fused"],
+)
+def test_the_sampler_never_waits_for_the_gpu_where_megatrons_does(kind, params) -> None:
+    """Its draw and logprobs under torch's sync check (megatron's own sampler fails it: the check
+    catches a wait), the logprobs those of the tempered distribution (temperature 1 for greedy
+    rows) at the drawn tokens."""
     device = torch.device("cuda")
-    logits = torch.randn(256, 151936, device=device, dtype=torch.bfloat16)
-    context = _context(256, device)
+    logits = 3 * torch.randn(256, 151936, device=device, dtype=torch.bfloat16)
+    context = _context(params, device)
     generator = torch.Generator(device).manual_seed(0)
     out = torch.empty(256, dtype=torch.long, device=device)
-    flags = {"no_top_k": False, "no_top_p": False}
+    flags = {"no_top_k": all(p.top_k == 0 for p in params), "no_top_p": all(p.top_p == 0 for p in params)}
+    sampler = kind(generator)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        sampler = RaceSampling(generator)
         sampler.sample_kernel(logits, 256, context, output=out, **flags)
-        sampler.log_probs_kernel(logits.float(), context)
-        with pytest.raises(RuntimeError, match="synchroniz"):  # the check itself catches a wait
-            TorchSampling(generator, 151936).sample_kernel(logits, 256, context, output=out, **flags)
+        logprobs = sampler.log_probs_kernel(logits.float(), context)
+        with pytest.raises(RuntimeError, match="synchroniz"):
+            TorchSampling(generator, 151936).sample_kernel(logits, 256, context, **flags)
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    torch.cuda.synchronize()
+    temperature = torch.tensor([p.temperature for p in params], device=device)
+    expected = torch.log_softmax(logits.float() / temperature[:, None], dim=-1)
+    torch.testing.assert_close(
+        logprobs.gather(-1, out[:, None]), expected.gather(-1, out[:, None]), rtol=0, atol=1e-4
+    )
+    greedy = torch.tensor([p.top_k == 1 for p in params], device=device)
+    assert torch.equal(out[greedy], logits[greedy].argmax(dim=-1))
