@@ -127,7 +127,8 @@ class FusedRaceSampling(RaceSampling):
         self._drawn = None
         temperature = context.active_request_metadata["temperature"][:n]  # pinned host memory
         fused = (
-            options["no_top_k"]
+            n > 0
+            and options["no_top_k"]
             and options["no_top_p"]
             and options.get("gather_indices") is None
             and options.get("token_to_request_index") is None
