@@ -54,15 +54,19 @@ flash-attn is missing (`flash_adapter`).
   samples step N and launches step N+1's forward (its input tokens copied on the GPU) before
   it resolves step N on the host (finished requests, logprobs, megatron's per-request
   bookkeeping), so that host work overlaps the next forward; a step that admits, pauses or
-  prefills runs in order. Its sampled tokens are the legacy schedule's (same rows, same draws).
+  prefills runs in order, and one where some rows finish and others go on waits for the next
+  forward (megatron compacts its logits to the survivors with a blocking index copy). Its
+  sampled tokens are the legacy schedule's (megatron keeps the rows in the legacy order, and
+  the draws are the same).
 - Sampling (`backends/megatron/sampling.py`): each request's parameters (`sampling_params`:
   the recipe's temperature and top-p; greedy requests, an evaluation's or
   `rollout.temperature: 0`, megatron's top-1 draw), drawn by `RaceSampling`, the torch engine's
   draw with no host sync (what the async schedule needs), and `logprobs_mode`
   "processed_logprobs" answered by it: the logprobs the torch engine reports and the trainer
-  recomputes. `Serving.sampler` "megatron" keeps megatron's `TorchSampling` instead (a bench
-  variant: its draw waits for the GPU, its logprobs are of the renormalised nucleus, 0 for a
-  greedy token). One termination id, the tokenizer's one stop token (megatron takes no more:
+  recomputes. Bench variants (`Serving.sampler`): "fused", `FusedRaceSampling` (the torch
+  engine's one-pass CUDA draw on a training batch's steps); "megatron", megatron's
+  `TorchSampling` (its draw waits for the GPU, its logprobs are of the renormalised nucleus, 0
+  for a greedy token). One termination id, the tokenizer's one stop token (megatron takes no more:
   several are refused).
 """
 
