@@ -15,12 +15,13 @@ Parts (each can be picked with --parts):
   first `--before-batches` batches: each runs alone, so more only repeat it), beside the
   fixed-length figure of the same width (`graphs`). `--megatron-inference` also times
   `megatron_inference`: megatron-core's dynamic engine as `rollout.engine: megatron` builds it,
-  over a megatron `GPTModel` with the same weights, on the same batch (tokens/s beside
-  `graphs`', its logprobs against the recomputed ones), and its stand-down and wake, with the
-  bytes each stand-down gave back to the driver, then the same with megatron's own
-  `delete_cuda_graphs` in `suspend()` (`megatron_suspend`, what `serve.install_suspend` replaces).
-  `--megatron-graphs on,off` times it with its CUDA graphs (`rollout.graphs`, the default) and
-  without (`megatron_inference_eager`: one call; megatron's recompute handoffs).
+  over a megatron `GPTModel` with the same weights, on the same batch (tokens/s and its median
+  step beside `graphs`', its logprobs against the recomputed ones), and its stand-down and wake
+  (`bench/megatron_inference.py`). `--megatron-graphs on,off` times it with its CUDA graphs
+  (`rollout.graphs`, the default here) and without (`megatron_inference_eager`: one call;
+  megatron's recompute handoffs, also with megatron's own `suspend()`); `--megatron-variants`
+  each schedule and sampler asked for (`megatron_inference_legacy_megatron`, ...);
+  `--megatron-profile` and `--megatron-trace STEPS` profile one more call of each.
 - `handoff`: `release` (stand-down) and `wake` times of the sampler's KV cache, a check that
   the captured graphs still
   give the same greedy tokens afterwards, and the handoff check's cost: the trainer's and the
@@ -43,6 +44,9 @@ Parts (each can be picked with --parts):
     python -m bench.gpu [--parts generate,handoff,train] [--train-modes eager,model] [--out ...]
     python -m bench.gpu --parts generate --new-tokens 2048 --bench-lengths 256,0.9 --repeats 1
     python -m bench.gpu --parts generate --megatron-inference
+    python -m bench.gpu --parts generate --megatron-inference --repeats 1 \
+        --megatron-variants legacy+megatron,legacy+race,async+megatron,async+race,async+fused \
+        --megatron-trace 16
 """
 
 from __future__ import annotations
@@ -147,10 +151,7 @@ def bench_generate(model: Decoder, args: argparse.Namespace) -> dict[str, Any]:
         del sampler
         torch.cuda.empty_cache()
     if args.megatron_inference:
-        for graphs in args.megatron_graphs:
-            name = "megatron_inference" if graphs else "megatron_inference_eager"
-            out[name] = _megatron_inference(model, prompts, args, graphs=graphs)
-            out[name]["over_graphs"] = out[name]["tokens_per_s"] / out["graphs"]["tokens_per_s"]
+        out |= _megatron_variants(model, prompts, args, ours=out["graphs"])
     if args.bench_lengths:
         out["long_tail"] = tail = _long_tail(model, args)
         fixed = out["graphs"]["tokens_per_s"]  # the fixed-length figure at the same width
@@ -160,136 +161,40 @@ def bench_generate(model: Decoder, args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-def _megatron_inference(
-    model: Decoder, prompts: list[list[int]], args: argparse.Namespace, *, graphs: bool
+def _megatron_variants(
+    model: Decoder, prompts: list[list[int]], args: argparse.Namespace, *, ours: dict[str, Any]
 ) -> dict[str, Any]:
-    """`MegatronInference` as `rollout.engine: megatron` builds it (`serve.build_inference`, for
-    `recipes/bench-h200-colocated.yaml` with this batch and `rollout.graphs`), over a megatron
-    `GPTModel` holding `model`'s weights, on the same prompts: each a request of one row, no
-    stop token. Then its stand-down (`suspend()`) and wake (`resume()`), each timed through the
-    adapter as the gate times them. Without graphs only the first call is timed (nothing is
-    captured or compiled in it) and the handoffs are megatron's recompute ones, with megatron's
-    own `delete_cuda_graphs` beside. `--megatron-profile`: one more call under cProfile (the
-    engine thread's steps), its top functions printed."""
-    import asyncio
-    from unittest import mock
+    """Each `--megatron-graphs` x `--megatron-variants` run of megatron's engine
+    (`bench/megatron_inference.py`), beside our engine's `graphs` figures. A variant that fails
+    is kept as its error (its traceback printed), and the next one runs."""
+    import traceback
 
-    from megatron.core.inference.engines import dynamic_engine as engine_module
-    from megatron.core.transformer import cuda_graphs
+    from bench import megatron_inference
 
-    import pipeline
-    from backends.megatron import layout, parallel
-    from backends.megatron.model import build_gpt_model
-    from backends.megatron.serve import build_inference
-    from pipeline.shell.backend_input import backend_input
-
-    device = torch.device("cuda", torch.cuda.current_device())
-    parallel.initialise(device=device)
-    gpt = build_gpt_model(QWEN_1_5B, dtype=torch.bfloat16, device=device)
-    layout.load_hf(gpt, model.state_dict(), QWEN_1_5B)
-    recipe = pipeline.load_recipe(
-        "recipes/bench-h200-colocated.yaml",
-        [
-            "train.backend=megatron",
-            "rollout.engine=megatron",
-            f"rollout.max_new_tokens={args.new_tokens}",
-            f"rollout.samples_per_prompt={args.samples_per_prompt}",
-            f"prompts.prompts_per_step={args.batch // args.samples_per_prompt}",
-            f"rollout.graphs={str(graphs).lower()}",
-        ],
-    )
-    start = _sync_time()
-    engine = build_inference(gpt, QWEN_1_5B, backend_input(recipe), stop_ids=(), device=device)
-    build = _sync_time() - start  # with graphs: their capture
-
-    async def generate() -> tuple[float, list[Completion]]:
-        start = _sync_time()
-        answers = await asyncio.gather(*(engine.generate(p, 1) for p in prompts))
-        return _sync_time() - start, [c for (c,) in answers]
-
-    async def handoffs() -> list[tuple[float, float, int]]:
-        """(stand-down s, wake s, bytes the stand-down gave back to the driver) per cycle: torch's
-        reserved bytes, and the KV cache's where it is not torch's (graphs: a virtual memory
-        pool)."""
-        times = []
-        for _ in range(args.repeats):
-            reserved = torch.cuda.memory_reserved()
-            held = engine.memory_in_use() if graphs else 0
-            start = _sync_time()
-            await engine.stand_down()
-            down = _sync_time() - start
-            released = reserved - torch.cuda.memory_reserved()
-            if graphs:
-                released += held - engine.memory_in_use()
-            start = _sync_time()
-            await engine.wake()
-            times.append((down, _sync_time() - start, released))
-        return times
-
-    try:
-        first, outs = asyncio.run(generate())
-        runs = [asyncio.run(generate()) for _ in range(args.repeats)] if graphs else [(first, outs)]
-        outs = runs[-1][1]
-        tokens = sum(len(o.tokens) for o in outs)
-        best = min(t for t, _ in runs)
-        memory = engine.memory_in_use()
-        handoff = asyncio.run(handoffs())
-        result: dict[str, Any] = {"build_s": build, "first_call_s": first, "call_s": [t for t, _ in runs]}
-        if not graphs:
-            # megatron's own suspend, as it was before `serve.install_suspend`, side by side.
-            with mock.patch.object(engine_module, "delete_cuda_graphs", cuda_graphs.delete_cuda_graphs):
-                handoff_megatron = asyncio.run(handoffs())
-            result["megatron_suspend"] = {
-                "stand_down_ms": [1000 * d for d, _, _ in handoff_megatron],
-                "wake_ms": [1000 * w for _, w, _ in handoff_megatron],
-                "released_bytes": [r for _, _, r in handoff_megatron],
-            }
-        else:
-            result["call_after_wakes_s"] = asyncio.run(generate())[0]
-        if args.megatron_profile:
-            result["profiled_call_s"] = _profiled(engine, lambda: asyncio.run(generate())[0])
-    finally:
-        engine.close()
-    result |= {
-        "tokens": tokens,
-        "tokens_per_s": tokens / best,
-        "kv_cache_bytes": memory,
-        "stand_down_ms": [1000 * d for d, _, _ in handoff],
-        "wake_ms": [1000 * w for _, w, _ in handoff],
-        "released_bytes": [r for _, _, r in handoff],
-        "mismatch": _mismatch(model, prompts, outs),
-    }
-    print("megatron_inference" if graphs else "megatron_inference_eager", json.dumps(result), flush=True)
-    del gpt
-    torch.cuda.empty_cache()
-    return result
-
-
-def _profiled(engine: Any, call: Callable[[], float]) -> float:
-    """`call()` with the megatron engine's steps under cProfile (on the engine's thread, which
-    steps it); prints the functions with the most time, cumulative and own."""
-    import cProfile
-    import pstats
-
-    profile = cProfile.Profile()
-    step = engine.engine.step_modern
-
-    def profiled_step(*args: Any, **kwargs: Any) -> Any:
-        profile.enable()
-        try:
-            return step(*args, **kwargs)
-        finally:
-            profile.disable()
-
-    engine.engine.step_modern = profiled_step
-    try:
-        seconds = call()
-    finally:
-        engine.engine.step_modern = step
-    stats = pstats.Stats(profile)
-    stats.sort_stats("cumulative").print_stats(40)
-    stats.sort_stats("tottime").print_stats(25)
-    return seconds
+    out: dict[str, Any] = {}
+    for graphs in args.megatron_graphs:
+        for text in args.megatron_variants:
+            serving = megatron_inference.variant(text)
+            name = megatron_inference.name(serving, graphs=graphs)
+            try:
+                result = megatron_inference.run(
+                    model,
+                    QWEN_1_5B,
+                    prompts,
+                    args,
+                    graphs=graphs,
+                    serving=serving,
+                    mismatch=lambda outs: _mismatch(model, prompts, outs),
+                )
+            except Exception as error:  # a bench of variants: the others still run
+                traceback.print_exc()
+                out[name] = {"error": repr(error)}
+                torch.cuda.empty_cache()
+                continue
+            result["over_graphs"] = result["tokens_per_s"] / ours["tokens_per_s"]
+            result["step_ms_over_graphs"] = result["step_ms_median"] / ours["ms_per_decode_step"]
+            out[name] = result
+    return out
 
 
 def _long_tail(model: Decoder, args: argparse.Namespace) -> dict[str, Any]:
@@ -574,6 +479,15 @@ def bench_train(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
+def _megatron_variant(text: str) -> str:
+    schedule, _, sampler = text.partition("+")
+    if schedule not in ("async", "legacy") or sampler not in ("race", "fused", "megatron"):
+        raise argparse.ArgumentTypeError(
+            f"give SCHEDULE+SAMPLER, SCHEDULE async or legacy, SAMPLER race, fused or megatron; got {text!r}"
+        )
+    return text
+
+
 def _median_sigma(text: str) -> tuple[int, float]:
     try:
         median, sigma = text.split(",")
@@ -625,9 +539,24 @@ def main() -> None:
         help="with --megatron-inference: comma list of on (rollout.graphs: true; the default here) and off",
     )
     parser.add_argument(
+        "--megatron-variants",
+        type=lambda text: [_megatron_variant(v) for v in text.split(",")],
+        default=["async+race"],
+        help="with --megatron-inference: comma list of SCHEDULE+SAMPLER, SCHEDULE async (the "
+        "pipeline's) or legacy, SAMPLER race (the pipeline's), fused or megatron; each one built and timed",
+    )
+    parser.add_argument(
         "--megatron-profile",
         action="store_true",
         help="with --megatron-inference: one more call with the engine's steps under cProfile",
+    )
+    parser.add_argument(
+        "--megatron-trace",
+        type=int,
+        default=0,
+        metavar="STEPS",
+        help="with --megatron-inference: one more call with STEPS decode steps under torch.profiler "
+        "(per step: wall, GPU busy and idle, host blocked in syncs; the trace beside --out)",
     )
     parser.add_argument("--residual", choices=["model", "float32"], default="model")
     parser.add_argument(

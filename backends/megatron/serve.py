@@ -47,14 +47,27 @@ flash-attn is missing (`flash_adapter`).
   is skipped, and an engine that did capture graphs has them deleted by megatron's own function
   as before. A graphed engine's `suspend()` (persist) deletes nothing; its close does
   (`KVHandoff.close`).
-- Sampling (`sampling_params`): the recipe's temperature and top-p; greedy requests
-  (evaluation, or `rollout.temperature: 0`) take megatron's greedy draw, top_k 1. One
-  termination id, the tokenizer's one stop token (megatron takes no more: several are refused).
-- Logprobs: `logprobs_mode` "processed_logprobs" through `TemperedLogprobs` (the controller's
-  sampler, its draw megatron's own): the log-softmax of the logits divided by the temperature,
-  before any top-p cut, and at temperature 1 for a greedy token, which is what the torch engine
-  reports and the trainer recomputes. megatron's own processed logprobs are the renormalised
-  nucleus's (0 for a greedy token), its default "raw_logprobs" the temperature-1 distribution's.
+- Schedule (`Serving.schedule`): megatron's async schedule (`async_sched_mode` async). Its
+  legacy one runs each step in order on the host: launch the forward, wait for the sampled
+  tokens, then the logprobs and the bookkeeping over every request, with the GPU idle from
+  the wait to the next launch. The async one, on a decode step with nothing to admit or pause,
+  samples step N and launches step N+1's forward (its input tokens copied on the GPU) before
+  it resolves step N on the host (finished requests, logprobs, megatron's per-request
+  bookkeeping), so that host work overlaps the next forward; a step that admits, pauses or
+  prefills runs in order, and one where some rows finish and others go on waits for the next
+  forward (megatron compacts its logits to the survivors with a blocking index copy). Its
+  sampled tokens are the legacy schedule's (megatron keeps the rows in the legacy order, and
+  the draws are the same).
+- Sampling (`backends/megatron/sampling.py`): each request's parameters (`sampling_params`:
+  the recipe's temperature and top-p; greedy requests, an evaluation's or
+  `rollout.temperature: 0`, megatron's top-1 draw), drawn by `RaceSampling`, the torch engine's
+  draw with no host sync (what the async schedule needs), and `logprobs_mode`
+  "processed_logprobs" answered by it: the logprobs the torch engine reports and the trainer
+  recomputes. Bench variants (`Serving.sampler`): "fused", `FusedRaceSampling` (the torch
+  engine's one-pass CUDA draw on a training batch's steps); "megatron", megatron's
+  `TorchSampling` (its draw waits for the GPU, its logprobs are of the renormalised nucleus, 0
+  for a greedy token). One termination id, the tokenizer's one stop token (megatron takes no more:
+  several are refused).
 """
 
 from __future__ import annotations
@@ -62,18 +75,16 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Literal, NamedTuple
 
 import torch
-from megatron.core.inference.config import InferenceConfig, KVCacheManagementMode
+from megatron.core.inference.config import AsyncScheduleMode, InferenceConfig, KVCacheManagementMode
 from megatron.core.inference.contexts.dynamic_context import DynamicInferenceContext
 from megatron.core.inference.engines import dynamic_engine as engine_module
 from megatron.core.inference.engines.dynamic_engine import DynamicInferenceEngine
 from megatron.core.inference.model_inference_wrappers.gpt.gpt_inference_wrapper import (
     GPTInferenceWrapper,
 )
-from megatron.core.inference.sampling.torch_sampling import TorchSampling
-from megatron.core.inference.sampling_params import SamplingParams
 from megatron.core.inference.text_generation_controllers.text_generation_controller import (
     TextGenerationController,
 )
@@ -85,6 +96,7 @@ from backends.bench_lengths import length_draw
 from backends.input import Input
 from backends.megatron import flash_adapter
 from backends.megatron.inference import MegatronInference
+from backends.megatron.sampling import FusedRaceSampling, RaceSampling, sampling_params
 from backends.torch.config import ModelConfig
 from backends.torch.kv_pool import KVPool, VirtualMemoryPool
 from pipeline.contracts.backend_input import Sampling
@@ -132,49 +144,6 @@ def termination_id(stop_ids: Sequence[int]) -> int:
     return stop_ids[0] if stop_ids else -1
 
 
-def sampling_params(
-    greedy: bool, limit: int, *, temperature: float, top_p: float, termination: int
-) -> SamplingParams:
-    """One request's parameters: `limit` new tokens at most, each with its logprob. Greedy (an
-    evaluation's, or temperature 0) is megatron's top-1 draw; else the recipe's temperature and
-    top-p (megatron's top_p 0 is "off")."""
-    greedy = greedy or temperature == 0
-    return SamplingParams(
-        temperature=1.0 if greedy else temperature,
-        top_k=1 if greedy else 0,
-        top_p=0.0 if greedy or top_p >= 1 else top_p,
-        return_log_probs=True,
-        skip_prompt_log_probs=True,
-        num_tokens_to_generate=limit,
-        termination_id=termination,
-    )
-
-
-class TemperedLogprobs(TorchSampling):
-    """megatron's torch sampler (its draw unchanged), with the logprobs the torch engine reports
-    and the trainer recomputes: of the tempered distribution before any top-p cut (a greedy,
-    top-1 row has temperature 1: `sampling_params`). megatron's own "processed" logprobs are
-    those of the filtered, renormalised distribution (0 for a greedy token)."""
-
-    def log_probs_kernel(
-        self, logits: torch.Tensor, context: Any, *, token_to_request_index: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        rows = context.total_request_count - context.paused_request_count
-        metadata = context.active_request_metadata
-        temperature = metadata["temperature"][:rows]
-        if token_to_request_index is not None:  # prefill rows: one per token
-            temperature = temperature[token_to_request_index]
-        buckets: dict[float, list[int]] = {}
-        for row, t in enumerate(temperature.tolist()):
-            buckets.setdefault(t, []).append(row)
-        log_probs = torch.empty_like(logits)
-        for t, bucket in buckets.items():
-            index = torch.tensor(bucket, device=logits.device, dtype=torch.long)
-            picked = logits[index]
-            log_probs[index] = torch.log_softmax(picked / t if t != 1.0 else picked, dim=-1)
-        return log_probs
-
-
 class _Tokens:
     """The tokenizer megatron's controller holds: requests arrive as token ids, and the text it
     detokenizes finished requests into is never read."""
@@ -198,7 +167,26 @@ def _kv_cache_in_use(engine: Any) -> int:
     return 0 if buffer is None else buffer.numel() * buffer.element_size()
 
 
-def inference_config(sampling: Sampling, config: ModelConfig, dtype: torch.dtype) -> InferenceConfig:
+class Serving(NamedTuple):
+    """How the engine steps: the pipeline serves with the defaults; the bench also times the
+    others (`bench/megatron_inference.py`). `schedule`: megatron's `async_sched_mode`;
+    `sampler`: "race" (`RaceSampling`), "fused" (`FusedRaceSampling`) or "megatron" (its own
+    `TorchSampling`)."""
+
+    schedule: AsyncScheduleMode = AsyncScheduleMode.ASYNC
+    sampler: Literal["race", "fused", "megatron"] = "race"
+
+
+SERVING = Serving()  # the pipeline's
+
+
+def inference_config(
+    sampling: Sampling,
+    config: ModelConfig,
+    dtype: torch.dtype,
+    *,
+    schedule: AsyncScheduleMode = AsyncScheduleMode.ASYNC,
+) -> InferenceConfig:
     """The engine's configuration for this recipe's batches (module docstring)."""
     rollout = sampling
     cache = kv_cache_bytes(sampling, config, dtype)
@@ -229,6 +217,7 @@ def inference_config(sampling: Sampling, config: ModelConfig, dtype: torch.dtype
         use_cuda_graphs_for_non_decode_steps=False,  # prefill steps run eagerly
         materialize_only_last_token_logits=True,
         logprobs_mode="processed_logprobs",
+        async_sched_mode=schedule,
     )
 
 
@@ -345,9 +334,11 @@ def dynamic_engine(
     seed: int,
     device: torch.device,
     graphs: KVHandoff | None = None,
+    sampler: Literal["race", "fused", "megatron"] = "race",
 ) -> DynamicInferenceEngine:
     """megatron's engine over `model`; called on the engine's own thread. With `graphs` its
-    decode steps are captured into CUDA graphs, over a cache in the handoff's pool."""
+    decode steps are captured into CUDA graphs, over a cache in the handoff's pool; its
+    controller draws with `sampler` (`Serving`)."""
     flash_adapter.install()
     install_suspend()
     torch.cuda.set_device(device)  # this thread's: megatron allocates on the current device
@@ -361,22 +352,32 @@ def dynamic_engine(
         pool_cache(context, pool)
     controller = TextGenerationController(GPTInferenceWrapper(model, context), tokens)
     controller.sampling_rng.manual_seed(seed)
-    controller._sampling = TemperedLogprobs(controller.sampling_rng, tokens.vocab_size)
+    if sampler != "megatron":  # else its own TorchSampling, as the controller built it
+        kind = RaceSampling if sampler == "race" else FusedRaceSampling
+        controller._sampling = kind(controller.sampling_rng)
     return DynamicInferenceEngine(controller, context)  # captures the graphs
 
 
 def build_inference(
-    model: Any, config: ModelConfig, spec: Input, *, stop_ids: Sequence[int], device: torch.device
+    model: Any,
+    config: ModelConfig,
+    spec: Input,
+    *,
+    stop_ids: Sequence[int],
+    device: torch.device,
+    serving: Serving = SERVING,
 ) -> MegatronInference:
     """`MegatronInference` over a `DynamicInferenceEngine` serving `model` in place."""
     rollout = spec.sampling
     termination = termination_id(stop_ids)
-    inference = inference_config(rollout, config, model.config.params_dtype)
+    inference = inference_config(rollout, config, model.config.params_dtype, schedule=serving.schedule)
     tokens = _Tokens(termination, config.vocab_size)
     seed = spec.seed + 1  # the torch engine's
     handoff = KVHandoff(model, lambda: VirtualMemoryPool(device)) if rollout.graphs else None
     return MegatronInference(
-        lambda: dynamic_engine(model, inference, tokens=tokens, seed=seed, device=device, graphs=handoff),
+        lambda: dynamic_engine(
+            model, inference, tokens=tokens, seed=seed, device=device, graphs=handoff, sampler=serving.sampler
+        ),
         handoff=handoff,
         sampling=functools.partial(
             sampling_params, temperature=rollout.temperature, top_p=rollout.top_p, termination=termination

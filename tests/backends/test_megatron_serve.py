@@ -1,6 +1,6 @@
-"""megatron's dynamic engine for a recipe (`rollout.engine: megatron`), on the CPU: what each
-request asks megatron's sampler for and the logprobs that gives, the KV cache's size, the
-refusals, and the builder handing the trainer's own model to the engine (megatron's engine
+"""megatron's dynamic engine for a recipe (`rollout.engine: megatron`), on the CPU: its
+schedule and sampler (tests/backends/test_megatron_sampling.py: what they draw), the KV cache's
+size, the refusals, and the builder handing the trainer's own model to the engine (megatron's engine
 itself needs CUDA: tests/gpu/test_megatron_gpu.py runs it)."""
 
 from __future__ import annotations
@@ -13,8 +13,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("megatron.core")
 
-from megatron.core.inference.config import KVCacheManagementMode  # noqa: E402
-from megatron.core.inference.sampling.torch_sampling import TorchSampling  # noqa: E402
+from megatron.core.inference.config import AsyncScheduleMode, KVCacheManagementMode  # noqa: E402
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker  # noqa: E402
 from megatron.core.transformer.enums import InferenceCudaGraphScope  # noqa: E402
 
@@ -23,79 +22,11 @@ from backends.megatron import serve  # noqa: E402
 from backends.megatron.build import build_backend  # noqa: E402
 from backends.megatron.inference import MegatronInference  # noqa: E402
 from backends.megatron.model import compile_layers  # noqa: E402
+from backends.megatron.sampling import RaceSampling  # noqa: E402
 from backends.torch.kv_pool import PlainPool  # noqa: E402
-from backends.torch.sampling import draw  # noqa: E402
 from pipeline.contracts.errors import RecipeError  # noqa: E402
 from pipeline.shell.backend_input import backend_input  # noqa: E402
 from pipeline.testing import FakeDynamicEngine  # noqa: E402
-
-
-def _context(logits: torch.Tensor, params) -> SimpleNamespace:
-    """A stand-in for megatron's context: its per-request metadata, rows of one request's
-    parameters."""
-    rows = logits.shape[0]
-    return SimpleNamespace(
-        total_request_count=rows,
-        paused_request_count=0,
-        active_request_metadata={
-            "temperature": torch.full((rows,), params.temperature),
-            "top_k": torch.full((rows,), params.top_k),
-            "top_p": torch.full((rows,), params.top_p),
-        },
-    )
-
-
-def _params(temperature: float, top_p: float, *, greedy: bool = False):
-    return serve.sampling_params(greedy, 5, temperature=temperature, top_p=top_p, termination=1)
-
-
-@pytest.mark.parametrize(
-    ("temperature", "top_p"),
-    [(0.7, 1.0), (0.7, 0.5), (1.3, 0.9), (0.0, 1.0)],
-    ids=["temperature", "top-p", "temperature-top-p", "greedy"],
-)
-def test_the_engines_logprobs_are_the_torch_engines(temperature: float, top_p: float) -> None:
-    """What the pipeline's token_mult_prob_error compares: megatron's sampler draws from the
-    recipe's distribution (top-p cut included; temperature 0: its top-1 draw), and
-    `TemperedLogprobs` reports the logprobs the torch engine reports for the same tokens (the
-    tempered distribution before the cut; temperature 1 for a greedy token), where megatron's own
-    processed ones are the renormalised nucleus's (0 for a greedy token): the same without both."""
-    logits = 3 * torch.randn(64, 32, generator=torch.Generator().manual_seed(0))
-    params = _params(temperature, top_p)
-    drawn = TorchSampling.sample_from_logits(
-        logits, params.temperature, params.top_k, params.top_p, generator=torch.Generator().manual_seed(1)
-    )
-    ours = draw(logits, temperature, top_p, torch.Generator().manual_seed(1))[1]  # any token: its logprob
-    ours_of_drawn = (
-        torch.log_softmax(logits / (temperature or 1.0), dim=-1).gather(-1, drawn[:, None]).squeeze(-1)
-    )
-    sampler = serve.TemperedLogprobs(torch.Generator(), logits.shape[1])
-    picked = sampler.log_probs_kernel(logits, _context(logits, params)).gather(-1, drawn[:, None]).squeeze(-1)
-    torch.testing.assert_close(picked, ours_of_drawn)
-    if temperature == 0:  # the torch engine's greedy token and logprob
-        torch.testing.assert_close(picked, ours)
-        assert torch.equal(drawn, logits.argmax(dim=-1))
-    if top_p < 1:  # every draw inside the nucleus: the cut is megatron's
-        probs = torch.softmax(logits / temperature, dim=-1)
-        sorted_probs, _ = probs.sort(dim=-1, descending=True)
-        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-        smallest_kept = sorted_probs.masked_fill(mass_before >= top_p, 2.0).min(dim=-1).values
-        assert (probs.gather(-1, drawn[:, None]).squeeze(-1) >= smallest_kept).all()
-    megatrons = TorchSampling(torch.Generator(), logits.shape[1]).log_probs_kernel(
-        logits, _context(logits, params)
-    )
-    same = torch.allclose(megatrons.gather(-1, drawn[:, None]).squeeze(-1), picked, atol=1e-3)
-    assert same == (temperature > 0 and top_p == 1)  # megatron's differ where a cut or greedy
-
-
-def test_a_request_asks_for_its_limit_and_logprobs_and_greedy_ones_take_the_top_token() -> None:
-    sampled = _params(0.7, 1.0)
-    assert (sampled.temperature, sampled.top_k, sampled.top_p) == (0.7, 0, 0.0)
-    assert (sampled.num_tokens_to_generate, sampled.termination_id) == (5, 1)
-    assert sampled.return_log_probs and sampled.skip_prompt_log_probs
-    assert (_params(0.7, 0.9).top_k, _params(0.7, 0.9).top_p) == (0, 0.9)
-    for greedy in (_params(0.7, 0.9, greedy=True), _params(0.0, 0.9)):  # an evaluation's; temperature 0
-        assert (greedy.temperature, greedy.top_k, greedy.top_p) == (1.0, 1, 0.0)
 
 
 def _bench(*overrides: str):
@@ -120,6 +51,11 @@ def test_the_kv_cache_holds_a_batchs_rows_at_twice_max_new_tokens() -> None:
     assert (inference.max_requests, inference.block_size_tokens) == (256, 256)
     assert inference.logprobs_mode == "processed_logprobs"
     assert inference.materialize_only_last_token_logits
+    assert inference.async_sched_mode is AsyncScheduleMode.ASYNC
+    legacy = serve.inference_config(
+        recipe.sampling, config, torch.bfloat16, schedule=AsyncScheduleMode.LEGACY
+    )
+    assert legacy.async_sched_mode is AsyncScheduleMode.LEGACY
     set_by_hand = serve.inference_config(_bench("rollout.kv_cache_gb=2.5").sampling, config, torch.bfloat16)
     assert set_by_hand.buffer_size_gb == 2.5
     capped = serve.inference_config(_bench("rollout.max_rows=64").sampling, config, torch.bfloat16)
@@ -168,8 +104,8 @@ def _on_cpu(*overrides: str, **rollout):
 async def test_the_builder_hands_the_trainers_own_model_to_megatrons_engine(monkeypatch) -> None:
     made = []
 
-    def engine_on_cpu(model, inference, *, tokens, seed, device, graphs):
-        made.append((model, inference, tokens, seed))
+    def engine_on_cpu(model, inference, *, tokens, seed, device, graphs, sampler):
+        made.append((model, inference, tokens, seed, sampler))
         return FakeDynamicEngine(length=5, vocab=16)
 
     monkeypatch.setattr(serve, "dynamic_engine", engine_on_cpu)
@@ -177,9 +113,10 @@ async def test_the_builder_hands_the_trainers_own_model_to_megatrons_engine(monk
     try:
         assert isinstance(engine, MegatronInference)
         assert engine.blocks_training and engine.wake_carries_weights and engine.fingerprint() is None
-        ((model, inference, tokens, seed),) = made
+        ((model, inference, tokens, seed, sampler),) = made
         assert model is trainer.model  # served in place: no copy to refresh
         assert (tokens.eod, seed, inference.max_requests) == (1, 1, 32 * 8 * 2)
+        assert (inference.async_sched_mode, sampler) == (AsyncScheduleMode.ASYNC, "race")
         assert len(await engine.generate([3, 4, 5], 2)) == 2
         await engine.generate([3], 1, greedy=True)
         sampling = engine.engine.sampling  # as the fake engine received it
@@ -320,14 +257,17 @@ def test_a_capture_registers_the_trackers_generators_and_not_its_tensor_states(m
     assert serve._graph_safe_rng_states() == {"graph-safe": generator}
 
 
-def test_megatrons_controller_reports_the_tempered_logprobs(monkeypatch) -> None:
+@pytest.mark.parametrize("sampler", ["race", "megatron"])
+def test_megatrons_controller_draws_with_the_race_sampler(monkeypatch, sampler: str) -> None:
     """The engine as `dynamic_engine` wires it (megatron's classes, which need CUDA, replaced by
-    stand-ins): its controller samples with `TemperedLogprobs` over the controller's seeded RNG."""
+    stand-ins): its controller draws with `RaceSampling` over the controller's seeded RNG, or
+    keeps megatron's own sampler where the bench asks for it."""
+    megatrons = object()
 
     class Controller:
         def __init__(self, wrapped, tokens) -> None:
             self.sampling_rng = torch.Generator()
-            self._sampling = None
+            self._sampling = megatrons
 
     monkeypatch.setattr(serve, "DynamicInferenceContext", lambda config, inference: None)
     monkeypatch.setattr(serve, "GPTInferenceWrapper", lambda model, context: None)
@@ -336,7 +276,12 @@ def test_megatrons_controller_reports_the_tempered_logprobs(monkeypatch) -> None
     monkeypatch.setattr(serve.torch.cuda, "set_device", lambda device: None)
     model = SimpleNamespace(config=None)
     tokens = serve._Tokens(1, 32)
-    controller = serve.dynamic_engine(model, None, tokens=tokens, seed=7, device=torch.device("cpu"))
-    assert isinstance(controller._sampling, serve.TemperedLogprobs)
+    controller = serve.dynamic_engine(
+        model, None, tokens=tokens, seed=7, device=torch.device("cpu"), sampler=sampler
+    )
+    assert torch.equal(controller.sampling_rng.get_state(), torch.Generator().manual_seed(7).get_state())
+    if sampler == "megatron":
+        assert controller._sampling is megatrons
+        return
+    assert isinstance(controller._sampling, RaceSampling)
     assert controller._sampling._rng is controller.sampling_rng
-    assert controller._sampling._vocab_size == 32

@@ -74,7 +74,7 @@ def _backend(
 ) -> tuple[Any, Any, ServingEngine]:
     made: list[ServingEngine] = []
 
-    def engine_on_cpu(model, inference, *, tokens, seed, device, graphs):
+    def engine_on_cpu(model, inference, *, tokens, seed, device, graphs, sampler):
         pool = None if graphs is None else graphs.pool
         made.append(ServingEngine(model, keeps_cache=keeps_cache, pool=pool))
         return made[-1]
