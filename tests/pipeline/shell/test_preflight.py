@@ -92,6 +92,22 @@ def test_a_reward_module_with_a_syntax_error(tmp_path: Path, monkeypatch: pytest
     )
 
 
+def test_a_reward_module_that_fails_as_it_imports(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its own code raising (a traceback, exit 1, before) or calling sys.exit (a silent exit with
+    the module's code, here 3, which reads as failed gates) is one line, exit 2."""
+    (tmp_path / "raising_reward.py").write_text("TABLE = {}\nWEIGHT = 1 / len(TABLE)\n")
+    (tmp_path / "exiting_reward.py").write_text("import sys\nsys.exit(3)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert check(QUICKSTART, "reward.function=raising_reward:score") == (
+        "reward.function: cannot import module 'raising_reward': ZeroDivisionError: division by zero "
+        f"({tmp_path / 'raising_reward.py'}, line 2)"
+    )
+    assert check(QUICKSTART, "reward.function=exiting_reward:score") == (
+        "reward.function: cannot import module 'exiting_reward': SystemExit: 3 "
+        f"({tmp_path / 'exiting_reward.py'}, line 2)"
+    )
+
+
 def test_a_data_file_that_is_not_utf8(tmp_path: Path) -> None:
     data = tmp_path / "rows.jsonl"
     data.write_bytes(b'{"prompt": "1+1=", "answer": "2"}\n{"prompt": "caf\xe9", "answer": "3"}\n')
