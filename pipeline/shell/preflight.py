@@ -14,6 +14,7 @@ prompts, the reward function) is what `run` goes on with.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -136,4 +137,25 @@ def _check_model(recipe: Recipe) -> _Positions:
         check_ray()  # the device is the actors' to check, on the nodes they run on
     else:
         check_device(section.device, "model.device")
+        if section.device == "cpu":
+            _check_weights_fit(config, section.dtype, "model.path" if section.path else "model.config")
     return _positions(config)
+
+
+def _check_weights_fit(config: ModelConfig, dtype: str, field: str) -> None:
+    """A model whose weights alone outgrow this machine's memory is refused before it is built
+    (building it asked the allocator for terabytes, and the run ended in its traceback)."""
+    hidden, head_dim = config.hidden_size, config.head_dim or 0
+    attention = hidden * head_dim * 2 * (config.num_attention_heads + config.num_key_value_heads)
+    layer = attention + 3 * hidden * config.intermediate_size
+    tables = config.vocab_size * (1 if config.tie_word_embeddings else 2)
+    if config.learned_position_embeddings:
+        tables += config.max_position_embeddings
+    parameters = config.num_hidden_layers * layer + tables * hidden  # norms and biases left out
+    needed = parameters * (4 if dtype == "float32" else 2)
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if needed > memory:
+        raise RecipeError(
+            f"{field}: a model of {parameters:.3g} parameters needs {needed / 2**30:.3g} GiB for its "
+            f"{dtype} weights alone, more than this machine's {memory / 2**30:.3g} GiB of memory"
+        )

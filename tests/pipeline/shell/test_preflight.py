@@ -71,6 +71,17 @@ def test_new_tokens_past_a_rotary_models_context_name_the_field() -> None:
     preflight(pipeline.load_recipe(QUICKSTART, [*rotary, "rollout.max_new_tokens=57"]))  # exactly fits
 
 
+def test_a_model_whose_weights_outgrow_the_machine_is_refused_before_it_is_built() -> None:
+    """A billion layers asked the allocator for 549,000 GiB and ended the run in a traceback."""
+    assert check(QUICKSTART, "model.config.num_hidden_layers=1000000000").startswith(
+        "model.config: a model of 1.47e+14 parameters needs 5.49e+05 GiB for its float32 weights "
+        "alone, more than this machine's "
+    )
+    assert check(QUICKSTART, "model.config.num_hidden_layers=1000000000", "model.dtype=bfloat16").startswith(
+        "model.config: a model of 1.47e+14 parameters needs 2.75e+05 GiB for its bfloat16 weights"
+    )
+
+
 def test_digits_past_the_model_are_refused_before_the_prompts_are_built() -> None:
     assert check(QUICKSTART, "prompts.source.max_digits=1000000000") == (
         "prompts.source.max_digits: 1000000000 digits cannot fit model.config.max_position_embeddings "
