@@ -82,6 +82,18 @@ def test_a_model_whose_weights_outgrow_the_machine_is_refused_before_it_is_built
     )
 
 
+def test_rows_whose_kv_cache_outgrows_the_machine_are_refused() -> None:
+    """A trillion samples a prompt ended the run in a MemoryError's traceback; a trillion prompts
+    a step filled memory for minutes; `rollout.max_rows` asked the allocator for petabytes."""
+    assert check(QUICKSTART, "rollout.samples_per_prompt=1000000000000").startswith(
+        "prompts.prompts_per_step x rollout.samples_per_prompt: 64000000000000 rows (two batches at "
+        "L >= 1) of 12 positions need 7.32e+08 GiB of KV cache, more than this machine's "
+    )
+    assert check(QUICKSTART, "rollout.max_rows=1000000000000").startswith(
+        "rollout.max_rows: 1000000000000 rows of 12 positions need 1.14e+07 GiB of KV cache"
+    )
+
+
 def test_digits_past_the_model_are_refused_before_the_prompts_are_built() -> None:
     assert check(QUICKSTART, "prompts.source.max_digits=1000000000") == (
         "prompts.source.max_digits: 1000000000 digits cannot fit model.config.max_position_embeddings "
