@@ -147,9 +147,11 @@ def _check_model(recipe: Recipe) -> _Positions:
     else:
         check_device(section.device, "model.device")
         if section.device == "cpu":
-            _check_weights_fit(config, section.dtype, "model.path" if section.path else "model.config")
-            width = 4 if section.dtype == "float32" else 2
-            kv_bytes = config.num_hidden_layers * 2 * config.num_key_value_heads * (config.head_dim or 0) * width
+            itemsize = 4 if section.dtype == "float32" else 2
+            field = "model.path" if section.path else "model.config"
+            _check_weights_fit(config, itemsize, f"{section.dtype} weights", field)
+            kv_heads = 2 * config.num_key_value_heads  # keys and values
+            kv_bytes = config.num_hidden_layers * kv_heads * (config.head_dim or 0) * itemsize
             return dataclasses.replace(_positions(config), kv_bytes=kv_bytes)
     return _positions(config)
 
@@ -176,7 +178,7 @@ def _check_rows_fit(recipe: Recipe, positions: int, kv_bytes: int) -> None:
         )
 
 
-def _check_weights_fit(config: ModelConfig, dtype: str, field: str) -> None:
+def _check_weights_fit(config: ModelConfig, itemsize: int, weights: str, field: str) -> None:
     """A model whose weights alone outgrow this machine's memory is refused before it is built
     (building it asked the allocator for terabytes, and the run ended in its traceback)."""
     hidden, head_dim = config.hidden_size, config.head_dim or 0
@@ -186,10 +188,10 @@ def _check_weights_fit(config: ModelConfig, dtype: str, field: str) -> None:
     if config.learned_position_embeddings:
         tables += config.max_position_embeddings
     parameters = config.num_hidden_layers * layer + tables * hidden  # norms and biases left out
-    needed = parameters * (4 if dtype == "float32" else 2)
+    needed = parameters * itemsize
     memory = _memory()
     if needed > memory:
         raise RecipeError(
             f"{field}: a model of {parameters:.3g} parameters needs {needed / 2**30:.3g} GiB for its "
-            f"{dtype} weights alone, more than this machine's {memory / 2**30:.3g} GiB of memory"
+            f"{weights} alone, more than this machine's {memory / 2**30:.3g} GiB of memory"
         )
