@@ -25,7 +25,7 @@ import msgspec.inspect
 import yaml
 
 from pipeline.contracts.errors import RecipeError
-from pipeline.contracts.text import NotText, read_text
+from pipeline.contracts.text import NotText, decode, read_text
 
 R = TypeVar("R")
 
@@ -120,6 +120,8 @@ def _validation_message(
         mantissa, exponent = value.strip().lower().split("e")
         if "." not in mantissa:
             mantissa += ".0"
+        if not exponent.startswith(("+", "-")):  # YAML 1.1 reads a float's exponent signed only
+            exponent = "+" + exponent
         problem += f" ({value!r}): YAML reads {value} as a string, write {mantissa}e{exponent}"
     elif problem.startswith("Invalid"):
         choices = _choices(root, data, field)
@@ -203,6 +205,10 @@ def lookup(data: Any, field: str) -> Any:
 
 
 def _apply_override(data: dict[str, Any], override: str, path: Path) -> None:
+    try:  # the command line's bytes, as Python kept them (undecodable ones as surrogates)
+        decode(override.encode("utf-8", "surrogateescape"), f"override {override!r}")
+    except NotText as error:
+        raise RecipeError(str(error)) from None
     key, sep, raw = override.partition("=")
     if not sep or not key or any(not part for part in key.split(".")):
         raise RecipeError(f"override {override!r}: expected key.path=value, e.g. run.steps=20")

@@ -65,7 +65,12 @@ class HFTokenizer:
                 f"model.path: {file} not found: the model's tokenizer is needed to tokenize prompts "
                 "(copy tokenizer.json and tokenizer_config.json next to config.json)"
             )
-        self._tokenizer = Tokenizer.from_file(str(file))
+        try:
+            self._tokenizer = Tokenizer.from_str(read_text(file))
+        except NotText as error:
+            raise RecipeError(str(error)) from None
+        except Exception as error:  # the tokenizers library raises a plain Exception, whatever it finds
+            raise RecipeError(f"{file}: not a tokenizer the tokenizers library reads: {error}") from None
         self.config: dict[str, Any] = _read_json(self.path / TOKENIZER_CONFIG_FILE)
         generation: dict[str, Any] = _read_json(self.path / GENERATION_CONFIG_FILE)
         self.special_tokens = {

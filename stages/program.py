@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import logging
 import random
+import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import anyio
 import msgspec
@@ -58,6 +59,8 @@ if TYPE_CHECKING:
     from pipeline.shell.recipe import Recipe
 
 log = logging.getLogger("stages.program")
+
+T = TypeVar("T")
 
 # The recipe's checks, then (when asked: True) its backend, built where `placement` says; on a
 # worker thread. The shell gives it (`pipeline.shell.run`): the stages never import a backend.
@@ -108,7 +111,7 @@ async def run_program(
     # without the garbage collector's full passes, which hold the GIL 100-300 ms each.
     with start_up():
         resume = await anyio.to_thread.run_sync(open_resume, run_dir, recipe)
-        checked, placed = await anyio.to_thread.run_sync(start, recipe, built)
+        checked, placed = await _owned(start, recipe, built, dispose=lambda started: _close(started[1]))
     reclaim_signals()  # from what the backend's native code installed (Ray's SIGTERM handler)
     prompts, reward_fn = checked.prompts, checked.reward_fn
     if placed is not None:
@@ -151,6 +154,34 @@ async def run_program(
         raise
     finally:
         lock.release()
+
+
+async def _owned(fn: Callable[..., T], *args: Any, dispose: Callable[[T], None]) -> T:
+    """`fn(*args)` on a worker thread, whose result is handed to `dispose` if the awaiting task is
+    cancelled first: a host's `task.cancel()` gets through anyio's shield and leaves the thread
+    running, and what it builds (a model, Ray's runtime and actors) must not outlive the run."""
+    lock = threading.Lock()
+    abandoned = False
+    done: list[T] = []
+
+    def work() -> T:
+        result = fn(*args)
+        with lock:
+            done.append(result)
+            late = abandoned
+        if late:
+            dispose(result)
+        return result
+
+    try:
+        return await anyio.to_thread.run_sync(work)
+    except BaseException:
+        with lock:
+            abandoned = True
+            finished = list(done)
+        for result in finished:  # it returned, but the cancellation came first
+            dispose(result)
+        raise
 
 
 def _close(placed: Placed | None) -> None:

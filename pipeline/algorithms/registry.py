@@ -7,11 +7,11 @@ one module plus its decorator line.
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
 from pipeline.contracts.errors import RecipeError
+from pipeline.contracts.user_code import import_named
 
 F = TypeVar("F", bound=Callable[..., object])
 
@@ -47,10 +47,7 @@ class Registry(Generic[F]):
                 "or name your own as module:function"
             )
         module_name, _, attr = name.partition(":")
-        try:
-            module = importlib.import_module(module_name)
-        except Exception as error:  # a user's module: its SyntaxError is a recipe problem too
-            raise RecipeError(f"{self.field}: cannot import module {module_name!r}: {error}") from None
+        module = import_named(self.field, module_name)
         fn = getattr(module, attr, None)
         if not callable(fn):
             raise RecipeError(f"{self.field}: module {module_name!r} has no function {attr!r}")

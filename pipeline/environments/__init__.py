@@ -3,13 +3,13 @@ built-in CPU game (`pipeline.environments.guess`). Imports the contracts only.""
 
 from __future__ import annotations
 
-import importlib
 import inspect
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from pipeline.contracts.environments import Environment
 from pipeline.contracts.errors import RecipeError
+from pipeline.contracts.user_code import import_named
 
 EnvironmentFactory = Callable[[], Environment]
 
@@ -24,10 +24,7 @@ def resolve(name: str, args: Mapping[str, Any]) -> EnvironmentFactory:
     module_name, sep, attr = name.partition(":")
     if not sep or not module_name or not attr:
         raise RecipeError(f"rollout.environment: {name!r} is not module:Class")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as error:
-        raise RecipeError(f"rollout.environment: cannot import module {module_name!r}: {error}") from None
+    module = import_named("rollout.environment", module_name)
     cls = getattr(module, attr, None)
     if not callable(cls):
         raise RecipeError(f"rollout.environment: module {module_name!r} has no class {attr!r}")

@@ -17,7 +17,6 @@ The reward stage (`stages.reward`) and Ray's reward workers (`backends.ray.actor
 from __future__ import annotations
 
 import asyncio
-import importlib
 import inspect
 import logging
 import math
@@ -26,6 +25,7 @@ from typing import Any
 
 from pipeline.contracts.errors import PipelineError, RecipeError
 from pipeline.contracts.messages import Prompt
+from pipeline.contracts.user_code import import_named
 from pipeline.rewards.threads import run_abandonable, run_async
 
 log = logging.getLogger("pipeline.rewards")
@@ -93,15 +93,7 @@ def resolve(name: str, *, source_reward: RewardFn | None = None) -> RewardFn:
             f"reward.function: {name!r} is neither a built-in "
             f"({', '.join(sorted([*BUILTIN, SOURCE_CHECKER]))}) nor module:function"
         )
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as error:
-        raise RecipeError(f"reward.function: cannot import module {module_name!r}: {error}") from None
-    except SyntaxError as error:  # its source does not parse (or is not UTF-8): where, in one line
-        where = f"{error.filename}, line {error.lineno}" if error.lineno else error.filename
-        raise RecipeError(
-            f"reward.function: cannot import module {module_name!r}: {error.msg} ({where})"
-        ) from None
+    module = import_named("reward.function", module_name)
     fn = getattr(module, attr, None)
     if not callable(fn):
         raise RecipeError(f"reward.function: module {module_name!r} has no function {attr!r}")

@@ -8,12 +8,15 @@ continue an episode token-exactly (`stages.chat_turns`), an RL algorithm whose p
 combine, the packages of the enabled metric sinks (wandb, tensorboard), Ray missing where the recipe
 places the backend on it, what the chosen backend refuses (`backends.registry.check`), and
 prompts plus `rollout.max_new_tokens` past the model's positions (a learned table, or a rotary
-model's `max_position_embeddings`). What it built on the way (the resume
+model's `max_position_embeddings`), and on a CPU, the model's weights and the engine's KV cache for
+the rows it generates at once against the machine's memory. What it built on the way (the resume
 prompts, the reward function) is what `run` goes on with.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -74,6 +77,8 @@ def preflight(recipe: Recipe, *, model: bool = True, resume: bool = True) -> Che
             f"prompt ({prompts.longest} tokens) exceed model.config.max_position_embeddings "
             f"{limit.positions} ({limit.why}); set it to at most {max(limit.positions - prompts.longest, 0)}"
         )
+    if limit is not None and limit.kv_bytes is not None:
+        _check_rows_fit(recipe, prompts.longest + recipe.rollout.max_new_tokens, limit.kv_bytes)
     environment = None
     if recipe.rollout.environment is not None:
         environment = resolve_environment(recipe.rollout.environment, recipe.rollout.environment_args)
@@ -92,6 +97,7 @@ def preflight(recipe: Recipe, *, model: bool = True, resume: bool = True) -> Che
 class _Positions:
     positions: int  # the most positions a sequence may use: prompt and new tokens
     why: str
+    kv_bytes: int | None = None  # what one position of one row takes in the engine's KV cache (CPU)
 
 
 def _positions(config: ModelConfig) -> _Positions:
@@ -100,6 +106,10 @@ def _positions(config: ModelConfig) -> _Positions:
     if config.position_limit is not None:
         return _Positions(config.position_limit, "learned position embeddings")
     return _Positions(config.max_position_embeddings, "the context the model is built for")
+
+
+def _memory() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def _check_resume(recipe: Recipe) -> None:
@@ -136,4 +146,52 @@ def _check_model(recipe: Recipe) -> _Positions:
         check_ray()  # the device is the actors' to check, on the nodes they run on
     else:
         check_device(section.device, "model.device")
+        if section.device == "cpu":
+            itemsize = 4 if section.dtype == "float32" else 2
+            field = "model.path" if section.path else "model.config"
+            _check_weights_fit(config, itemsize, f"{section.dtype} weights", field)
+            kv_heads = 2 * config.num_key_value_heads  # keys and values
+            kv_bytes = config.num_hidden_layers * kv_heads * (config.head_dim or 0) * itemsize
+            return dataclasses.replace(_positions(config), kv_bytes=kv_bytes)
     return _positions(config)
+
+
+def _check_rows_fit(recipe: Recipe, positions: int, kv_bytes: int) -> None:
+    """The rows the engine generates at once, each caching `positions` positions, must fit this
+    machine's memory (a trillion prompts or samples a step, or `rollout.max_rows`, asked the
+    allocator for petabytes, or filled memory for minutes while the SIGTERM of a stop waited)."""
+    rollout = recipe.rollout
+    if rollout.max_rows:
+        rows, asked = rollout.max_rows, f"rollout.max_rows: {rollout.max_rows} rows"
+    else:  # the step's rows; at L >= 1 the next batch's beside them
+        batches = 2 if recipe.async_rl.max_lookahead_versions else 1
+        rows = recipe.prompts.prompts_per_step * rollout.samples_per_prompt * batches
+        asked = (
+            f"prompts.prompts_per_step x rollout.samples_per_prompt: {rows} rows "
+            f"({'two batches at L >= 1' if batches == 2 else 'one batch'})"
+        )
+    needed, memory = rows * positions * kv_bytes, _memory()
+    if needed > memory:
+        raise RecipeError(
+            f"{asked} of {positions} positions need {needed / 2**30:.3g} GiB of KV cache, more "
+            f"than this machine's {memory / 2**30:.3g} GiB of memory"
+        )
+
+
+def _check_weights_fit(config: ModelConfig, itemsize: int, weights: str, field: str) -> None:
+    """A model whose weights alone outgrow this machine's memory is refused before it is built
+    (building it asked the allocator for terabytes, and the run ended in its traceback)."""
+    hidden, head_dim = config.hidden_size, config.head_dim or 0
+    attention = hidden * head_dim * 2 * (config.num_attention_heads + config.num_key_value_heads)
+    layer = attention + 3 * hidden * config.intermediate_size
+    tables = config.vocab_size * (1 if config.tie_word_embeddings else 2)
+    if config.learned_position_embeddings:
+        tables += config.max_position_embeddings
+    parameters = config.num_hidden_layers * layer + tables * hidden  # norms and biases left out
+    needed = parameters * itemsize
+    memory = _memory()
+    if needed > memory:
+        raise RecipeError(
+            f"{field}: a model of {parameters:.3g} parameters needs {needed / 2**30:.3g} GiB for its "
+            f"{weights} alone, more than this machine's {memory / 2**30:.3g} GiB of memory"
+        )

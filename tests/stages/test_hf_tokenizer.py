@@ -62,6 +62,22 @@ def test_missing_tokenizer_json_is_named(tiny_qwen2_dir: Path, tmp_path: Path) -
     )
 
 
+def test_a_tokenizer_json_not_utf8_or_not_a_tokenizer_is_named(tiny_qwen2_dir: Path, tmp_path: Path) -> None:
+    """One line each (the tokenizers library's plain Exception was a traceback)."""
+    shutil.copytree(tiny_qwen2_dir, tmp_path / "model")
+    file = tmp_path / "model" / "tokenizer.json"
+    file.write_bytes(b'{"version": "caf\xe9"}')
+    with pytest.raises(RecipeError) as raised:
+        HFTokenizer(tmp_path / "model")
+    assert str(raised.value) == f"{file}: not UTF-8 text: byte 0xe9 at column 17"
+    file.write_text("{}")
+    with pytest.raises(RecipeError) as raised:
+        HFTokenizer(tmp_path / "model")
+    assert str(raised.value) == (
+        f"{file}: not a tokenizer the tokenizers library reads: Model missing. at line 1 column 2"
+    )
+
+
 def test_missing_chat_template_is_named(tiny_qwen2_dir: Path, tmp_path: Path) -> None:
     model = tmp_path / "model"
     shutil.copytree(tiny_qwen2_dir, model)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -269,6 +270,17 @@ def test_a_wrong_name_or_combination_is_one_recipe_error(section: TrainSection, 
     with pytest.raises(RecipeError) as error:
         resolve(section, max_response_tokens=MAX_NEW, samples_per_prompt=3)
     assert str(error.value) == message
+
+
+def test_a_loss_module_that_fails_as_it_imports(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "exiting_loss.py").write_text("import sys\nsys.exit('no GPU here')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(RecipeError) as error:
+        resolve(TrainSection(policy_loss="exiting_loss:f"), max_response_tokens=MAX_NEW, samples_per_prompt=3)
+    assert str(error.value) == (
+        "train.policy_loss: cannot import module 'exiting_loss': SystemExit: no GPU here "
+        f"({tmp_path / 'exiting_loss.py'}, line 2)"
+    )
 
 
 def test_dynamic_sampling_needs_groups() -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from pipeline.contracts.environments import Observation, Turn
@@ -81,6 +83,19 @@ def test_resolve_names_what_cannot_be_an_environment(name: str, message: str) ->
     with pytest.raises(RecipeError) as raised:
         resolve(name, {})
     assert str(raised.value) == message
+
+
+def test_resolve_names_a_module_that_fails_as_it_imports(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "raising_env.py").write_text("raise RuntimeError('no server')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(RecipeError) as raised:
+        resolve("raising_env:Game", {})
+    assert str(raised.value) == (
+        "rollout.environment: cannot import module 'raising_env': RuntimeError: no server "
+        f"({tmp_path / 'raising_env.py'}, line 1)"
+    )
 
 
 def test_resolve_builds_one_environment_per_episode() -> None:

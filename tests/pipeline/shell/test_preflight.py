@@ -71,6 +71,29 @@ def test_new_tokens_past_a_rotary_models_context_name_the_field() -> None:
     preflight(pipeline.load_recipe(QUICKSTART, [*rotary, "rollout.max_new_tokens=57"]))  # exactly fits
 
 
+def test_a_model_whose_weights_outgrow_the_machine_is_refused_before_it_is_built() -> None:
+    """A billion layers asked the allocator for 549,000 GiB and ended the run in a traceback."""
+    assert check(QUICKSTART, "model.config.num_hidden_layers=1000000000").startswith(
+        "model.config: a model of 1.47e+14 parameters needs 5.49e+05 GiB for its float32 weights "
+        "alone, more than this machine's "
+    )
+    assert check(QUICKSTART, "model.config.num_hidden_layers=1000000000", "model.dtype=bfloat16").startswith(
+        "model.config: a model of 1.47e+14 parameters needs 2.75e+05 GiB for its bfloat16 weights"
+    )
+
+
+def test_rows_whose_kv_cache_outgrows_the_machine_are_refused() -> None:
+    """A trillion samples a prompt ended the run in a MemoryError's traceback; a trillion prompts
+    a step filled memory for minutes; `rollout.max_rows` asked the allocator for petabytes."""
+    assert check(QUICKSTART, "rollout.samples_per_prompt=1000000000000").startswith(
+        "prompts.prompts_per_step x rollout.samples_per_prompt: 64000000000000 rows (two batches at "
+        "L >= 1) of 12 positions need 7.32e+08 GiB of KV cache, more than this machine's "
+    )
+    assert check(QUICKSTART, "rollout.max_rows=1000000000000").startswith(
+        "rollout.max_rows: 1000000000000 rows of 12 positions need 1.14e+07 GiB of KV cache"
+    )
+
+
 def test_digits_past_the_model_are_refused_before_the_prompts_are_built() -> None:
     assert check(QUICKSTART, "prompts.source.max_digits=1000000000") == (
         "prompts.source.max_digits: 1000000000 digits cannot fit model.config.max_position_embeddings "
@@ -89,6 +112,22 @@ def test_a_reward_module_with_a_syntax_error(tmp_path: Path, monkeypatch: pytest
     assert check(QUICKSTART, "reward.function=latin_reward:score") == (
         "reward.function: cannot import module 'latin_reward': (unicode error) 'utf-8' codec can't "
         f"decode byte 0xe9 in position 3: unexpected end of data ({tmp_path / 'latin_reward.py'}, line 1)"
+    )
+
+
+def test_a_reward_module_that_fails_as_it_imports(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its own code raising (a traceback, exit 1, before) or calling sys.exit (a silent exit with
+    the module's code, here 3, which reads as failed gates) is one line, exit 2."""
+    (tmp_path / "raising_reward.py").write_text("TABLE = {}\nWEIGHT = 1 / len(TABLE)\n")
+    (tmp_path / "exiting_reward.py").write_text("import sys\nsys.exit(3)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert check(QUICKSTART, "reward.function=raising_reward:score") == (
+        "reward.function: cannot import module 'raising_reward': ZeroDivisionError: division by zero "
+        f"({tmp_path / 'raising_reward.py'}, line 2)"
+    )
+    assert check(QUICKSTART, "reward.function=exiting_reward:score") == (
+        "reward.function: cannot import module 'exiting_reward': SystemExit: 3 "
+        f"({tmp_path / 'exiting_reward.py'}, line 2)"
     )
 
 

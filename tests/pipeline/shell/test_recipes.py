@@ -460,6 +460,17 @@ def test_missing_file(tmp_path: Path) -> None:
             id="lr-read-as-string",
         ),
         pytest.param(
+            "rollout.generation_s=1.0e3",
+            "{path}: override 'rollout.generation_s=1.0e3': rollout.generation_s: Expected `float`, got "
+            "`str` ('1.0e3'): YAML reads 1.0e3 as a string, write 1.0e+3",
+            id="unsigned-exponent-read-as-string",
+        ),
+        pytest.param(
+            "run.dir=runs/\udcff",  # the byte 0xff on a command line, as Python keeps it
+            "override 'run.dir=runs/\\udcff': not UTF-8 text: byte 0xff at column 14",
+            id="not-utf8",
+        ),
+        pytest.param(
             "run.steps=0",
             "{path}: override 'run.steps=0': run.steps: Expected `int` >= 1, got 0",
             id="out-of-range",
