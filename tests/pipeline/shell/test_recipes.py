@@ -34,6 +34,7 @@ def test_the_recipes_with_figures_in_the_readme_carry_gates() -> None:
         "bench-h200-8b-offload.yaml",
         "bench-h200-long-tail.yaml",
         "gpu-reverse-16.yaml",
+        "multi-turn-gpu.yaml",
     }
 
 
