@@ -361,3 +361,17 @@ def test_a_megatron_update_whose_loss_alone_is_not_finite_is_skipped(
     assert not math.isfinite(got["train/loss"])
     for name, param in trainer.model.named_parameters():
         assert torch.equal(param, before[name]), name
+
+
+def test_the_megatron_step_trains_in_train_mode_after_an_engine_served_in_eval_mode(
+    megatron_trainer: Callable[..., object],
+) -> None:
+    """Colocated, megatron's engine puts the shared module in eval mode to serve; the trainer's
+    step puts it back (activation recomputation, for one, runs only in train mode)."""
+    model = _model()
+    trainer = megatron_trainer(model, "tis")
+    trainer.model.eval()
+    modes: list[bool] = []
+    trainer.model.register_forward_pre_hook(lambda module, args: modes.append(module.training))
+    trainer._train_step(_groups(model, _off_policy))
+    assert modes and all(modes)

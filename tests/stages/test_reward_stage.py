@@ -9,9 +9,11 @@ from typing import Any
 
 import anyio
 import msgspec
+import pytest
 
 from pipeline.channel import Channel
 from pipeline.clock import DeadlineClock
+from pipeline.contracts.errors import DropBudgetExceeded
 from pipeline.contracts.messages import Group, Prompt, Sample
 from pipeline.metrics import MetricsLog
 from pipeline.rewards.scoring import positional_reward
@@ -181,3 +183,12 @@ async def test_at_most_concurrency_groups_are_scored_at_once(tmp_path: Path) -> 
 
     scored, _ = await _through_stage(tmp_path, [_group()] * 6, scorer, RewardSection(concurrency=2))
     assert len(scored) == 6 and peak == 2
+
+
+async def test_failures_past_the_budget_stop_the_stage(tmp_path: Path) -> None:
+    async def score(pairs: list) -> list:
+        return [ValueError("unparsable")] * len(pairs)
+
+    budget = pytest.RaisesExc(DropBudgetExceeded, match=r"^2 reward failures, over reward.max_failures=1;")
+    with pytest.RaisesGroup(budget, flatten_subgroups=True):
+        await _through_stage(tmp_path, [_group()], lambda fake: score, RewardSection(max_failures=1))
