@@ -50,21 +50,24 @@ def _group() -> Group:
     )
 
 
+def _context(tmp_path: Path, fake: FakeTime) -> RunContext:
+    return RunContext(
+        clock=DeadlineClock(source=fake),
+        trace=Trace(fake.now),
+        watchdog=Watchdog(fake, stall_s=1e9, fail=False),
+        timings=BatchTimings(),
+        metrics=MetricsLog(tmp_path),
+    )
+
+
 async def _score(
     tmp_path: Path, *, seconds: float, suspended: bool
 ) -> tuple[Group, RewardStage, BatchTimings]:
     """Score one group through `RewardStage.run` with a scorer (as the reward workers') that
     takes `seconds` of fake time, under `reward.reward_s: 10`."""
     fake = FakeTime()
-    clock = DeadlineClock(source=fake)
-    timings = BatchTimings()
-    context = RunContext(
-        clock=clock,
-        trace=Trace(fake.now),
-        watchdog=Watchdog(fake, stall_s=1e9, fail=False),
-        timings=timings,
-        metrics=MetricsLog(tmp_path),
-    )
+    context = _context(tmp_path, fake)
+    clock, timings = context.clock, context.timings
 
     async def slow(pairs: list) -> list:
         await fake.sleep(seconds)
@@ -120,14 +123,8 @@ async def _through_stage(
     results)."""
     fake = FakeTime()
     score = scorer(fake)
-    clock = DeadlineClock(source=fake)
-    context = RunContext(
-        clock=clock,
-        trace=Trace(fake.now),
-        watchdog=Watchdog(fake, stall_s=1e9, fail=False),
-        timings=BatchTimings(),
-        metrics=MetricsLog(tmp_path),
-    )
+    context = _context(tmp_path, fake)
+    clock = context.clock
     inp: Channel = Channel("scored-in", len(groups))
     out: Channel = Channel("scored-out", len(groups))
     stage = RewardStage(
