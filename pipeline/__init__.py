@@ -41,11 +41,12 @@ async def run(recipe: Recipe, **options: Any) -> RunSummary:
     """
     import asyncio
 
-    from pipeline.startup import say, start_up
+    from pipeline.startup import cache_bytecode, say, start_up
 
     say("starting a run of %d steps in %s", recipe.run.steps, recipe.run.dir)
 
     def load() -> Any:
+        cache_bytecode(("pipeline", "stages", "backends"))
         # anyio imports its asyncio backend at its first use, a tenth of a second of imports:
         # here, with the stages' modules, off the event loop, so the host keeps its turns.
         importlib.import_module("anyio._backends._asyncio")

@@ -9,6 +9,14 @@ triggers them. Inside `start_up` the collector is paused; at its end what exists
 what was frozen back to the collector, so a host that runs pipelines one after another gets
 each run's backend (its model, optimizer and caches, held in reference cycles) reclaimed.
 
+A module without a fresh bytecode cache is compiled as it is imported, in one call that holds
+the GIL for the whole module (tens of milliseconds for the larger ones here on a small
+machine): on a worker thread, that call pauses the loop as long. A fresh clone's first run, or
+the first after an edit, imports dozens such. `cache_bytecode` (before the stages are
+imported) has a child process compile the packages' stale modules and write the caches the
+imports would have written, so this process only reads them. With bytecode writing off
+(`PYTHONDONTWRITEBYTECODE`, `-B`) it writes nothing, and the imports compile as before.
+
 What start-up is doing (loading torch, building the model, starting Ray, the first evaluation:
 seconds each on a small machine) is said at info on the logger named `NARRATION`. Backends log
 to it by that name (they import nothing of the pipeline's); the command line shows its lines
@@ -21,9 +29,13 @@ from __future__ import annotations
 
 import functools
 import gc
+import importlib.util
 import logging
-from collections.abc import Awaitable, Callable, Iterator
+import subprocess
+import sys
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from contextlib import contextmanager
+from pathlib import Path
 from typing import ParamSpec, TypeVar
 
 NARRATION = "pipeline.startup"
@@ -55,6 +67,36 @@ def thaws_after(run: Callable[P, Awaitable[T]]) -> Callable[P, Awaitable[T]]:
             gc.unfreeze()
 
     return thawing
+
+
+def cache_bytecode(packages: Sequence[str]) -> None:
+    """Compile the stale modules of `packages` (top-level names) in a child process (see the
+    module's docstring); blocking, so call it on a worker thread."""
+    if sys.dont_write_bytecode:
+        return
+    stale = [str(root) for root in _roots(packages) if any(_stale(source) for source in root.rglob("*.py"))]
+    if stale:
+        subprocess.run(
+            [sys.executable, "-m", "compileall", "-q", *stale],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            check=False,  # a cache it cannot write is compiled at import, as without it
+        )
+
+
+def _roots(packages: Sequence[str]) -> list[Path]:
+    found = (importlib.util.find_spec(name) for name in packages)
+    return [
+        Path(spec.submodule_search_locations[0]) for spec in found if spec and spec.submodule_search_locations
+    ]
+
+
+def _stale(source: Path) -> bool:
+    cache = Path(importlib.util.cache_from_source(str(source)))
+    try:
+        return cache.stat().st_mtime < source.stat().st_mtime
+    except OSError:
+        return True
 
 
 def say(message: str, *args: object) -> None:

@@ -189,8 +189,6 @@ class TrainStage:
                 trace.span(f"wait batch {batch}", waiting_since, now, track="train")
                 await self._step(batch, items, wait_s=now - waiting_since)
                 self.batches.done()
-                if self.progress.done:
-                    self.tickets.close()
             if self.progress.done and self.steps_trained and not self.steps_applied:
                 raise NothingTrained(
                     f"all {self.steps_trained} train steps of this run skipped their optimizer "

@@ -117,3 +117,23 @@ def test_requests_go_to_the_replica_with_the_fewest_rows_in_flight() -> None:
 
     anyio.run(main)
     assert counts == [[8, 2], [0, 0], [0, 1, 1]]
+
+
+async def test_a_colocated_part_reports_after_its_stand_down_and_wake_what_its_engine_holds() -> None:
+    """The real actor class (in this process): its stand-down answers the engine's memory and its
+    wake the engine's fingerprint, the trainer's after a step (what the gate's checks compare)."""
+    import pipeline
+    from backends.ray.actors import BackendPart
+    from backends.ray.wire import encode_groups
+    from pipeline.shell.backend_input import backend_input
+    from tests.backends.test_ray_handoff import VOCAB, _groups
+
+    recipe = pipeline.load_recipe("recipes/quickstart.yaml", ["run.progress=false", "model.threads=1"])
+    part = BackendPart(backend_input(recipe), role="both", vocab_size=VOCAB, stop_ids=[1])
+    try:
+        _, published, _ = await part.train_step(encode_groups(_groups(VOCAB)))
+        assert await part.stand_down() in (0, None)
+        assert await part.wake() == published == part.trainer.fingerprint() is not None
+    finally:
+        part.trainer.close()
+        part.engine.close()

@@ -43,19 +43,29 @@ def _model() -> Decoder:
     return Decoder(CONFIG)
 
 
-def _algorithm(correction: str) -> Algorithm:
-    """GRPO's token loss and token-mean aggregation with this correction (the defaults')."""
+def _algorithm(correction: str, policy_loss: str = "token") -> Algorithm:
+    """GRPO's token loss (or `policy_loss`) and token-mean aggregation with this correction."""
     return Algorithm(
-        loss=LossConfig(clip_low=0.2, clip_high=0.28, kl_coef=0.0, is_correction=correction, is_cap=CAP)
+        loss=LossConfig(clip_low=0.2, clip_high=0.28, kl_coef=0.0, is_correction=correction, is_cap=CAP),
+        policy_loss=policy_loss,
     )
 
 
+# A loss that is infinite while its gradient is finite: only the loss says skip.
+INFINITE_LOSS = "tests.pipeline.algorithms.custom_loss:infinite_constant"
+
+
 def _torch_trainer(
-    model: Decoder, correction: str, *, grad_clip: float = 1.0, warmup_steps: int = 0
+    model: Decoder,
+    correction: str,
+    *,
+    grad_clip: float = 1.0,
+    warmup_steps: int = 0,
+    policy_loss: str = "token",
 ) -> TorchTrainer:
     return TorchTrainer(
         model,
-        algorithm=_algorithm(correction),
+        algorithm=_algorithm(correction, policy_loss),
         optimizer=optimizer(lr=LR, grad_clip=grad_clip, warmup_steps=warmup_steps),
         batching=batching(),
         temperature=1.0,
@@ -243,6 +253,18 @@ def test_a_torch_update_with_a_nonfinite_loss_or_gradient_is_skipped(case: str) 
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6, msg=name)
 
 
+def test_a_torch_update_whose_loss_alone_is_not_finite_is_skipped() -> None:
+    model = _model()
+    trainer = _torch_trainer(model, "tis", policy_loss=INFINITE_LOSS)
+    before = _params(model)
+    got = trainer._train_step(_groups(model, _off_policy))
+    trainer.close()
+    assert (got["train/skipped_steps"], got["train/applied_updates"]) == (1.0, 0.0)
+    assert not math.isfinite(got["train/loss"])
+    for name, param in model.named_parameters():
+        assert torch.equal(param, before[name]), name
+
+
 # -- the megatron trainer -------------------------------------------------------------------
 
 
@@ -260,7 +282,12 @@ def megatron_trainer() -> Callable[..., object]:
     made = []
 
     def build(
-        model: Decoder, correction: str, *, grad_clip: float = 1.0, warmup_steps: int = 0
+        model: Decoder,
+        correction: str,
+        *,
+        grad_clip: float = 1.0,
+        warmup_steps: int = 0,
+        policy_loss: str = "token",
     ) -> MegatronTrainer:
         gpt = build_gpt_model(CONFIG, dtype=torch.float32, device=cpu)
         layout.load_hf(gpt, model.state_dict(), CONFIG)
@@ -269,7 +296,7 @@ def megatron_trainer() -> Callable[..., object]:
             gpt,
             step,
             config=CONFIG,
-            algorithm=_algorithm(correction),
+            algorithm=_algorithm(correction, policy_loss),
             optimizer=optimizer(lr=LR, grad_clip=grad_clip, warmup_steps=warmup_steps),
             batching=batching(),
             temperature=1.0,
@@ -321,3 +348,30 @@ def test_a_megatron_update_with_a_nonfinite_loss_or_gradient_is_skipped(
     assert after["train/loss"] == pytest.approx(expected["train/loss"], rel=1e-6)
     for (name, a), b in zip(trainer.model.named_parameters(), fresh.model.parameters(), strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6, msg=name)
+
+
+def test_a_megatron_update_whose_loss_alone_is_not_finite_is_skipped(
+    megatron_trainer: Callable[..., object],
+) -> None:
+    model = _model()
+    trainer = megatron_trainer(model, "tis", policy_loss=INFINITE_LOSS)
+    before = _params(trainer.model)
+    got = trainer._train_step(_groups(model, _off_policy))
+    assert (got["train/skipped_steps"], got["train/applied_updates"]) == (1.0, 0.0)
+    assert not math.isfinite(got["train/loss"])
+    for name, param in trainer.model.named_parameters():
+        assert torch.equal(param, before[name]), name
+
+
+def test_the_megatron_step_trains_in_train_mode_after_an_engine_served_in_eval_mode(
+    megatron_trainer: Callable[..., object],
+) -> None:
+    """Colocated, megatron's engine puts the shared module in eval mode to serve; the trainer's
+    step puts it back (activation recomputation, for one, runs only in train mode)."""
+    model = _model()
+    trainer = megatron_trainer(model, "tis")
+    trainer.model.eval()
+    modes: list[bool] = []
+    trainer.model.register_forward_pre_hook(lambda module, args: modes.append(module.training))
+    trainer._train_step(_groups(model, _off_policy))
+    assert modes and all(modes)

@@ -159,6 +159,45 @@ async def test_wall_deadline_keeps_running_while_suspended(clock: DeadlineClock,
             assert clock.statistics().fired_deadlines == 1
 
 
+async def test_a_wall_deadline_set_after_a_suspension_runs_its_whole_length(
+    clock: DeadlineClock, fake: FakeTime
+) -> None:
+    """Service time lags source time by every suspension: a wall deadline measured from service
+    time would fire that much early."""
+    async with ticking(clock, fake):
+        with clock.suspended_while():
+            await fake.sleep(20)
+        start = fake.now()
+        with pytest.raises(DeadlineExceeded):
+            with clock.fail_after(5, "reward", suspendable=False):
+                await fake.sleep(50)
+        assert fake.now() - start == 5
+
+
+class CountingTime(FakeTime):
+    """Counts the sleeps asked of the source (the clock's timer and the test's own)."""
+
+    sleeps = 0
+
+    async def sleep(self, seconds: float) -> None:
+        self.sleeps += 1
+        await super().sleep(seconds)
+
+
+async def test_the_timer_sleeps_through_a_suspension_instead_of_waking_at_each_frozen_deadline() -> None:
+    fake = CountingTime()
+    clock = DeadlineClock(source=fake)
+    async with ticking(clock, fake):
+        with clock.move_on_after(5):
+            with clock.suspended_while():
+                await fake.sleep(100)
+            await anyio.sleep_forever()
+        assert fake.now() == 105
+    # The test's sleep and the timer's once the suspension ended; a timer that slept the frozen
+    # remainder would wake every 5 s of the suspension.
+    assert fake.sleeps == 2
+
+
 async def test_move_on_after_and_sleep_use_service_time(clock: DeadlineClock, fake: FakeTime) -> None:
     async with ticking(clock, fake):
 

@@ -335,3 +335,20 @@ async def test_handoff_check_names_a_tensor_the_engine_serves_that_the_trainer_d
         "after the wake to version 1 the engine serves weights other than the trainer's: "
         "layers.9.q differs; its copy is stale or corrupted"
     )
+
+
+async def test_a_partial_engine_is_told_the_version_each_of_its_wakes_served() -> None:
+    """A partial-rollout engine tags each stretch of a sequence with its count of wakes; the gate
+    turns each count into the weights version served after that wake, and its frozen window."""
+    fake = FakeTime()
+    engine = FakeEngine(time=fake, partial_rollouts=True)
+    gate = EngineGate(engine, DeadlineClock(source=fake), version=3)
+
+    async def train() -> None:
+        fake.advance(2)
+
+    for _ in range(2):
+        fake.advance(1)
+        await gate.step(train)
+    assert [gate.version_after(wakes) for wakes in (0, 1, 2)] == [3, 4, 5]
+    assert [gate.frozen_window(wakes) for wakes in (1, 2)] == [(1, 3), (4, 6)]

@@ -336,3 +336,24 @@ def test_a_checksum_reads_on_after_a_short_read_and_names_a_file_that_ended_earl
     monkeypatch.setattr(os, "preadv", ends)
     with pytest.raises(OSError, match=rf"^{re.escape(str(path))}: shorter than its size while being read$"):
         checkpoint_marker.checksum(path)
+
+
+def test_a_checkpoint_whose_recipe_is_not_a_mapping_is_damaged(tmp_path: Path) -> None:
+    """Its files as committed (sizes and checksums match), but a recipe.yaml that is YAML and no
+    recipe: the checkpoint is damaged (resume moves to the one before), not a crash later."""
+    import msgspec
+
+    from pipeline.contracts.errors import DamagedState
+    from stages.checkpoint import RECIPE_FILE, STATE_FILE, PipelineState, flushed, read_saved
+    from stages.checkpoint_marker import MARKER, marker_text
+
+    saved = tmp_path / "step-000001"
+    saved.mkdir()
+    state = PipelineState(
+        step=1, policy_version=1, next_batch=1, rollout_counts={}, reward_counts={}, python_rng=[]
+    )
+    (saved / STATE_FILE).write_bytes(msgspec.msgpack.encode(state))
+    (saved / RECIPE_FILE).write_text("- a list\n")
+    (saved / MARKER).write_text(marker_text(1, [flushed(saved, STATE_FILE), flushed(saved, RECIPE_FILE)]))
+    with pytest.raises(DamagedState, match=f"^{RECIPE_FILE} is not a recipe$"):
+        read_saved(saved)

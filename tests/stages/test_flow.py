@@ -301,6 +301,7 @@ async def test_every_admitted_prompt_ends_trained_dropped_or_poisoned(
     lines = metrics(recipe)
     assert sum(m["rollout/dropped_groups"] for m in lines) == 3 == summary.dropped_groups
     assert sum(m["rollout/poisoned_samples"] for m in lines) == 2 * 2
+    assert lines[-1]["rollout/poisoned_samples_total"] == 2 * 2  # the rollout's own count
     assert lines[-1]["rollout/timeouts"] == 1
     assert summary.steps_done == 6
 

@@ -75,3 +75,11 @@ async def test_each_lines_lag_is_the_gates_version_at_the_step_minus_each_sample
     assert len(set(all_lags)) > 1 and max(all_lags) == spec["lookahead"]
     if case == "partial-L1":
         assert engine.frozen > 0
+
+
+def test_a_lookahead_past_the_runs_steps_sizes_the_lag_histogram_by_the_steps() -> None:
+    """No lag can exceed run.steps, so a huge L (accepted: it only means 'never wait') must not
+    size anything: the histogram has buckets 0 .. min(L, steps)."""
+    from stages.step_record import lag_buckets
+
+    assert [lag_buckets(10**12, 3), lag_buckets(2, 3)] == [4, 3]

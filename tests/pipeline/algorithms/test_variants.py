@@ -145,6 +145,9 @@ def test_advantage_estimators_by_hand() -> None:
     assert estimators.grpo(REWARDS) == pytest.approx([a / std for a in loo], abs=1e-12)
     assert estimators.dr_grpo(REWARDS) == pytest.approx([0.5, -0.5, 0.0], abs=1e-12)
     assert estimators.grpo([0.3, 0.3]) == [0.0, 0.0]  # no spread: nothing over a zero std
+    # Equal rewards whose float mean is not their value (0.1 x 3 sums to 0.30000000000000004):
+    # a std of 1e-17 from rounding would blow the rounding left in the advantages up to +-1.
+    assert estimators.grpo([0.1, 0.1, 0.1]) == pytest.approx([0.0, 0.0, 0.0], abs=1e-12)
     assert estimators.grpo([1.0]) == estimators.rloo([1.0]) == estimators.dr_grpo([1.0]) == [0.0]
 
 

@@ -166,3 +166,15 @@ async def test_a_deadline_on_a_blocked_async_reward_fires_and_says_why() -> None
     assert scope.cancelled_caught
     assert blocking_note().startswith("; an async reward function has blocked its event loop for 1.")
     await anyio.sleep(0.5)  # the slice ends: the next test finds the reward loop free
+
+
+def _nan_part(prompt: Prompt, completion: str) -> dict[str, float]:
+    return {"reward": 1.0, "length": float("nan")}
+
+
+async def test_a_non_finite_reward_or_reward_part_is_a_failure_of_that_sample_not_a_value() -> None:
+    from pipeline.rewards.scoring import score_all, score_all_sync
+
+    pairs = [(_prompt("1"), "1")]
+    for result in [*score_all_sync(lambda p, c: float("inf"), pairs), *await score_all(_nan_part, pairs)]:
+        assert isinstance(result, ValueError) and "non-finite" in str(result)
