@@ -1,8 +1,8 @@
 """The rollout stage on fake time: its retry loop (`with_retries`) retries a failed attempt
 after an exponential backoff (backoff_s, 2 x backoff_s, ...), each retry counted, and gives up
-with the last reason; `sample_s` bounds a group, retries included; a batch timeout drops only
-the groups still generating, not those already sent on (the whole pipeline on fakes, as
-tests/stages/test_flow.py runs it)."""
+with the last reason; `sample_s` bounds a group, retries included; a request that spans a refit
+records the version it ended under; a batch timeout drops only the groups still generating, not
+those already sent on (the whole pipeline on fakes, as tests/stages/test_flow.py runs it)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import pytest
 
 from pipeline.channel import Channel
 from pipeline.clock import DeadlineClock
-from pipeline.contracts.messages import Dropped, TrainGroup
+from pipeline.contracts.messages import Dropped, Group, TrainGroup
 from pipeline.testing import EngineCrash, FakeEngine, FakeTime, FakeTrainer
 from stages.rollout import GiveUp, RolloutSection, with_retries
 from tests.stages.test_flow import drive, make_recipe, metrics
@@ -129,3 +129,20 @@ async def test_sample_s_bounds_a_group_across_its_retries(
     assert [(d.group_id, d.reason) for d in dropped] == [("0-0", "sample_timeout")]
     assert summary.dropped_groups == 1 and summary.steps_done == 2
     assert metrics(recipe)[-1]["rollout/timeouts"] == 2  # the first call's, and the group's
+
+
+async def test_a_request_that_spans_a_refit_records_the_version_it_ended_under(
+    tmp_path: Path, scored: dict[str, Group]
+) -> None:
+    """A separate engine at L 1: batch 1's requests (calls 2-3, 30 s) start under version 0 and
+    step 0's refit (at 6 s) lands while they run, so their samples' gen_version is (0, 1); batch
+    0's (1 s) and batch 2's (after the refit) run under one version each."""
+    fake = FakeTime()
+    recipe = make_recipe(tmp_path, steps=3, lookahead=1)
+    engine = FakeEngine(
+        time=fake, latency=lambda call: 30.0 if call in (2, 3) else 1.0, blocks_training=False
+    )
+    summary = await drive(recipe, engine, FakeTrainer(time=fake, latency=5.0), fake)
+    assert summary.steps_done == 3
+    versions = {(g.target_step, s.gen_version) for g in scored.values() for s in g.samples}
+    assert versions == {(0, (0, 0)), (1, (0, 1)), (2, (1, 1))}
