@@ -1,8 +1,9 @@
 """The rollout stage on fake time: its retry loop (`with_retries`) retries a failed attempt
 after an exponential backoff (backoff_s, 2 x backoff_s, ...), each retry counted, and gives up
-with the last reason; `sample_s` bounds a group, retries included; a request that spans a refit
-records the version it ended under; a batch timeout drops only the groups still generating, not
-those already sent on (the whole pipeline on fakes, as tests/stages/test_flow.py runs it)."""
+with the last reason; `sample_s` bounds a group, retries included; a request's gen_version is
+the versions of its first and last tokens (after a refit it spans, or a stand-down before its
+first token); a batch timeout drops only the groups still generating, not those already sent
+on (the whole pipeline on fakes, as tests/stages/test_flow.py runs it)."""
 
 from __future__ import annotations
 
@@ -146,3 +147,21 @@ async def test_a_request_that_spans_a_refit_records_the_version_it_ended_under(
     assert summary.steps_done == 3
     versions = {(g.target_step, s.gen_version) for g in scored.values() for s in g.samples}
     assert versions == {(0, (0, 0)), (1, (0, 1)), (2, (1, 1))}
+
+
+async def test_a_partial_request_records_the_versions_of_its_first_and_last_tokens(
+    tmp_path: Path, scored: dict[str, Group]
+) -> None:
+    """Colocated with partial rollouts at L 1: batch 1's requests (calls 2-3) enter under
+    version 0, but their first token (10 s in) comes after step 0's stand-down and wake (at 2
+    s and 7 s), so every token is version 1's: gen_version (1, 1), not the version they entered
+    under."""
+    fake = FakeTime()
+    recipe = make_recipe(tmp_path, steps=2, lookahead=1, rollout={"samples_per_prompt": 2, "partial": True})
+    engine = FakeEngine(
+        time=fake, latency=lambda call: 40.0 if call in (2, 3) else 2.0, response_len=4, partial_rollouts=True
+    )
+    summary = await drive(recipe, engine, FakeTrainer(time=fake, latency=5.0), fake)
+    assert summary.steps_done == 2
+    versions = {(g.target_step, s.gen_version) for g in scored.values() for s in g.samples}
+    assert versions == {(0, (0, 0)), (1, (1, 1))}
