@@ -1,9 +1,11 @@
-"""Checkpoints: exact resume, exactly-once prompts, kills during a save, clean stops."""
+"""Checkpoints: exact resume, exactly-once prompts, kills during a save, clean stops; what counts
+as committed, and a re-save of the same step."""
 
 from __future__ import annotations
 
 import random
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -13,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import msgspec
 import pytest
 
 import pipeline
@@ -22,7 +25,7 @@ from pipeline.metrics import read
 from pipeline.runner import StopRequest
 from pipeline.shell.run import run_program
 from pipeline.testing import FakeEngine, FakeTrainer
-from stages.checkpoint import MARKER, committed
+from stages.checkpoint import MARKER, STATE_FILE, Checkpointer, PipelineState, committed, newest, read_saved
 
 KEYS = ("train/loss", "train/grad_norm", "reward/mean")
 SMALL = [
@@ -357,3 +360,46 @@ def test_a_checkpoint_whose_recipe_is_not_a_mapping_is_damaged(tmp_path: Path) -
     (saved / MARKER).write_text(marker_text(1, [flushed(saved, STATE_FILE), flushed(saved, RECIPE_FILE)]))
     with pytest.raises(DamagedState, match=f"^{RECIPE_FILE} is not a recipe$"):
         read_saved(saved)
+
+
+class _Recipe(msgspec.Struct):
+    """A recipe for `Checkpointer.save` (it only dumps it)."""
+
+    name: str = "test"
+
+
+def _save(checkpoints: Checkpointer, step: int, *, next_batch: int) -> Path:
+    """A checkpoint of step `step` with no backend parts: the pipeline's own files only."""
+    state = PipelineState(
+        step=step,
+        policy_version=step,
+        next_batch=next_batch,
+        rollout_counts={},
+        reward_counts={},
+        python_rng=[],
+    )
+    return checkpoints.save(step, [], state, _Recipe())
+
+
+def test_a_step_directory_without_its_marker_is_not_committed(tmp_path: Path) -> None:
+    """A copy of step 1 as step 2, cut short before its marker: not a checkpoint, so neither
+    listed as committed nor the newest (a resume never picks it)."""
+    root = tmp_path / "checkpoints"
+    first = _save(Checkpointer(root, keep_last=3), 1, next_batch=1)
+    unfinished = root / "step-000002"
+    shutil.copytree(first, unfinished, ignore=shutil.ignore_patterns(MARKER))
+    assert (unfinished / STATE_FILE).is_file()
+    assert committed(root) == [first]
+    assert newest(root) == first
+
+
+def test_a_resave_of_the_same_step_replaces_its_checkpoint(tmp_path: Path) -> None:
+    """Saving a step already committed replaces that checkpoint with the new state, leaving
+    nothing else behind."""
+    root = tmp_path / "checkpoints"
+    checkpoints = Checkpointer(root, keep_last=3)
+    first = _save(checkpoints, 1, next_batch=1)
+    second = _save(checkpoints, 1, next_batch=5)
+    assert second == first
+    assert read_saved(second).state.next_batch == 5
+    assert list(root.iterdir()) == [second]

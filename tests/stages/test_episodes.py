@@ -1,10 +1,11 @@
 """Multi-turn episodes (stages/episodes.py) on fake time: the sequence a three-turn episode
 leaves (every token where the engine and the environment put it, the loss mask, the logprobs),
-the deadlines across a stand-down (a turn's is credited, an environment call's is not), and
-environment failures counted and budgeted."""
+the deadlines across a stand-down (a turn's is credited, an environment call's is not),
+environment failures counted and budgeted, and an episode with a non-finite turn poisoned."""
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
@@ -326,6 +327,30 @@ async def test_the_pipeline_trains_episodes_with_their_environment_tokens_masked
     assert all(r["reward/won"] == 1.0 for r in records)
     assert (engine.frozen > 0) == partial
     assert (sum(r["rollout/partial_samples"] for r in records) > 0) == partial
+
+
+async def test_an_episode_with_a_non_finite_turn_is_poisoned_and_never_trained(tmp_path: Path) -> None:
+    """L 0: calls 0-3 are batch 0's first turns, 4-7 its second; call 5 gives NaN logprobs, so
+    one episode's second turn is non-finite: that episode is marked poisoned (counted in the
+    step record) and none of its logprobs reaches the trainer."""
+    fake = FakeTime()
+    recipe = make_recipe(
+        tmp_path,
+        steps=2,
+        lookahead=0,
+        rollout={
+            "samples_per_prompt": 2,
+            "max_new_tokens": 4,
+            "environment": "tests.stages.test_episodes:TwoTurns",
+        },
+    )
+    trained: list[TrainGroup] = []
+    engine = FakeEngine(time=fake, latency=1.0, nonfinite_calls=[5])
+    trainer = FakeTrainer(time=fake, on_step=lambda version, groups: trained.extend(groups))
+    summary = await drive(recipe, engine, trainer, fake)
+    assert summary.steps_done == 2
+    assert trained and all(math.isfinite(x) for g in trained for s in g.samples for x in s.logprobs)
+    assert [r["rollout/poisoned_samples"] for r in metrics(recipe)] == [1, 0]
 
 
 def never_called(prompt: Prompt, completion: str) -> float:

@@ -1,19 +1,23 @@
 """The rollout stage on fake time: its retry loop (`with_retries`) retries a failed attempt
 after an exponential backoff (backoff_s, 2 x backoff_s, ...), each retry counted, and gives up
-with the last reason; a batch timeout drops only the groups still generating, not those
-already sent on (the whole pipeline on fakes, as tests/stages/test_flow.py runs it)."""
+with the last reason; `sample_s` bounds a group, retries included; a request's gen_version is
+the versions of its first and last tokens (after a refit it spans, or a stand-down before its
+first token); a batch timeout drops only the groups still generating, not those already sent
+on (the whole pipeline on fakes, as tests/stages/test_flow.py runs it)."""
 
 from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import anyio
 import pytest
 
+from pipeline.channel import Channel
 from pipeline.clock import DeadlineClock
-from pipeline.contracts.messages import TrainGroup
+from pipeline.contracts.messages import Dropped, Group, TrainGroup
 from pipeline.testing import EngineCrash, FakeEngine, FakeTime, FakeTrainer
 from stages.rollout import GiveUp, RolloutSection, with_retries
 from tests.stages.test_flow import drive, make_recipe, metrics
@@ -89,3 +93,75 @@ async def test_a_batch_timeout_drops_only_the_groups_still_generating(tmp_path: 
     assert summary.dropped_groups == 1
     assert trained[0] == {"0-0"}
     assert metrics(recipe)[0]["rollout/dropped_groups"] == 1
+
+
+async def test_sample_s_bounds_a_group_across_its_retries(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Group 0-0's first call runs past `generation_s` 10 and is retried at 10 s; the retry
+    (8 s) would end at 18 s, inside its own `generation_s`, but `sample_s` 15 counts from the
+    group's start, retries included: the group is dropped at 15 s as `sample_timeout`."""
+    dropped: list[Dropped] = []
+    original_send = Channel.send
+
+    async def spy(self: Channel[Any], item: Any) -> None:
+        if self.name == "generated" and isinstance(item, Dropped):  # the rollout's own drops
+            dropped.append(item)
+        await original_send(self, item)
+
+    monkeypatch.setattr(Channel, "send", spy)
+    fake = FakeTime()
+    recipe = make_recipe(
+        tmp_path,
+        steps=2,
+        lookahead=0,
+        rollout={
+            "samples_per_prompt": 2,
+            "generation_s": 10.0,
+            "sample_s": 15.0,
+            "batch_s": 1000.0,
+            "max_retries": 3,
+            "backoff_s": 0.0,
+        },
+    )
+    latencies = {0: 12.0, 2: 8.0}  # call 1 is group 0-1; call 2 is group 0-0's retry
+    engine = FakeEngine(time=fake, latency=lambda call: latencies.get(call, 1.0))
+    summary = await drive(recipe, engine, FakeTrainer(time=fake), fake)
+    assert [(d.group_id, d.reason) for d in dropped] == [("0-0", "sample_timeout")]
+    assert summary.dropped_groups == 1 and summary.steps_done == 2
+    assert metrics(recipe)[-1]["rollout/timeouts"] == 2  # the first call's, and the group's
+
+
+async def test_a_request_that_spans_a_refit_records_the_version_it_ended_under(
+    tmp_path: Path, scored: dict[str, Group]
+) -> None:
+    """A separate engine at L 1: batch 1's requests (calls 2-3, 30 s) start under version 0 and
+    step 0's refit (at 6 s) lands while they run, so their samples' gen_version is (0, 1); batch
+    0's (1 s) and batch 2's (after the refit) run under one version each."""
+    fake = FakeTime()
+    recipe = make_recipe(tmp_path, steps=3, lookahead=1)
+    engine = FakeEngine(
+        time=fake, latency=lambda call: 30.0 if call in (2, 3) else 1.0, blocks_training=False
+    )
+    summary = await drive(recipe, engine, FakeTrainer(time=fake, latency=5.0), fake)
+    assert summary.steps_done == 3
+    versions = {(g.target_step, s.gen_version) for g in scored.values() for s in g.samples}
+    assert versions == {(0, (0, 0)), (1, (0, 1)), (2, (1, 1))}
+
+
+async def test_a_partial_request_records_the_versions_of_its_first_and_last_tokens(
+    tmp_path: Path, scored: dict[str, Group]
+) -> None:
+    """Colocated with partial rollouts at L 1: batch 1's requests (calls 2-3) enter under
+    version 0, but their first token (10 s in) comes after step 0's stand-down and wake (at 2
+    s and 7 s), so every token is version 1's: gen_version (1, 1), not the version they entered
+    under."""
+    fake = FakeTime()
+    recipe = make_recipe(tmp_path, steps=2, lookahead=1, rollout={"samples_per_prompt": 2, "partial": True})
+    engine = FakeEngine(
+        time=fake, latency=lambda call: 40.0 if call in (2, 3) else 2.0, response_len=4, partial_rollouts=True
+    )
+    summary = await drive(recipe, engine, FakeTrainer(time=fake, latency=5.0), fake)
+    assert summary.steps_done == 2
+    versions = {(g.target_step, s.gen_version) for g in scored.values() for s in g.samples}
+    assert versions == {(0, (0, 0)), (1, (1, 1))}

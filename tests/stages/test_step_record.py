@@ -3,6 +3,7 @@
 the engine served when the step began (the gate's) minus the version of the sample's first
 token. Runs the real pipeline on fakes (a FakeEngine, a FakeTrainer, fake time), as
 tests/stages/test_flow.py does, and recomputes each line's figures from the scored groups.
+A recorder given a group with a poisoned and an unscored sample counts neither in its figures.
 """
 
 from __future__ import annotations
@@ -10,12 +11,22 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 from statistics import fmean
+from typing import Any
 
 import pytest
 
-from pipeline.contracts.messages import Group, Sample, TrainGroup
+from pipeline.clock import DeadlineClock
+from pipeline.contracts.messages import Group, Prompt, Sample, TrainGroup
+from pipeline.metrics import MetricsLog
 from pipeline.testing import FakeEngine, FakeTime, FakeTrainer
+from pipeline.trace import Trace
+from pipeline.watchdog import Watchdog
+from stages.context import RunContext
+from stages.step_record import StepRecorder
+from stages.timings import BatchTimings
 from tests.stages.test_flow import drive, make_recipe, merge, metrics
+
+PROMPT = Prompt(prompt_id="p0", text="1", tokens=(1,), answer="1")
 
 CASES = {
     # Trains while the engine serves; requests of uneven latency, so a step's samples span lags.
@@ -83,3 +94,41 @@ def test_a_lookahead_past_the_runs_steps_sizes_the_lag_histogram_by_the_steps() 
     from stages.step_record import lag_buckets
 
     assert [lag_buckets(10**12, 3), lag_buckets(2, 3)] == [4, 3]
+
+
+def test_a_step_records_only_its_usable_samples(tmp_path: Path) -> None:
+    """A trained group's poisoned sample and its unscored one (no reward) are not trained on, so
+    no figure of `trained` counts them: not the samples, the lengths nor the lags."""
+    fake = FakeTime()
+    context = RunContext(
+        clock=DeadlineClock(source=fake),
+        trace=Trace(fake.now),
+        watchdog=Watchdog(fake, stall_s=1e9, fail=False),
+        timings=BatchTimings(),
+        metrics=MetricsLog(tmp_path),
+    )
+    recorder = StepRecorder(context, max_lag=3, counters=dict, queues=dict)
+
+    def sample(index: int, length: int, version: int, **kind: Any) -> Sample:
+        return Sample(
+            prompt_id="p0",
+            group_id="3-0",
+            sample_index=index,
+            target_step=3,
+            gen_version=(version, version),
+            tokens=(1,) * length,
+            logprobs=(-1.0,) * length,
+            finish_reason="stop",
+            **kind,
+        )
+
+    usable = sample(0, 2, version=2, reward=1.0)
+    poisoned = sample(1, 6, version=0, poisoned=True)
+    unscored = sample(2, 10, version=0)
+    group = Group(prompt=PROMPT, group_id="3-0", target_step=3, samples=(usable, poisoned, unscored))
+    try:
+        record = recorder.trained(3, [group], version=3)
+    finally:
+        context.metrics.close()
+    assert (record["rollout/samples"], record["rollout/response_len"]) == (1, 2.0)
+    assert (record["rollout/max_lag"], record["rollout/mean_lag"]) == (1, 1.0)
