@@ -72,12 +72,15 @@ def thaws_after(run: Callable[P, Awaitable[T]]) -> Callable[P, Awaitable[T]]:
 def cache_bytecode(packages: Sequence[str]) -> None:
     """Compile the stale modules of `packages` (top-level names) in a child process (see the
     module's docstring); blocking, so call it on a worker thread."""
-    if sys.dont_write_bytecode:
+    if sys.dont_write_bytecode or not sys.executable:  # no interpreter to start: imports compile
         return
     stale = [str(root) for root in _roots(packages) if any(_stale(source) for source in root.rglob("*.py"))]
     if stale:
+        flags = ["-" + "O" * sys.flags.optimize] if sys.flags.optimize else []  # the caches it reads
+        if sys.pycache_prefix:
+            flags += ["-X", f"pycache_prefix={sys.pycache_prefix}"]
         subprocess.run(
-            [sys.executable, "-m", "compileall", "-q", *stale],
+            [sys.executable, *flags, "-m", "compileall", "-q", *stale],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
             check=False,  # a cache it cannot write is compiled at import, as without it

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -48,5 +49,33 @@ def test_nothing_is_written_when_bytecode_writing_is_off(
     package: list[Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(sys, "dont_write_bytecode", True)
+    cache_bytecode(["startup_probe"])
+    assert not any(cache.exists() for cache in package)
+
+
+@pytest.mark.parametrize("flags", [["-O"], ["-X", "pycache_prefix=PREFIX"]], ids=["optimised", "prefix"])
+def test_the_caches_written_are_those_the_interpreter_reads(
+    package: list[Path], tmp_path: Path, flags: list[str]
+) -> None:
+    """Under `python -O` imports read `.opt-1.pyc` caches, under `-X pycache_prefix` caches in
+    that tree: the child writes those."""
+    flags = [flag.replace("PREFIX", str(tmp_path / "prefix")) for flag in flags]
+    code = (
+        "import importlib.util, pathlib, sys; from pipeline.startup import cache_bytecode; "
+        "cache_bytecode(['startup_probe']); "
+        f"sources = sorted(pathlib.Path({str(tmp_path)!r}, 'startup_probe').rglob('*.py')); "
+        "sys.exit(not all(pathlib.Path(importlib.util.cache_from_source(str(s))).is_file() for s in sources))"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])}
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
+    assert subprocess.run([sys.executable, *flags, "-c", code], env=env, check=False).returncode == 0
+
+
+def test_no_interpreter_to_start_leaves_the_imports_to_compile(
+    package: list[Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An embedding host's `sys.executable` may be empty: start-up goes on, nothing written."""
+    monkeypatch.setattr(sys, "dont_write_bytecode", False)
+    monkeypatch.setattr(sys, "executable", "")
     cache_bytecode(["startup_probe"])
     assert not any(cache.exists() for cache in package)
