@@ -31,6 +31,7 @@ import functools
 import gc
 import importlib.util
 import logging
+import os
 import subprocess
 import sys
 from collections.abc import Awaitable, Callable, Iterator, Sequence
@@ -95,11 +96,18 @@ def _roots(packages: Sequence[str]) -> list[Path]:
 
 
 def _stale(source: Path) -> bool:
+    """A module whose cache is older than it, or missing, where the child could write one (a
+    read-only checkout's stale modules would start a child at every run that writes nothing)."""
     cache = Path(importlib.util.cache_from_source(str(source)))
     try:
-        return cache.stat().st_mtime < source.stat().st_mtime
+        if cache.stat().st_mtime >= source.stat().st_mtime:
+            return False
     except OSError:
-        return True
+        pass
+    folder = cache.parent
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    return folder.is_dir() and os.access(folder, os.W_OK)
 
 
 def say(message: str, *args: object) -> None:

@@ -79,3 +79,17 @@ def test_no_interpreter_to_start_leaves_the_imports_to_compile(
     monkeypatch.setattr(sys, "executable", "")
     cache_bytecode(["startup_probe"])
     assert not any(cache.exists() for cache in package)
+
+
+def test_no_child_starts_where_no_cache_can_be_written(
+    package: list[Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A read-only checkout (here: each `__pycache__` a file) would otherwise start a child at
+    every run that compiles every module and writes nothing."""
+    monkeypatch.setattr(sys, "dont_write_bytecode", False)
+    for cache in package:
+        cache.parent.touch()
+    started: list[object] = []
+    monkeypatch.setattr(subprocess, "run", lambda *args, **kwargs: started.append(args))
+    cache_bytecode(["startup_probe"])
+    assert started == []
