@@ -96,18 +96,32 @@ def _roots(packages: Sequence[str]) -> list[Path]:
 
 
 def _stale(source: Path) -> bool:
-    """A module whose cache is older than it, or missing, where the child could write one (a
-    read-only checkout's stale modules would start a child at every run that writes nothing)."""
+    """A module whose cache an import would not use (missing, or its header naming another
+    source's mtime or size: what the import compares, not the files' mtimes), where the child
+    could write one (a read-only checkout's stale modules would start a child at every run that
+    writes nothing)."""
     cache = Path(importlib.util.cache_from_source(str(source)))
     try:
-        if cache.stat().st_mtime >= source.stat().st_mtime:
-            return False
+        with cache.open("rb") as file:
+            header = file.read(16)
+        stat = source.stat()
     except OSError:
-        pass
+        pass  # no cache yet: stale, where one can be written
+    else:
+        if header[:4] == importlib.util.MAGIC_NUMBER and header[4:8] != bytes(4):
+            return False  # a hash-based cache: the import checks it, or trusts it, itself
+        if header == _header(stat):
+            return False
     folder = cache.parent
     while not folder.exists() and folder != folder.parent:
         folder = folder.parent
     return folder.is_dir() and os.access(folder, os.W_OK)
+
+
+def _header(source: os.stat_result) -> bytes:
+    """A timestamp-based cache's first 16 bytes for a source of this mtime and size."""
+    fields = (0, int(source.st_mtime), source.st_size)
+    return importlib.util.MAGIC_NUMBER + b"".join((f & 0xFFFFFFFF).to_bytes(4, "little") for f in fields)
 
 
 def say(message: str, *args: object) -> None:

@@ -41,8 +41,30 @@ def test_fresh_caches_are_left_as_they_are(package: list[Path], monkeypatch: pyt
     for cache in package:  # marked, so a rewrite would show
         cache.write_bytes(cache.read_bytes() + b"kept")
         os.utime(cache, (cache.stat().st_atime, cache.stat().st_mtime + 10))
+    started = _recording(monkeypatch)
     cache_bytecode(["startup_probe"])
     assert all(cache.read_bytes().endswith(b"kept") for cache in package)
+    assert started == []
+
+
+def test_hash_based_caches_are_left_to_the_import(
+    package: list[Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A checked-hash cache (a reproducible build's) is checked by the import itself."""
+    monkeypatch.setattr(sys, "dont_write_bytecode", False)
+    root = tmp_path / "startup_probe"
+    command = [sys.executable, "-m", "compileall", "-q", "--invalidation-mode", "checked-hash", str(root)]
+    subprocess.run(command, check=True)
+    started = _recording(monkeypatch)
+    cache_bytecode(["startup_probe"])
+    assert started == []
+
+
+def _recording(monkeypatch: pytest.MonkeyPatch) -> list[object]:
+    """The child processes started from now on (none is)."""
+    started: list[object] = []
+    monkeypatch.setattr(subprocess, "run", lambda *args, **kwargs: started.append(args))
+    return started
 
 
 def test_nothing_is_written_when_bytecode_writing_is_off(
@@ -89,7 +111,22 @@ def test_no_child_starts_where_no_cache_can_be_written(
     monkeypatch.setattr(sys, "dont_write_bytecode", False)
     for cache in package:
         cache.parent.touch()
-    started: list[object] = []
-    monkeypatch.setattr(subprocess, "run", lambda *args, **kwargs: started.append(args))
+    started = _recording(monkeypatch)
     cache_bytecode(["startup_probe"])
     assert started == []
+
+
+def test_a_cache_newer_than_a_source_copied_in_is_rewritten(
+    package: list[Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A source copied in with its older mtime (`cp -p`, `rsync -a`, `tar x`) over a newer cache:
+    the import compares the cache's header with the source, not the files' mtimes."""
+    monkeypatch.setattr(sys, "dont_write_bytecode", False)
+    cache_bytecode(["startup_probe"])
+    source = tmp_path / "startup_probe" / "inner" / "work.py"
+    source.write_text("def f():\n    return 22\n")
+    os.utime(source, (1_000_000_000, 1_000_000_000))  # 2001: older than every cache
+    cache_bytecode(["startup_probe"])
+    header = Path(importlib.util.cache_from_source(str(source))).read_bytes()[8:16]
+    stat = source.stat()
+    assert header == int(stat.st_mtime).to_bytes(4, "little") + stat.st_size.to_bytes(4, "little")
