@@ -15,7 +15,9 @@ machine): on a worker thread, that call pauses the loop as long. A fresh clone's
 the first after an edit, imports dozens such. `cache_bytecode` (before the stages are
 imported) has a child process compile the packages' stale modules and write the caches the
 imports would have written, so this process only reads them. With bytecode writing off
-(`PYTHONDONTWRITEBYTECODE`, `-B`) it writes nothing, and the imports compile as before.
+(`PYTHONDONTWRITEBYTECODE`, `-B`), with no interpreter to start (an embedding host's empty
+`sys.executable`, a frozen app's), and for caches it cannot write (a read-only checkout) it
+starts no child, and the imports compile as before.
 
 What start-up is doing (loading torch, building the model, starting Ray, the first evaluation:
 seconds each on a small machine) is said at info on the logger named `NARRATION`. Backends log
@@ -73,8 +75,8 @@ def thaws_after(run: Callable[P, Awaitable[T]]) -> Callable[P, Awaitable[T]]:
 def cache_bytecode(packages: Sequence[str]) -> None:
     """Compile the stale modules of `packages` (top-level names) in a child process (see the
     module's docstring); blocking, so call it on a worker thread."""
-    if sys.dont_write_bytecode or not sys.executable:  # no interpreter to start: imports compile
-        return
+    if sys.dont_write_bytecode or not sys.executable or getattr(sys, "frozen", False):
+        return  # no interpreter to start (an embedding host's, a frozen app's is the app): imports compile
     stale = [str(root) for root in _roots(packages) if any(_stale(source) for source in root.rglob("*.py"))]
     if stale:
         flags = ["-" + "O" * sys.flags.optimize] if sys.flags.optimize else []  # the caches it reads

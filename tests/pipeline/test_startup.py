@@ -93,14 +93,20 @@ def test_the_caches_written_are_those_the_interpreter_reads(
     assert subprocess.run([sys.executable, *flags, "-c", code], env=env, check=False).returncode == 0
 
 
+@pytest.mark.parametrize("host", ["embedding", "frozen"])
 def test_no_interpreter_to_start_leaves_the_imports_to_compile(
-    package: list[Path], monkeypatch: pytest.MonkeyPatch
+    package: list[Path], monkeypatch: pytest.MonkeyPatch, host: str
 ) -> None:
-    """An embedding host's `sys.executable` may be empty: start-up goes on, nothing written."""
+    """An embedding host's `sys.executable` may be empty; a frozen app's is the app itself,
+    which `-m compileall` would start again: no child, and start-up goes on."""
     monkeypatch.setattr(sys, "dont_write_bytecode", False)
-    monkeypatch.setattr(sys, "executable", "")
+    if host == "embedding":
+        monkeypatch.setattr(sys, "executable", "")
+    else:
+        monkeypatch.setattr(sys, "frozen", True, raising=False)
+    started = _recording(monkeypatch)
     cache_bytecode(["startup_probe"])
-    assert not any(cache.exists() for cache in package)
+    assert started == []
 
 
 def test_no_child_starts_where_no_cache_can_be_written(
