@@ -15,7 +15,9 @@ machine): on a worker thread, that call pauses the loop as long. A fresh clone's
 the first after an edit, imports dozens such. `cache_bytecode` (before the stages are
 imported) has a child process compile the packages' stale modules and write the caches the
 imports would have written, so this process only reads them. With bytecode writing off
-(`PYTHONDONTWRITEBYTECODE`, `-B`) it writes nothing, and the imports compile as before.
+(`PYTHONDONTWRITEBYTECODE`, `-B`), with no interpreter to start (an embedding host's empty
+`sys.executable`, a frozen app's), and for caches it cannot write (a read-only checkout) it
+starts no child, and the imports compile as before.
 
 What start-up is doing (loading torch, building the model, starting Ray, the first evaluation:
 seconds each on a small machine) is said at info on the logger named `NARRATION`. Backends log
@@ -31,6 +33,7 @@ import functools
 import gc
 import importlib.util
 import logging
+import os
 import subprocess
 import sys
 from collections.abc import Awaitable, Callable, Iterator, Sequence
@@ -72,12 +75,15 @@ def thaws_after(run: Callable[P, Awaitable[T]]) -> Callable[P, Awaitable[T]]:
 def cache_bytecode(packages: Sequence[str]) -> None:
     """Compile the stale modules of `packages` (top-level names) in a child process (see the
     module's docstring); blocking, so call it on a worker thread."""
-    if sys.dont_write_bytecode:
-        return
+    if sys.dont_write_bytecode or not sys.executable or getattr(sys, "frozen", False):
+        return  # no interpreter to start (an embedding host's, a frozen app's is the app): imports compile
     stale = [str(root) for root in _roots(packages) if any(_stale(source) for source in root.rglob("*.py"))]
     if stale:
+        flags = ["-" + "O" * sys.flags.optimize] if sys.flags.optimize else []  # the caches it reads
+        if sys.pycache_prefix:
+            flags += ["-X", f"pycache_prefix={sys.pycache_prefix}"]
         subprocess.run(
-            [sys.executable, "-m", "compileall", "-q", *stale],
+            [sys.executable, *flags, "-m", "compileall", "-q", *stale],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
             check=False,  # a cache it cannot write is compiled at import, as without it
@@ -92,11 +98,32 @@ def _roots(packages: Sequence[str]) -> list[Path]:
 
 
 def _stale(source: Path) -> bool:
+    """A module whose cache an import would not use (missing, or its header naming another
+    source's mtime or size: what the import compares, not the files' mtimes), where the child
+    could write one (a read-only checkout's stale modules would start a child at every run that
+    writes nothing)."""
     cache = Path(importlib.util.cache_from_source(str(source)))
     try:
-        return cache.stat().st_mtime < source.stat().st_mtime
+        with cache.open("rb") as file:
+            header = file.read(16)
+        stat = source.stat()
     except OSError:
-        return True
+        pass  # no cache yet: stale, where one can be written
+    else:
+        if header[:4] == importlib.util.MAGIC_NUMBER and header[4:8] != bytes(4):
+            return False  # a hash-based cache: the import checks it, or trusts it, itself
+        if header == _header(stat):
+            return False
+    folder = cache.parent
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    return folder.is_dir() and os.access(folder, os.W_OK)
+
+
+def _header(source: os.stat_result) -> bytes:
+    """A timestamp-based cache's first 16 bytes for a source of this mtime and size."""
+    fields = (0, int(source.st_mtime), source.st_size)
+    return importlib.util.MAGIC_NUMBER + b"".join((f & 0xFFFFFFFF).to_bytes(4, "little") for f in fields)
 
 
 def say(message: str, *args: object) -> None:

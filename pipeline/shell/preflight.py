@@ -78,7 +78,9 @@ def preflight(recipe: Recipe, *, model: bool = True, resume: bool = True) -> Che
             f"{limit.positions} ({limit.why}); set it to at most {max(limit.positions - prompts.longest, 0)}"
         )
     if limit is not None and limit.kv_bytes is not None:
-        _check_rows_fit(recipe, prompts.longest + recipe.rollout.max_new_tokens, limit.kv_bytes)
+        rollout = recipe.rollout  # an episode's row holds its turns' and observations' tokens
+        after = rollout.max_episode_tokens if rollout.environment is not None else rollout.max_new_tokens
+        _check_rows_fit(recipe, prompts.longest + after, limit.kv_bytes)
     environment = None
     if recipe.rollout.environment is not None:
         environment = resolve_environment(recipe.rollout.environment, recipe.rollout.environment_args)

@@ -17,6 +17,7 @@ from pipeline.shell.preflight import preflight
 ROOT = Path(__file__).parents[3]
 QUICKSTART = ROOT / "recipes" / "quickstart.yaml"
 GSM8K = ROOT / "recipes" / "gsm8k-qwen2.5-math-1.5b.yaml"
+MULTI_TURN = ROOT / "recipes" / "multi-turn-cpu.yaml"
 CPU_BUILD = torch.version.cuda is None
 CPU_TORCH = (
     f"model.device: 'cuda', but this torch ({torch.__version__}) is a CPU build; "
@@ -91,6 +92,19 @@ def test_rows_whose_kv_cache_outgrows_the_machine_are_refused() -> None:
     )
     assert check(QUICKSTART, "rollout.max_rows=1000000000000").startswith(
         "rollout.max_rows: 1000000000000 rows of 12 positions need 1.14e+07 GiB of KV cache"
+    )
+
+
+def test_episode_rows_whose_kv_cache_outgrows_the_machine_are_refused() -> None:
+    """An episode's row caches its prompt and up to `rollout.max_episode_tokens` more (its turns'
+    and the environment's), not `max_new_tokens`: 512 rows of 10^8 positions passed."""
+    assert check(
+        MULTI_TURN,
+        "model.config.learned_position_embeddings=false",
+        "model.config.max_position_embeddings=1000000000",
+        "rollout.max_episode_tokens=100000000",
+    ).startswith(
+        "prompts.prompts_per_step x rollout.samples_per_prompt: 512 rows (two batches at L >= 1) of "
     )
 
 
