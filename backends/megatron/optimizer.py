@@ -199,14 +199,13 @@ class MegatronAdam:
             param_state = part.pop("param_state", None)
             assert part.pop("param_state_sharding_type", "fully_reshardable") == "fully_reshardable"
             inner.load_state_dict(part)
-            if param_state is None:
-                continue
             adam = inner.optimizer.state
             steps = {p: s["step"] for p, s in adam.items() if "step" in s}
-            for p, step in steps.items():
-                adam[p]["step"] = float(step)
             try:
-                inner.load_parameter_state_from_fully_reshardable(param_state)
+                if param_state is not None:
+                    for p, step in steps.items():
+                        adam[p]["step"] = float(step)
+                    inner.load_parameter_state_from_fully_reshardable(param_state)
             finally:
                 for p, step in steps.items():
                     adam[p]["step"] = step.detach().clone()
