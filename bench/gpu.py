@@ -278,7 +278,7 @@ def stream(
     start = time.perf_counter()
     while waiting:
         loops += 1
-        sampler.serve(source, lambda _, out: done.extend(out), **kw)
+        sampler.serve(source, lambda back: done.extend(c for _, out in back for c in out), **kw)
     sync()
     seconds = time.perf_counter() - start
     tokens = sum(len(c.tokens) for c in done)

@@ -114,7 +114,7 @@ class _Row:
 
 
 class _Request:
-    __slots__ = ("cancelled", "done", "episode", "greedy", "n", "prompt", "result", "rows")
+    __slots__ = ("cancelled", "done", "episode", "greedy", "n", "prompt", "result", "rows", "woken")
 
     def __init__(self, prompt: Sequence[int], greedy: bool, limits: list[int], episode: str | None) -> None:
         self.prompt = list(prompt)
@@ -125,6 +125,8 @@ class _Request:
         self.result: list[Completion] | BaseException | None = None
         self.done = False
         self.cancelled = False
+        # Set (on the event loop) when it is answered or the engine's state changes: its caller looks again.
+        self.woken = asyncio.Event()
 
 
 def _sampler_requests(batch: list[_Request]) -> list[tuple[list[int], list[_Row]]]:
@@ -196,7 +198,7 @@ class TorchEngine:
         self._active: list[_Request] = []  # admitted to the loop in flight (compute thread)
         self._width = 0  # the loop in flight's slots
         self._paused = 0  # refits waiting for the loop to end
-        self._changed = anyio.Event()
+        self._callers: set[_Request] = set()  # requests whose callers wait in `generate`
         self.calls = 0  # decode loops run
 
     async def generate(
@@ -215,6 +217,7 @@ class TorchEngine:
         request = _Request(prompt_tokens, greedy, limits, episode if self.kept is not None else None)
         with self._lock:
             self._queue.append(request)
+        self._callers.add(request)
         try:
             while not request.done:
                 if self._loop is None and not self._starting and self._may_start():
@@ -227,8 +230,10 @@ class TorchEngine:
                         self._starting = False
                         self._notify()  # a loop runs now, or another caller may start one
                     continue
-                await self._changed.wait()
+                request.woken.clear()  # no await since the checks above: nothing set it unseen
+                await request.woken.wait()
         finally:
+            self._callers.discard(request)
             request.cancelled = True  # answered, or given up: nobody should sample for it
             with self._lock:
                 if request in self._queue:
@@ -355,34 +360,49 @@ class TorchEngine:
                 self._width = self.sampler.width_for(max(self._width, self.max_rows))
         return admissions
 
-    def _finish(self, admission: Admission, out: list[Completion]) -> None:
-        """The sampler's sink (compute thread): an admission's rows are back, finished or
-        frozen; a request whose rows have all finished is answered."""
-        request, rows = admission.key
-        self._busy_slot_steps += sum(len(c.tokens) for c in out)
-        for row, completion in zip(rows, out, strict=True):
-            if completion.tokens:
-                row.segments.append((len(row.tokens), self.wakes))
-                row.tokens.extend(completion.tokens)
-                row.logprobs.extend(completion.logprobs)
-            if completion.finish_reason == "frozen":
-                row.frozen = True
-                self._frozen_rows += 1
-            elif completion.finish_reason == "length" and len(row.tokens) < self.max_new_tokens:
-                row.reason = "stop"  # its bench length: as if it had emitted end-of-sequence
-            else:
-                row.reason = completion.finish_reason
-        if all(row.reason is not None for row in request.rows):
-            request.result = [row.completion(self.partial_rollouts) for row in request.rows]
-            request.done = True
-            self._wake_callers()
+    def _finish(self, back: list[tuple[Admission, list[Completion]]]) -> None:
+        """The sampler's sink (compute thread): admissions whose rows are back, finished or
+        frozen, all those of one check; the requests whose rows have all finished are answered,
+        their callers woken together (one call into the event loop)."""
+        answered: list[_Request] = []
+        for admission, out in back:
+            request, rows = admission.key
+            self._busy_slot_steps += sum(len(c.tokens) for c in out)
+            for row, completion in zip(rows, out, strict=True):
+                if completion.tokens:
+                    row.segments.append((len(row.tokens), self.wakes))
+                    row.tokens.extend(completion.tokens)
+                    row.logprobs.extend(completion.logprobs)
+                if completion.finish_reason == "frozen":
+                    row.frozen = True
+                    self._frozen_rows += 1
+                elif completion.finish_reason == "length" and len(row.tokens) < self.max_new_tokens:
+                    row.reason = "stop"  # its bench length: as if it had emitted end-of-sequence
+                else:
+                    row.reason = completion.finish_reason
+            if all(row.reason is not None for row in request.rows):
+                request.result = [row.completion(self.partial_rollouts) for row in request.rows]
+                request.done = True
+                answered.append(request)
+        if answered:
+            self._call_soon(self._answer, answered)
 
     def _wake_callers(self) -> None:
-        """From the compute thread: let the event loop's waiting callers look again (unless
-        it has closed under a loop that outlived it)."""
+        """From the compute thread: let every waiting caller look again."""
+        self._call_soon(self._notify)
+
+    def _call_soon(self, fn: Callable[..., None], *args: Any) -> None:
+        """Run ``fn(*args)`` on the event loop, from the compute thread (unless the loop has
+        closed under a decode loop that outlived it)."""
         assert self._event_loop is not None, "set when the loop started"
         if not self._event_loop.is_closed():
-            self._event_loop.call_soon_threadsafe(self._notify)
+            self._event_loop.call_soon_threadsafe(fn, *args)
+
+    @staticmethod
+    def _answer(requests: list[_Request]) -> None:
+        """Wake the callers of ``requests`` (answered): only theirs, not every waiting caller."""
+        for request in requests:
+            request.woken.set()
 
     def statistics(self) -> SlotStats:
         return SlotStats(
@@ -398,8 +418,10 @@ class TorchEngine:
             return sum(row.frozen for r in self._queue for row in r.rows)
 
     def _notify(self) -> None:
-        self._changed.set()
-        self._changed = anyio.Event()
+        """The engine's state changed (a loop started or ended, a wake, a refit done): every
+        waiting caller looks again, as one may have to start the next loop."""
+        for request in self._callers:
+            request.woken.set()
 
     async def stand_down(self) -> None:
         """Release the KV cache once the loop in flight has ended (the release runs on the

@@ -2,7 +2,9 @@
 
 Layout: per layer, keys then values, each [rows, kv_heads, length, head_dim]; `flat[layer]`
 is both as [2 * rows * kv_heads * length, head_dim], so that one ``index_copy_`` writes a decode
-step's new keys and values (`layer_project`'s ``writes``). Row r keeps its own tokens at
+step's new keys and values (`layer_project`'s ``writes``); `every` is the whole buffer as
+[layers, 2, rows, kv_heads, length, head_dim], so that one indexing reads (or writes) given
+positions of given rows in every layer at once (episodes' kept keys and values, `kv_keep.py`). Row r keeps its own tokens at
 positions 0..n-1 (no left padding). The views are ordinary tensors made outside inference
 mode: they outlive `Sampler.generate`'s inference-mode calls.
 
@@ -40,6 +42,7 @@ class KVCache:
         self.flat: list[Tensor] = []
         self.keys: list[Tensor] = []
         self.values: list[Tensor] = []
+        self.every = torch.empty(0)
 
     def fits(self, rows: int, length: int) -> bool:
         return rows <= self.rows and length <= self.length
@@ -48,7 +51,7 @@ class KVCache:
         """Lay out a cache of at least ``rows`` rows of ``length`` positions (and no fewer than
         now)."""
         self.rows, self.length = max(rows, self.rows), max(length, self.length)
-        self.flat, self.keys, self.values = [], [], []
+        self.flat, self.keys, self.values, self.every = [], [], [], torch.empty(0)
         elements = 2 * self.layers * self.rows * self.kv_heads * self.length * self.head_dim
         with torch.inference_mode(False):
             self._view(self.pool.allocate(elements * torch.finfo(self.dtype).bits // 8))
@@ -74,6 +77,7 @@ class KVCache:
         shape = (self.rows, self.kv_heads, self.length, self.head_dim)
         per = math.prod(shape) // self.head_dim
         flat = buffer.view(self.dtype).view(-1, self.head_dim)
+        self.every = flat[: 2 * self.layers * per].view(self.layers, 2, *shape)
         self.flat = [flat[2 * i * per : (2 * i + 2) * per] for i in range(self.layers)]
         self.keys = [both[:per].view(shape) for both in self.flat]
         self.values = [both[per:].view(shape) for both in self.flat]

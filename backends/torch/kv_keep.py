@@ -1,16 +1,18 @@
 """Episodes' keys and values kept between their turns, so a turn prefills only its new tokens.
 
 A multi-turn episode's next request is its last one's prompt, the tokens the engine generated,
-and the environment's reply. When a request that carries an episode key finishes, the sampler
-copies its row's keys and values out of the decode loop's cache (`KeptKV`: every position whose
+and the environment's reply. When requests that carry an episode key finish, the sampler copies
+their rows' keys and values out of the decode loop's cache (`KeptKV`: every position whose
 token is known, i.e. all but the last generated token, whose keys the loop may have overwritten
-since) and `KVKeep.keep`s them under the key; when the episode's next request is admitted,
-`take` hands them back if its prompt starts with exactly the kept tokens (and goes on past
-them), and the sampler restores them into the new slot and prefills only the rest.
+since), those finishing together in one copy into one tensor (a pack) that their entries are
+slices of, and `KVKeep.keep`s them under their keys; when an episode's next request is
+admitted, `take` hands them back if its prompt starts with exactly the kept tokens (and goes on
+past them), and the sampler restores them into the new slot and prefills only the rest.
 
-Bounds and lifetime: the kept entries hold at most ``budget`` bytes of device memory in all;
-keeping one more evicts the least recently kept first (an entry larger than the whole budget is
-not kept). `take` removes its entry, hit or miss (a live request's keys are in its slot; a
+Bounds and lifetime: the kept entries hold at most ``budget`` bytes of device memory in all,
+counted by the tensors they hold (a pack counts whole while any of its entries is kept: its
+memory is freed with its last entry); keeping one more evicts the least recently kept first (an
+entry whose tensor is larger than the whole budget is not kept). `take` removes its entry, hit or miss (a live request's keys are in its slot; a
 mismatched entry is of no further use). `forget` drops an ended episode's entry; `clear` drops
 them all: the engine calls it at a stand-down (the memory goes back for training, and a wake
 finds nothing kept: it may serve new weights) and whenever the weights it serves change
@@ -33,15 +35,16 @@ from torch import Tensor
 
 
 class KeptKV(NamedTuple):
-    """Keys and values ``kv`` [layers, 2, kv_heads, len(tokens), head_dim] of ``tokens`` at
-    positions 0..len(tokens)-1."""
+    """Keys and values ``kv`` [len(tokens), layers, 2, kv_heads, head_dim] of ``tokens`` at
+    positions 0..len(tokens)-1 (a view into a pack, or a tensor of its own)."""
 
     tokens: tuple[int, ...]
     kv: Tensor
 
-    @property
-    def nbytes(self) -> int:
-        return self.kv.numel() * self.kv.element_size()
+
+def held_bytes(kv: Tensor) -> int:
+    """The device memory ``kv`` holds: its whole storage (a pack's, for a slice of one)."""
+    return kv.untyped_storage().nbytes()
 
 
 class KVKeep:
@@ -50,6 +53,7 @@ class KVKeep:
     def __init__(self, budget: int) -> None:
         self.budget = budget
         self._entries: OrderedDict[Hashable, KeptKV] = OrderedDict()
+        self._holders: dict[int, int] = {}  # entries that hold each storage (by its address)
         self._bytes = 0
         self._lock = threading.Lock()
         self.evicted = 0  # entries dropped to make room, in all
@@ -59,20 +63,28 @@ class KVKeep:
         return self._bytes
 
     def keep(self, key: Hashable, kept: KeptKV, *, given_up: Callable[[], bool] = lambda: False) -> None:
-        """Keep ``kept`` under ``key`` (replacing what was kept under it), evicting the least
-        recently kept entries until it fits; one larger than the budget is not kept, nor one
-        whose request ``given_up`` says its caller gave up. ``given_up`` is asked under the
-        lock `forget` takes: a caller that marks its request given up before it forgets the
-        episode never leaves an entry behind, however the two threads interleave."""
+        """Keep ``kept`` under ``key``: `keep_all` of one."""
+        self.keep_all([(key, kept, given_up)])
+
+    def keep_all(self, entries: Sequence[tuple[Hashable, KeptKV, Callable[[], bool]]]) -> None:
+        """Keep each ``(key, kept, given_up)`` in order under its key (replacing what was kept
+        under it), evicting the least recently kept entries until its memory fits; one whose
+        tensor is larger than the budget is not kept, nor one whose request ``given_up`` says
+        its caller gave up. ``given_up`` is asked under the lock `forget` takes: a caller that
+        marks its request given up before it forgets the episode never leaves an entry behind,
+        however the two threads interleave."""
         with self._lock:
-            self._pop(key)
-            if kept.nbytes > self.budget or given_up():
-                return
-            while self._bytes + kept.nbytes > self.budget:
-                self._pop(next(iter(self._entries)))
-                self.evicted += 1
-            self._entries[key] = kept
-            self._bytes += kept.nbytes
+            for key, kept, given_up in entries:
+                self._pop(key)
+                added = 0 if self._storage(kept) in self._holders else held_bytes(kept.kv)
+                if added > self.budget or given_up():
+                    continue
+                while self._bytes + added > self.budget:
+                    self._pop(next(iter(self._entries)))
+                    self.evicted += 1
+                self._entries[key] = kept
+                self._holders[self._storage(kept)] = self._holders.get(self._storage(kept), 0) + 1
+                self._bytes += added
 
     def take(self, key: Hashable, prompt: Sequence[int]) -> KeptKV | None:
         """Remove ``key``'s entry; it, when ``prompt`` starts with its tokens and goes on past
@@ -90,10 +102,19 @@ class KVKeep:
     def clear(self) -> None:
         with self._lock:
             self._entries.clear()
+            self._holders.clear()
             self._bytes = 0
+
+    @staticmethod
+    def _storage(kept: KeptKV) -> int:
+        return kept.kv.untyped_storage().data_ptr()
 
     def _pop(self, key: Hashable) -> KeptKV | None:
         kept = self._entries.pop(key, None)
         if kept is not None:
-            self._bytes -= kept.nbytes
+            storage = self._storage(kept)
+            self._holders[storage] -= 1
+            if not self._holders[storage]:
+                del self._holders[storage]
+                self._bytes -= held_bytes(kept.kv)
         return kept

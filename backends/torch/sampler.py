@@ -83,10 +83,11 @@ class Admission(NamedTuple):
     keep: Hashable | None = None
 
 
-# `Sampler.serve`'s source(rows, positions) gives admissions; its sink takes each one back
-# with one Completion per row, once all its rows have finished (or at a freeze).
+# `Sampler.serve`'s source(rows, positions) gives admissions; its sink takes them back, each
+# with one Completion per row once all its rows have finished (or at a freeze), all those of
+# one check in one call.
 Source = Callable[[int | None, int | None], Sequence[Admission]]
-Sink = Callable[[Admission, list[Completion]], None]
+Sink = Callable[[list[tuple[Admission, list[Completion]]]], None]
 
 
 class Sampler:
@@ -218,8 +219,9 @@ class Sampler:
             admissions.clear()
             return given
 
-        def sink(admission: Admission, done: list[Completion]) -> None:
-            out[admission.key] = done
+        def sink(back: list[tuple[Admission, list[Completion]]]) -> None:
+            for admission, done in back:
+                out[admission.key] = done
 
         self.serve(
             source,
@@ -259,9 +261,9 @@ class Sampler:
         whole loop: a loop opened by a few rows that more will join), and the
         cache is grown, if it must, to fit its longest prompt plus ``max_new_tokens``. Growing
         happens only here, between loops. Every ``check_every`` steps (and once every live row
-        must have reached its limit) the loop waits for the device, takes each finished row's
-        tokens off it and frees its slot, hands each admission whose rows are all back to
-        ``sink`` with their Completions (in its rows' order), and offers the free slots to
+        must have reached its limit) the loop waits for the device, takes every finished row's
+        tokens off it in one copy and frees its slot, hands the admissions whose rows are all
+        back to ``sink`` in one call, each with its Completions (in its rows' order), and offers the free slots to
         ``source(rows, positions)``, which gives admissions of at most ``rows`` rows in all,
         each row's prompt plus limit at most ``positions`` (the cache's length) and each limit
         at most ``max_new_tokens``. An admission's prompt is prefilled once into exactly
@@ -287,7 +289,8 @@ class Sampler:
         more requests to fill the width (`width`) passes False.
 
         ``kept``: where an admission with a ``keep`` key keeps its row's keys and values when
-        the row comes back, before the admission reaches ``sink``.
+        the row comes back, before the admission reaches ``sink``: the rows of one check in one
+        copy (`_keep`).
         """
         first = list(source(None, None))
         if not first:
@@ -454,9 +457,9 @@ class Sampler:
         dropped: Callable[[Admission], bool] | None,
     ) -> None:
         """Take every finished row (every live row at a freeze, those not ``done`` "frozen")
-        off the device in one copy and free its slot (its keys and values kept first where its
-        admission asks and ``dropped`` does not say its caller gave up, `_keep`); hand each
-        admission whose rows are all back to ``sink``."""
+        off the device in one copy and free its slot (their keys and values kept first, in one
+        copy, where their admissions ask and ``dropped`` does not say their callers gave up,
+        `_keep`); hand the admissions whose rows are all back to ``sink`` in one call."""
         rows = loop.finished(done, everything=frozen)
         if not rows:
             return
@@ -470,36 +473,57 @@ class Sampler:
             stop_token_ids,
             [not done[slot] for _, _, slot in rows] if frozen else None,
         )
+        keeping: list[tuple[Admission, Completion, int]] = []
         for (live, row, slot), completion in zip(rows, out, strict=True):
             live.out[row] = completion
             if kept is not None and live.admission.keep is not None:
-                self._keep(kept, live.admission, completion, slot, dropped)
-        for live in loop.release(rows):
-            sink(live.admission, [c for c in live.out if c is not None])
+                keeping.append((live.admission, completion, slot))
+        if keeping:
+            assert kept is not None
+            self._keep(kept, keeping, dropped)
+        back = loop.release(rows)
+        if back:
+            sink([(live.admission, [c for c in live.out if c is not None]) for live in back])
 
     def _keep(
         self,
         kept: KVKeep,
-        admission: Admission,
-        completion: Completion,
-        slot: int,
+        rows: list[tuple[Admission, Completion, int]],
         dropped: Callable[[Admission], bool] | None,
     ) -> None:
-        """Copy the keys and values of ``slot``'s row into ``kept`` under the admission's key:
-        its prompt and every generated token but the last (the last one's position the loop
-        may have written since with a wasted step's draw); nothing if ``dropped`` says, as it is
-        kept, that its caller gave up (after the check that would have dropped it)."""
-        assert len(admission.limits) == 1, "one row per kept admission"
-        known = len(admission.prompt) + len(completion.tokens) - 1
+        """Copy the keys and values of each ``(admission, completion, slot)`` row into ``kept``
+        under its admission's key: its prompt and every generated token but the last (the last
+        one's position the loop may have written since with a wasted step's draw); nothing for
+        one that ``dropped`` says, as it is kept, its caller gave up (after the check that would
+        have dropped it). One gather over every layer copies the rows' positions into a pack
+        (`kv_keep.py`) whose slices the entries are; rows go in several packs where one would
+        not fit half the keep's budget (a pack is kept, and freed, whole)."""
+        assert all(len(a.limits) == 1 for a, _, _ in rows), "one row per kept admission"
         cache = self.cache
-        parts = [
-            kv[slot, :, :known]
-            for layer in range(cache.layers)
-            for kv in (cache.keys[layer], cache.values[layer])
-        ]
-        kv = torch.stack(parts).view(cache.layers, 2, *parts[0].shape)
-        given_up = (lambda: dropped(admission)) if dropped is not None else (lambda: False)
-        kept.keep(admission.keep, KeptKV((*admission.prompt, *completion.tokens[:-1]), kv), given_up=given_up)
+        per_token = cache.every[:, :, 0, :, 0].numel() * cache.every.element_size()
+        known = [len(a.prompt) + len(c.tokens) - 1 for a, c, _ in rows]
+        packs: list[list[int]] = [[]]
+        size = 0
+        for i, k in enumerate(known):
+            if packs[-1] and (size + k) * per_token > kept.budget // 2:
+                packs.append([])
+                size = 0
+            packs[-1].append(i)
+            size += k
+        entries = []
+        for pack in packs:
+            slot, at = _positions([rows[i][2] for i in pack], [known[i] for i in pack], self.device)
+            # [positions, layers, 2, kv_heads, head_dim]: the indexed dims first, row by row.
+            packed = cache.every[:, :, slot, :, at]
+            start = 0
+            for i in pack:
+                admission, completion, _ = rows[i]
+                tokens = (*admission.prompt, *completion.tokens[:-1])
+                entry = KeptKV(tokens, packed[start : start + known[i]])
+                start += known[i]
+                given_up = (lambda a=admission: dropped(a)) if dropped is not None else (lambda: False)
+                entries.append((admission.keep, entry, given_up))
+        kept.keep_all(entries)
 
     def _prefill_admissions(self, admissions: list[Admission], slots: list[int]) -> Tensor:
         """Prefill ``admissions`` into their ``slots`` (each admission the next ones, in order):
@@ -540,14 +564,9 @@ class Sampler:
         kept = [a.cached for a in admissions if a.cached is not None]
         known = [len(c.tokens) for c in kept]
         new = [a.prompt[k:] for a, k in zip(admissions, known, strict=True)]
-        rows = torch.tensor(
-            [slot for slot, k in zip(slots, known, strict=True) for _ in range(k)], device=dev
-        )
-        at = torch.tensor([p for k in known for p in range(k)], device=dev)
-        restored = torch.cat([c.kv for c in kept], dim=3)  # [layers, 2, kv_heads, sum(known), D]
-        for layer in range(cache.layers):
-            cache.keys[layer][rows, :, at] = restored[layer, 0].transpose(0, 1)
-            cache.values[layer][rows, :, at] = restored[layer, 1].transpose(0, 1)
+        # One write into every layer: [sum(known), layers, 2, kv_heads, D], as `_keep` gathered it.
+        rows, at = _positions(slots, known, dev)
+        cache.every[:, :, rows, :, at] = torch.cat([c.kv for c in kept])
         hidden_out = torch.empty(
             len(admissions), self.model.config.hidden_size, dtype=cache.dtype, device=dev
         )
@@ -620,6 +639,15 @@ class Sampler:
             last = torch.tensor([len(prompts[i]) - 1 for i in part], device=dev)
             hidden_out[rows] = hidden[src, last[src]]
         return hidden_out
+
+
+def _positions(slots: list[int], lengths: list[int], device: torch.device) -> tuple[Tensor, Tensor]:
+    """(cache row, position) of positions 0..lengths[i]-1 of each row ``slots[i]``, row by row:
+    an index of a cache tensor's row and position dims."""
+    counts = torch.tensor(lengths)
+    rows = torch.repeat_interleave(torch.tensor(slots), counts)
+    at = torch.arange(int(counts.sum())) - torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
+    return rows.to(device), at.to(device)
 
 
 class _Prefill:

@@ -321,7 +321,7 @@ async def test_cache_positions_past_a_row_s_tokens_never_reach_its_continuation(
 
 def test_the_keep_evicts_the_least_recently_kept_and_gives_back_only_a_continued_prefix() -> None:
     def entry(*tokens: int) -> KeptKV:
-        return KeptKV(tokens, torch.zeros(1, 2, 1, len(tokens), 2))  # 4 float32 per token
+        return KeptKV(tokens, torch.zeros(len(tokens), 1, 2, 1, 2))  # 4 float32 per token
 
     keep = KVKeep(budget=16 * 4)
     keep.keep("a", entry(1, 2))
@@ -420,7 +420,7 @@ def test_a_turn_given_up_as_its_row_finishes_keeps_nothing() -> None:
             lambda rows, positions: (
                 [Admission(list(PROMPT.tokens), [1], key, keep=key)] if rows is None else []
             ),
-            lambda admission, out: handed.append(admission.key),
+            lambda back: handed.extend(admission.key for admission, _ in back),
             max_new_tokens=1,
             temperature=0.0,
             generator=torch.Generator().manual_seed(0),

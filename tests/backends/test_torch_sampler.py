@@ -406,8 +406,9 @@ def test_a_finished_row_frees_its_slot_for_a_waiting_request_before_the_longest_
         free_when_given.extend(rows for _ in ready)
         return ready
 
-    def sink(admission: Admission, out: list[Completion]) -> None:
-        (handed[admission.key],) = out
+    def sink(back: list[tuple[Admission, list[Completion]]]) -> None:
+        for admission, out in back:
+            (handed[admission.key],) = out
 
     sampler.serve(source, sink, max_new_tokens=9, temperature=0.0, generator=torch.Generator().manual_seed(0))
     width = 8 if which else 2  # compiled: the rows padded to the first bucket
@@ -450,8 +451,9 @@ def test_a_freeze_hands_back_every_live_row_including_those_admitted_mid_loop() 
             return [c]
         return []
 
-    def sink(admission: Admission, out: list[Completion]) -> None:
-        (handed[admission.key],) = out
+    def sink(back: list[tuple[Admission, list[Completion]]]) -> None:
+        for admission, out in back:
+            (handed[admission.key],) = out
 
     sampler.serve(
         source,
@@ -501,8 +503,9 @@ def test_a_dropped_admission_frees_its_slots_at_the_next_check_and_is_never_hand
     def source(rows: int | None, positions: int | None) -> list[Admission]:
         return [a, b] if rows is None else [waiting.pop()] if waiting else []
 
-    def sink(admission: Admission, out: list[Completion]) -> None:
-        (handed[admission.key],) = out
+    def sink(back: list[tuple[Admission, list[Completion]]]) -> None:
+        for admission, out in back:
+            (handed[admission.key],) = out
 
     sampler.serve(
         source,
@@ -539,8 +542,9 @@ def test_a_long_tail_s_last_rows_decode_in_a_narrower_step() -> None:
             return [Admission(p, [n], i) for i, (p, n) in enumerate(zip(prompts, limits, strict=True))]
         return []
 
-    def sink(admission: Admission, out: list[Completion]) -> None:
-        (handed[admission.key],) = out
+    def sink(back: list[tuple[Admission, list[Completion]]]) -> None:
+        for admission, out in back:
+            (handed[admission.key],) = out
 
     sampler.serve(source, sink, max_new_tokens=9, temperature=0.0, generator=torch.Generator().manual_seed(0))
     # Checked after each step: seven rows live after step 1 (five ended at their first

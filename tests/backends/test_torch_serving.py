@@ -145,10 +145,9 @@ async def test_a_request_arriving_while_the_loop_runs_takes_a_freed_slot_and_fin
     answered: list[tuple[str, list[Any]]] = []
     finish, resolved = engine._finish, []
 
-    def resolving(admission: Any, out: Any) -> None:  # the sink, on the compute thread
-        finish(admission, out)
-        if admission.key[0].done:
-            resolved.append(admission.key[0].prompt)
+    def resolving(back: Any) -> None:  # the sink, on the compute thread
+        finish(back)
+        resolved.extend(admission.key[0].prompt for admission, _ in back if admission.key[0].done)
 
     engine._finish = resolving  # type: ignore[method-assign]
 
@@ -241,10 +240,9 @@ async def test_at_max_rows_a_loop_opened_by_one_row_takes_a_crowd_at_once() -> N
     started, go = _hold_draw(model, 1)
     finish, resolved = engine._finish, []
 
-    def resolving(admission: Any, out: Any) -> None:  # the sink, on the compute thread
-        finish(admission, out)
-        if admission.key[0].done:
-            resolved.append(admission.key[0].prompt)
+    def resolving(back: Any) -> None:  # the sink, on the compute thread
+        finish(back)
+        resolved.extend(admission.key[0].prompt for admission, _ in back if admission.key[0].done)
 
     engine._finish = resolving  # type: ignore[method-assign]
     try:

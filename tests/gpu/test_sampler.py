@@ -231,8 +231,9 @@ def test_slots_refilled_mid_loop_under_graphs(temperature: float) -> None:
             free -= 2
         return given
 
-    def sink(admission: Admission, completions: list[Completion]) -> None:
-        out[admission.key] = completions
+    def sink(back: list[tuple[Admission, list[Completion]]]) -> None:
+        for admission, completions in back:
+            out[admission.key] = completions
 
     kw = dict(max_new_tokens=70, temperature=temperature, generator=torch.Generator("cuda").manual_seed(0))
     # Refills alone (no narrowing to a tail's bucket, which captures a graph of its own: tested
