@@ -159,7 +159,7 @@ async def play(overrides: list[str], steps: int, report: Callable[[dict[str, Any
                 wins: list[float] = []
                 engine_cpu = await engine.compute.run(time.thread_time)
                 loop_cpu = time.thread_time()
-                calls = engine.calls
+                loops = engine.calls
                 split.take()
                 start = time.perf_counter()
 
@@ -184,7 +184,7 @@ async def play(overrides: list[str], steps: int, report: Callable[[dict[str, Any
                         "episodes": len(turns),
                         "turns": sum(turns),
                         "turns_per_s": sum(turns) / wall_s,
-                        "loops": engine.calls - calls,
+                        "loops": engine.calls - loops,
                         "engine_cpu_s": engine_cpu,
                         "engine_split_s": parts,
                         "engine_calls": calls,

@@ -120,7 +120,8 @@ class EngineGate:
             yield self.engine_version
         finally:
             self._in_flight -= 1
-            self._notify()
+            if self._state is GateState.STANDING_DOWN:  # a stand-down waits for the calls in flight
+                self._notify()
 
     async def step(
         self,

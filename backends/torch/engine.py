@@ -8,8 +8,12 @@ loop takes further requests (of the same mode, greedy or not, in queue order, ea
 long as its rows and its prompt plus limit fit the free slots and the cache) from the queue at
 each of its checks, as finished rows free their slots: this batch's late groups, the next
 batch's when L >= 1. The queue is shared with the compute thread under a lock; the loop answers
-a request once all its rows are back and wakes the waiting callers through the event loop
-(`call_soon_threadsafe`). The loop outlives the caller that started it, so one caller's
+a request once all its rows are back, and wakes only the callers of the requests answered at
+one check, together (one `call_soon_threadsafe`): a multi-turn step's thousand callers each
+wait on their own request, not on one event that every answer would wake them all from. Every
+waiting caller looks again when the engine's state changes (a loop starts or ends, a wake, a
+refit done), as one of them may have to start the next loop. The loop outlives the caller
+that started it, so one caller's
 deadline never orphans the others; a request whose caller gave up (a timeout, a stop) gives
 its slots back at the next check, and keeps nothing of its episode; when the loop ends, a
 caller still waiting starts the next. A request of the other mode, one that does not fit, more
@@ -129,18 +133,18 @@ class _Request:
         self.woken = asyncio.Event()
 
 
-def _sampler_requests(batch: list[_Request]) -> list[tuple[list[int], list[_Row]]]:
-    """The unfinished rows of ``batch`` as the sampler's (prompt, n) requests, each with its
-    rows: rows of one request with the same tokens so far (all rows before any freeze) share
-    one prompt and its prefill; a continued row's prompt is its prompt plus its tokens so far."""
-    requests: list[tuple[list[int], list[_Row]]] = []
-    for request in batch:
-        alike: dict[tuple[int, ...], list[_Row]] = {}
-        for row in request.rows:
-            if row.reason is None:
-                alike.setdefault(tuple(row.tokens), []).append(row)
-        requests.extend((request.prompt + list(tokens), rows) for tokens, rows in alike.items())
-    return requests
+def _sampler_requests(request: _Request) -> list[tuple[list[int], list[_Row]]]:
+    """The unfinished rows of ``request`` as the sampler's (prompt, n) requests, each with its
+    rows: rows with the same tokens so far (all rows before any freeze) share one prompt and
+    its prefill; a continued row's prompt is its prompt plus its tokens so far."""
+    if request.n == 1:  # most requests (an episode's turns): no grouping to do
+        (row,) = request.rows
+        return [(request.prompt + row.tokens, request.rows)] if row.reason is None else []
+    alike: dict[tuple[int, ...], list[_Row]] = {}
+    for row in request.rows:
+        if row.reason is None:
+            alike.setdefault(tuple(row.tokens), []).append(row)
+    return [(request.prompt + list(tokens), rows) for tokens, rows in alike.items()]
 
 
 class TorchEngine:
@@ -327,7 +331,7 @@ class TorchEngine:
                 request = self._queue[0]
                 if request.greedy != greedy:
                     break
-                parts = _sampler_requests([request])
+                parts = _sampler_requests(request)
                 wanted = sum(len(same) for _, same in parts)
                 longest = max(
                     len(prompt) + row.limit - len(row.tokens) for prompt, same in parts for row in same

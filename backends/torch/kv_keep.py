@@ -12,7 +12,8 @@ past them), and the sampler restores them into the new slot and prefills only th
 Bounds and lifetime: the kept entries hold at most ``budget`` bytes of device memory in all,
 counted by the tensors they hold (a pack counts whole while any of its entries is kept: its
 memory is freed with its last entry); keeping one more evicts the least recently kept first (an
-entry whose tensor is larger than the whole budget is not kept). `take` removes its entry, hit or miss (a live request's keys are in its slot; a
+entry whose tensor is larger than the whole budget is not kept). `take` removes its entry, hit or
+miss (a live request's keys are in its slot; a
 mismatched entry is of no further use). `forget` drops an ended episode's entry; `clear` drops
 them all: the engine calls it at a stand-down (the memory goes back for training, and a wake
 finds nothing kept: it may serve new weights) and whenever the weights it serves change
@@ -42,17 +43,13 @@ class KeptKV(NamedTuple):
     kv: Tensor
 
 
-def held_bytes(kv: Tensor) -> int:
-    """The device memory ``kv`` holds: its whole storage (a pack's, for a slice of one)."""
-    return kv.untyped_storage().nbytes()
-
-
 class KVKeep:
     """Kept episodes' keys and values, at most ``budget`` bytes, least recently kept evicted."""
 
     def __init__(self, budget: int) -> None:
         self.budget = budget
-        self._entries: OrderedDict[Hashable, KeptKV] = OrderedDict()
+        # Each entry with the address of the storage its tensor holds.
+        self._entries: OrderedDict[Hashable, tuple[KeptKV, int]] = OrderedDict()
         self._holders: dict[int, int] = {}  # entries that hold each storage (by its address)
         self._bytes = 0
         self._lock = threading.Lock()
@@ -76,14 +73,16 @@ class KVKeep:
         with self._lock:
             for key, kept, given_up in entries:
                 self._pop(key)
-                added = 0 if self._storage(kept) in self._holders else held_bytes(kept.kv)
+                storage = kept.kv.untyped_storage()
+                address = storage.data_ptr()
+                added = 0 if address in self._holders else storage.nbytes()
                 if added > self.budget or given_up():
                     continue
                 while self._bytes + added > self.budget:
                     self._pop(next(iter(self._entries)))
                     self.evicted += 1
-                self._entries[key] = kept
-                self._holders[self._storage(kept)] = self._holders.get(self._storage(kept), 0) + 1
+                self._entries[key] = (kept, address)
+                self._holders[address] = self._holders.get(address, 0) + 1
                 self._bytes += added
 
     def take(self, key: Hashable, prompt: Sequence[int]) -> KeptKV | None:
@@ -105,16 +104,13 @@ class KVKeep:
             self._holders.clear()
             self._bytes = 0
 
-    @staticmethod
-    def _storage(kept: KeptKV) -> int:
-        return kept.kv.untyped_storage().data_ptr()
-
     def _pop(self, key: Hashable) -> KeptKV | None:
-        kept = self._entries.pop(key, None)
-        if kept is not None:
-            storage = self._storage(kept)
-            self._holders[storage] -= 1
-            if not self._holders[storage]:
-                del self._holders[storage]
-                self._bytes -= held_bytes(kept.kv)
+        entry = self._entries.pop(key, None)
+        if entry is None:
+            return None
+        kept, address = entry
+        self._holders[address] -= 1
+        if not self._holders[address]:
+            del self._holders[address]
+            self._bytes -= kept.kv.untyped_storage().nbytes()
         return kept

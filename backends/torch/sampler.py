@@ -38,6 +38,7 @@ valid), else the graphs are dropped and captured again on the next call.
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any, NamedTuple
@@ -263,7 +264,8 @@ class Sampler:
         happens only here, between loops. Every ``check_every`` steps (and once every live row
         must have reached its limit) the loop waits for the device, takes every finished row's
         tokens off it in one copy and frees its slot, hands the admissions whose rows are all
-        back to ``sink`` in one call, each with its Completions (in its rows' order), and offers the free slots to
+        back to ``sink`` in one call, each with its Completions (in its rows' order), and
+        offers the free slots to
         ``source(rows, positions)``, which gives admissions of at most ``rows`` rows in all,
         each row's prompt plus limit at most ``positions`` (the cache's length) and each limit
         at most ``max_new_tokens``. An admission's prompt is prefilled once into exactly
@@ -515,14 +517,11 @@ class Sampler:
             slot, at = _positions([rows[i][2] for i in pack], [known[i] for i in pack], self.device)
             # [positions, layers, 2, kv_heads, head_dim]: the indexed dims first, row by row.
             packed = cache.every[:, :, slot, :, at]
-            start = 0
-            for i in pack:
+            for i, kv in zip(pack, packed.split([known[i] for i in pack]), strict=True):
                 admission, completion, _ = rows[i]
                 tokens = (*admission.prompt, *completion.tokens[:-1])
-                entry = KeptKV(tokens, packed[start : start + known[i]])
-                start += known[i]
-                given_up = (lambda a=admission: dropped(a)) if dropped is not None else (lambda: False)
-                entries.append((admission.keep, entry, given_up))
+                given_up = functools.partial(dropped, admission) if dropped is not None else _never
+                entries.append((admission.keep, KeptKV(tokens, kv), given_up))
         kept.keep_all(entries)
 
     def _prefill_admissions(self, admissions: list[Admission], slots: list[int]) -> Tensor:
@@ -639,6 +638,10 @@ class Sampler:
             last = torch.tensor([len(prompts[i]) - 1 for i in part], device=dev)
             hidden_out[rows] = hidden[src, last[src]]
         return hidden_out
+
+
+def _never() -> bool:
+    return False
 
 
 def _positions(slots: list[int], lengths: list[int], device: torch.device) -> tuple[Tensor, Tensor]:

@@ -449,3 +449,123 @@ async def test_continued_turns_prefill_in_passes_of_at_most_the_prefill_s_tokens
     second, contexts, shapes = await _second_turns(_engine(_model(), 1 << 20), prompts, replies)
     assert sorted(shapes) == [(1, 2), (1, 4), (1, 4)]
     await _as_whole_prefills(second, contexts, _model())
+
+
+FIRSTS = {"a": [2, 3, 4, 5, 6], "b": [2, 6, 7], "c": [3, 9, 8, 7, 6, 5, 4], "d": [4, 4]}
+LIMITS = {"a": 3, "b": 3, "c": 5, "d": 2}  # a and b finish at the same check; c and d at their own
+
+
+def _serve_kept(
+    model: Decoder, keys: list[str], kept: KVKeep, *, cached: dict[str, KeptKV | None] | None = None,
+    prompts: dict[str, list[int]] | None = None, temperature: float = 0.0, seed: int = 0,
+) -> dict[str, Completion]:  # fmt: skip
+    """One loop of a fresh sampler on ``model`` over ``keys``'s admissions (all in its first
+    admission, in order), each keeping its row's keys and values in ``kept``; with ``cached``,
+    each continues from the keys and values given."""
+    from backends.torch.sampler import Admission
+
+    prompts = prompts or FIRSTS
+    given = [Admission(prompts[k], [LIMITS[k]], k, (cached or {}).get(k), keep=k) for k in keys]
+    out: dict[str, Completion] = {}
+
+    def sink(back: list[tuple[Admission, list[Completion]]]) -> None:
+        for admission, (completion,) in back:
+            out[admission.key] = completion
+
+    Sampler(model).serve(
+        lambda rows, positions: given if rows is None else [],
+        sink,
+        max_new_tokens=5,
+        temperature=temperature,
+        generator=torch.Generator().manual_seed(seed),
+        kept=kept,
+    )
+    return out
+
+
+def test_rows_finishing_together_are_kept_in_one_pack_equal_to_each_row_kept_alone() -> None:
+    """Four rows in one loop: a and b finish at the same check and are kept in one copy, into
+    one pack (one storage, counted once, freed with its last entry); each entry holds the keys
+    and values that the row kept alone, in a loop of its own, holds (its prompt and every
+    generated token but the last)."""
+    model = _model()
+    together = KVKeep(1 << 24)
+    out = _serve_kept(model, list(FIRSTS), together)
+    entries = {k: together._entries[k][0] for k in FIRSTS}
+    for key in FIRSTS:
+        alone = KVKeep(1 << 24)
+        single = _serve_kept(model, [key], alone)[key]
+        want = alone._entries[key][0]
+        assert out[key].tokens == single.tokens
+        assert entries[key].tokens == want.tokens == (*FIRSTS[key], *single.tokens[:-1])
+        torch.testing.assert_close(entries[key].kv, want.kv, atol=1e-5, rtol=0)
+    storages = {k: e.kv.untyped_storage() for k, e in entries.items()}
+    assert storages["a"].data_ptr() == storages["b"].data_ptr()
+    assert len({s.data_ptr() for s in storages.values()}) == 3
+    pack = storages["a"].nbytes()
+    assert pack == entries["a"].kv.nbytes + entries["b"].kv.nbytes
+    assert together.resident_bytes == pack + storages["c"].nbytes() + storages["d"].nbytes()
+    together.forget("c")
+    together.forget("a")  # b still holds the pack
+    assert together.resident_bytes == pack + storages["d"].nbytes()
+    together.forget("b")
+    assert together.resident_bytes == storages["d"].nbytes()
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_wave_of_continued_turns_gives_the_tokens_of_whole_prefills(temperature: float) -> None:
+    """Four episodes' second turns admitted together, each restoring what its first turn kept
+    (kept in packs at the hand-over): greedy, and sampled with a fixed seed, the tokens of the
+    same wave prefilled whole (the same draws: the same rows in the same order), and their
+    logprobs to float rounding."""
+    model = _model()
+    kept = KVKeep(1 << 24)
+    first = _serve_kept(model, list(FIRSTS), kept)
+    seconds = {k: [*FIRSTS[k], *first[k].tokens, 11, 12] for k in FIRSTS}
+    cached = {k: kept.take(k, seconds[k]) for k in FIRSTS}
+    assert all(c is not None for c in cached.values())
+    kw: dict[str, Any] = {"prompts": seconds, "temperature": temperature, "seed": 3}
+    continued = _serve_kept(model, list(FIRSTS), KVKeep(1 << 24), cached=cached, **kw)
+    whole = _serve_kept(model, list(FIRSTS), KVKeep(1 << 24), **kw)
+    for key in FIRSTS:
+        assert continued[key].tokens == whole[key].tokens
+        assert continued[key].logprobs == pytest.approx(whole[key].logprobs, abs=1e-5)
+
+
+async def test_episodes_played_together_give_the_tokens_of_each_played_alone() -> None:
+    """Eight greedy episodes of three turns at once through the engine: their turns enter in
+    waves, are handed back together and each answered caller (and only it) goes on; every turn
+    gives the tokens and logprobs of the same episode played alone, reusing what it kept."""
+
+    async def episode(engine: TorchEngine, i: int, out: dict[int, list[Completion]]) -> None:
+        context = [2 + i % 5, 3 + i % 7, 4]
+        out[i] = []
+        for turn in range(3):
+            (completion,) = await engine.generate(context, 1, greedy=True, episode=f"e{i}")
+            out[i].append(completion)
+            context = [*context, *completion.tokens, 5 + turn, 6 + i % 4]
+        engine.end_episode(f"e{i}")
+
+    model = _model()
+    together: dict[int, list[Completion]] = {}
+    engine = _engine(model, 1 << 20)
+    try:
+        with anyio.fail_after(60):
+            async with anyio.create_task_group() as tg:
+                for i in range(8):
+                    tg.start_soon(episode, engine, i, together)
+    finally:
+        engine.close()
+    alone: dict[int, list[Completion]] = {}
+    engine = _engine(model, 1 << 20)
+    try:
+        with anyio.fail_after(60):
+            for i in range(8):
+                await episode(engine, i, alone)
+    finally:
+        engine.close()
+    for i in range(8):
+        assert [c.tokens for c in together[i]] == [c.tokens for c in alone[i]]
+        for got, want in zip(together[i], alone[i], strict=True):
+            assert got.logprobs == pytest.approx(want.logprobs, abs=1e-5)
+        assert all(c.reused_tokens for c in together[i][1:])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 import threading
 from typing import Any
 
@@ -178,6 +179,34 @@ async def test_a_request_arriving_while_the_loop_runs_takes_a_freed_slot_and_fin
     assert got["second"][0].logprobs == pytest.approx(want[2][1], abs=1e-5)
     stats = engine.statistics()
     assert (stats.slot_steps, stats.busy_slot_steps) == (2 * 8, 2 + 8 + 3)
+
+
+async def test_an_answered_request_s_caller_goes_on_while_the_loop_still_decodes() -> None:
+    """Two requests open one loop, one of 2 tokens and one of 8: the short one's caller is woken
+    when its row is handed back (its own wake, not the loop's end), and returns while the loop
+    is held at a later draw with the long row still decoding."""
+    model = _model()
+    engine = _engine(model, lengths=_Scripted([2], [8]))
+    held, go = _hold_draw(model, 4)  # prefill, then decode steps: the short row ended at the 2nd
+    short: list[Any] = []
+
+    async def ask_short() -> None:
+        short.append(await engine.generate(PROMPT, 1, greedy=True))
+
+    try:
+        with anyio.fail_after(60):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(ask_short)
+                tg.start_soon(functools.partial(engine.generate, [5, 6, 7], 1, greedy=True))
+                while not (held.is_set() and short):  # held, the loop waits (up to 30 s) for go
+                    await anyio.sleep(0.01)
+                assert engine._loop is not None  # answered while the loop was held, not at its end
+                go.set()
+    finally:
+        go.set()
+        engine.close()
+    assert engine.calls == 1
+    assert len(short[0][0].tokens) == 2
 
 
 @pytest.mark.parametrize(("waiting", "loops", "slot_steps"), [(2, 1, 8 + 2 + 2), (3, 2, 8 + 3 * 2)])
