@@ -8,22 +8,20 @@ loop takes further requests (of the same mode, greedy or not, in queue order, ea
 long as its rows and its prompt plus limit fit the free slots and the cache) from the queue at
 each of its checks, as finished rows free their slots: this batch's late groups, the next
 batch's when L >= 1. The queue is shared with the compute thread under a lock; the loop answers
-a request once all its rows are back, and wakes only the callers of the requests answered at
-one check, together (one `call_soon_threadsafe`): a multi-turn step's thousand callers each
-wait on their own request, not on one event that every answer would wake them all from. Every
-waiting caller looks again when the engine's state changes (a loop starts or ends, a wake, a
-refit done), as one of them may have to start the next loop. The loop outlives the caller
-that started it, so one caller's
-deadline never orphans the others; a request whose caller gave up (a timeout, a stop) gives
-its slots back at the next check, and keeps nothing of its episode; when the loop ends, a
-caller still waiting starts the next. A request of the other mode, one that does not fit, more
-rows waiting than twice the loop's width (unless the loop is at `max_rows`), a stand-down and a
-refit all make the loop admit
-nothing more, so it ends once its rows finish. `max_rows` (`rollout.max_rows`) sets a loop's
-slots: it opens that wide with the requests that fit under it, and the rest enter as rows
-finish; a loop opened by a few rows (those frozen at a stand-down, continuing after the wake)
-is that wide too, so the next batch's requests enter at once rather than wait for those rows,
-the long tail of the last batch, to end.
+a request once all its rows are back, and wakes only the callers of the requests answered at one
+check, together (one `call_soon_threadsafe`): a multi-turn step's thousand callers each wait on
+their own request, not on one event that every answer would wake them all from. Every waiting
+caller looks again when the engine's state changes (a loop starts or ends, a wake, a refit
+done), as one of them may have to start the next loop. The loop outlives the caller that started
+it, so one caller's deadline never orphans the others; a request whose caller gave up (a
+timeout, a stop) gives its slots back at the next check, and keeps nothing of its episode; when
+the loop ends, a caller still waiting starts the next. A request of the other mode, one that
+does not fit, more rows waiting than twice the loop's width (unless the loop is at `max_rows`),
+a stand-down and a refit all make the loop admit nothing more, so it ends once its rows finish.
+`max_rows` (`rollout.max_rows`) sets a loop's slots: it opens that wide with the requests that
+fit under it, and the rest enter as rows finish; a loop opened by a few rows (those frozen at a
+stand-down, continuing after the wake) is that wide too, so the next batch's requests enter at
+once rather than wait for those rows, the long tail of the last batch, to end.
 
 Colocated (`shared=True`) the engine samples from the trainer's own parameter tensors: it must
 stand down for training (its KV cache's memory is released) and waking it maps the cache again

@@ -1,13 +1,12 @@
 """The sampler's KV cache: every layer's keys and values laid out in one buffer of a `KVPool`.
 
-Layout: per layer, keys then values, each [rows, kv_heads, length, head_dim]; `flat[layer]`
-is both as [2 * rows * kv_heads * length, head_dim], so that one ``index_copy_`` writes a decode
+Layout: per layer, keys then values, each [rows, kv_heads, length, head_dim]; `flat[layer]` is
+both as [2 * rows * kv_heads * length, head_dim], so that one ``index_copy_`` writes a decode
 step's new keys and values (`layer_project`'s ``writes``); `every` is the whole buffer as
 [layers, 2, rows, kv_heads, length, head_dim], so that one indexing reads (or writes) given
 positions of given rows in every layer at once (episodes' kept keys and values, `kv_keep.py`).
-Row r keeps its own tokens at
-positions 0..n-1 (no left padding). The views are ordinary tensors made outside inference
-mode: they outlive `Sampler.generate`'s inference-mode calls.
+Row r keeps its own tokens at positions 0..n-1 (no left padding). The views are ordinary tensors
+made outside inference mode: they outlive `Sampler.generate`'s inference-mode calls.
 
 Lifecycle: `grow` lays out a larger cache (the old one's memory is given back first; its
 contents are lost); `release` hands the memory back to the driver, `restore` maps it again

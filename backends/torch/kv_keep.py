@@ -12,15 +12,14 @@ past them), and the sampler restores them into the new slot and prefills only th
 Bounds and lifetime: the kept entries hold at most ``budget`` bytes of device memory in all,
 counted by the tensors they hold (a pack counts whole while any of its entries is kept: its
 memory is freed with its last entry); keeping one more evicts the least recently kept first (an
-entry whose tensor is larger than the whole budget is not kept). `take` removes its entry, hit or
-miss (a live request's keys are in its slot; a
-mismatched entry is of no further use). `forget` drops an ended episode's entry; `clear` drops
-them all: the engine calls it at a stand-down (the memory goes back for training, and a wake
-finds nothing kept: it may serve new weights) and whenever the weights it serves change
-otherwise (a refit, a weights load: kept keys and values are the old weights'). A request
-given up (a deadline, a stop) keeps nothing, even one whose row finished as its caller gave up:
-its episode may have ended and been forgotten already, and its entry would hold memory until
-evicted.
+entry whose tensor is larger than the whole budget is not kept). `take` removes its entry, hit
+or miss (a live request's keys are in its slot; a mismatched entry is of no further use).
+`forget` drops an ended episode's entry; `clear` drops them all: the engine calls it at a
+stand-down (the memory goes back for training, and a wake finds nothing kept: it may serve new
+weights) and whenever the weights it serves change otherwise (a refit, a weights load: kept keys
+and values are the old weights'). A request given up (a deadline, a stop) keeps nothing, even
+one whose row finished as its caller gave up: its episode may have ended and been forgotten
+already, and its entry would hold memory until evicted.
 
 Thread-safe: the compute thread keeps and takes, the event loop forgets.
 """

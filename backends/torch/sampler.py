@@ -257,22 +257,22 @@ class Sampler:
         decode step), filled from ``source`` and emptied into ``sink``; returns once no row is
         live and the source gives nothing.
 
-        Slots. The first call ``source(None, None)`` gives what is waiting; the loop's width is
-        its rows, or ``width`` if more (bucketed with graphs, so one captured step serves the
-        whole loop: a loop opened by a few rows that more will join), and the
-        cache is grown, if it must, to fit its longest prompt plus ``max_new_tokens``. Growing
-        happens only here, between loops. Every ``check_every`` steps (and once every live row
-        must have reached its limit) the loop waits for the device, takes every finished row's
-        tokens off it in one copy and frees its slot, hands the admissions whose rows are all
-        back to ``sink`` in one call, each with its Completions (in its rows' order), and
-        offers the free slots to
-        ``source(rows, positions)``, which gives admissions of at most ``rows`` rows in all,
-        each row's prompt plus limit at most ``positions`` (the cache's length) and each limit
-        at most ``max_new_tokens``. An admission's prompt is prefilled once into exactly
-        its slots (the lowest free ones, in order), its rows' positions, limits and first tokens
-        set; a finished row's slot computes a wasted row until it is refilled. Admissions of a
-        refill are drawn and decoded after the rows already live, in the order given, so equal
-        generator state, inputs and admission order give equal outputs.
+        Slots. The first call ``source(None, None)`` gives what is waiting; the loop's width is its
+        rows, or ``width`` if more (bucketed with graphs, so one captured step serves the
+        whole loop: a loop opened by a few rows that more will join), and the cache is
+        grown, if it must, to fit its longest prompt plus ``max_new_tokens``. Growing
+        happens only here, between loops. Every ``check_every`` steps (and once every live
+        row must have reached its limit) the loop waits for the device, takes every finished
+        row's tokens off it in one copy and frees its slot, hands the admissions whose rows
+        are all back to ``sink`` in one call, each with its Completions (in its rows'
+        order), and offers the free slots to ``source(rows, positions)``, which gives
+        admissions of at most ``rows`` rows in all, each row's prompt plus limit at most
+        ``positions`` (the cache's length) and each limit at most ``max_new_tokens``. An
+        admission's prompt is prefilled once into exactly its slots (the lowest free ones,
+        in order), its rows' positions, limits and first tokens set; a finished row's slot
+        computes a wasted row until it is refilled. Admissions of a refill are drawn and
+        decoded after the rows already live, in the order given, so equal generator state,
+        inputs and admission order give equal outputs.
 
         ``dropped``: asked at each check of every live admission; one it says to drop (its
         caller gave up) has its unfinished rows' slots freed at once and never reaches ``sink``.
