@@ -456,7 +456,9 @@ def test_a_save_is_on_disk_before_its_rename_and_its_rename_after(
 
     monkeypatch.setattr(os, "fsync", fsynced)
     monkeypatch.setattr(os, "rename", renamed)
-    state = PipelineState(step=1, policy_version=1, next_batch=1, rollout_counts={}, reward_counts={}, python_rng=[])
+    state = PipelineState(
+        step=1, policy_version=1, next_batch=1, rollout_counts={}, reward_counts={}, python_rng=[]
+    )
     Checkpointer(root, keep_last=2).save(1, [_Sharded()], state, _Recipe())
     tmp = f"checkpoints/.tmp-step-000001-{os.getpid()}"
     assert events == [
@@ -478,7 +480,9 @@ def test_a_write_that_fails_by_a_bug_raises_it_and_leaves_no_folder_behind(tmp_p
     root = tmp_path / "checkpoints"
     checkpoints = Checkpointer(root, keep_last=2)
     first = _save(checkpoints, 1, next_batch=1)
-    state = PipelineState(step=2, policy_version=2, next_batch=2, rollout_counts={}, reward_counts={}, python_rng=[])
+    state = PipelineState(
+        step=2, policy_version=2, next_batch=2, rollout_counts={}, reward_counts={}, python_rng=[]
+    )
     with pytest.raises(ZeroDivisionError):
         checkpoints.save(2, [_Sharded(fail=ZeroDivisionError())], state, _Recipe())
     assert list(root.iterdir()) == [first]
