@@ -486,3 +486,29 @@ def test_a_write_that_fails_by_a_bug_raises_it_and_leaves_no_folder_behind(tmp_p
     with pytest.raises(ZeroDivisionError):
         checkpoints.save(2, [_Sharded(fail=ZeroDivisionError())], state, _Recipe())
     assert list(root.iterdir()) == [first]
+
+
+def test_a_steps_line_lost_to_a_kill_after_its_checkpoint_is_written_back_from_it(tmp_path: Path) -> None:
+    """The kill test above reaches this only when the kill beats the step's line (it depends on
+    the machine's speed): here the line is lost for certain, and the resume writes it back from
+    the checkpoint, marked recovered, dropping what the killed run logged past the checkpoint."""
+    import json
+
+    from stages.checkpoint import restore_metrics
+
+    lines = [{"step": 1, "train/loss": 0.5}, {"step": 3, "train/loss": 0.25}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    state = PipelineState(
+        step=2,
+        policy_version=2,
+        next_batch=2,
+        rollout_counts={},
+        reward_counts={},
+        last_record={"step": 2, "train/loss": 0.375},
+        python_rng=[],
+    )
+    restore_metrics(tmp_path, state)
+    assert read(tmp_path / "metrics.jsonl") == [
+        {"step": 1, "train/loss": 0.5},
+        {"step": 2, "train/loss": 0.375, "metrics/recovered": 1},
+    ]
