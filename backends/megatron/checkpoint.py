@@ -2,7 +2,8 @@
 
 `save(state, directory)` writes a sharded state dict (the model's and the optimizer's, each rank
 its own shards) into `directory`, synchronously, and refuses a state holding NaN or infinity
-(`NonFiniteState`; each rank checks its own shards: a pipeline process is one rank). An
+(`NonFiniteState`; each rank checks its own shards: a pipeline process is one rank); a write that
+fails (a full disk) is an `OSError` naming the folder and the free space. An
 asynchronous checkpoint passes it a copy in host memory, `HostCopier.copy(state, leaf=sharded_leaf)`.
 `load(state, directory)` reads one back, resharding to the current tensor-parallel layout, into
 fresh tensors (the live ones in `state` are left as they were) and returns it as plain state
@@ -36,7 +37,7 @@ from megatron.core.dist_checkpointing.strategies import filesystem_async
 from megatron.core.dist_checkpointing.strategies import torch as torch_strategy
 from torch.distributed.checkpoint.api import CheckpointException
 
-from backends.torch.state_file import nonfinite
+from backends.torch.state_file import nonfinite, write_failed
 from pipeline.contracts.errors import DamagedState, NonFiniteState
 
 _SHARDED = (ShardedTensor, ShardedTensorFactory)
@@ -53,7 +54,21 @@ def save(state: dict[str, Any], directory: Path) -> None:
         filesystem_async._results_queue = queue.Queue()
     torch_strategy._logged_mcore_async_deprecation = True
     directory.mkdir(exist_ok=True)  # every rank writes its shards here
-    dist_checkpointing.save(state, str(directory))
+    try:
+        dist_checkpointing.save(state, str(directory))
+    except CheckpointException as error:
+        # Its writer threads' failures (a full disk, a missing psutil) come back as one
+        # BaseException for the "write" phase; a failure to plan the save is a bug.
+        if error.args[0] != "write":
+            raise
+        raise write_failed(directory, _first_failure(error)) from None
+
+
+def _first_failure(error: CheckpointException) -> str:
+    """The first failing rank's error, in one line (only the coordinating rank holds them)."""
+    for failure, _ in error.failures.values():
+        return " ".join(f"{type(failure).__name__}: {failure}".split())
+    return "another rank's write failed"
 
 
 def sharded_leaf(value: Any, copy: Callable[[Any], Any]) -> Any:

@@ -46,7 +46,7 @@ def save_state(path: Path, state: Any, *, checked: bool = False) -> None:
     try:
         skeleton = write_tensors(tensors, state)
     except OSError as error:
-        raise _short(tensors, error) from None
+        raise write_failed(tensors, error) from None
     try:
         with _ZIP_CRC:
             crc = torch.serialization.get_crc32_options()
@@ -59,7 +59,7 @@ def save_state(path: Path, state: Any, *, checked: bool = False) -> None:
         # torch's zip writer reports a short write (a full disk) as a RuntimeError.
         if "inline_container" not in str(error) and "PytorchStreamWriter" not in str(error):
             raise
-        raise _short(path, error) from None
+        raise write_failed(path, error) from None
 
 
 def tensor_path(path: Path) -> Path:
@@ -67,7 +67,9 @@ def tensor_path(path: Path) -> Path:
     return path.with_suffix(".tensors")
 
 
-def _short(path: Path, error: Exception) -> OSError:
+def write_failed(path: Path, error: object) -> OSError:
+    """A write of `path` that failed (a full disk), as the `OSError` a checkpoint save reports in
+    one line: the file, the free space on its disk, the cause."""
     free = shutil.disk_usage(path.parent).free
     return OSError(f"writing {path.name} failed ({free / 2**30:.1f} GiB free on its disk): {error}")
 

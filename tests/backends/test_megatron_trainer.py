@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import replace
 from pathlib import Path
 
@@ -155,4 +156,28 @@ async def test_non_finite_weights_are_never_saved(tmp_path: Path) -> None:
         await trainer.compute.run(trainer.save, tmp_path)
     assert str(error.value) == "megatron/ would hold non-finite values at decoder.final_layernorm.weight"
     assert list(tmp_path.iterdir()) == []
+    trainer.close()
+
+
+async def test_a_save_whose_shards_cannot_be_written_is_an_oserror_naming_the_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A full disk under dist_checkpointing's writer came back as a BaseException (torch's
+    CheckpointException) that the checkpoint treated as a bug: a 90-line traceback, exit 1. As
+    an OSError the save fails in one line (`CheckpointError`), naming the folder."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    def full_disk(*_: object, **__: object) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(filesystem_async, "_write_item", full_disk)
+    trainer = megatron_trainer(CONFIGS["llama"], Decoder(CONFIGS["llama"]).state_dict())
+    with pytest.raises(OSError) as error:
+        await trainer.compute.run(trainer.save, tmp_path)
+    # megatron's own message names the cause's type only; its error log line, before, says it all.
+    assert re.fullmatch(
+        r"writing megatron failed \([0-9.]+ GiB free on its disk\): RuntimeError: Worker failure: An "
+        r"error is caught while starting worker 0, error: <class 'OSError'>",
+        str(error.value),
+    ), str(error.value)
     trainer.close()

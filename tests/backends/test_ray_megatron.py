@@ -20,6 +20,7 @@ pytest.importorskip("megatron.core")
 import pipeline
 from backends.place import place
 from backends.placement import Placed
+from backends.ray.place import START_S
 from pipeline.contracts.errors import BackendLost
 from pipeline.metrics import read
 from pipeline.shell import run as shell_run
@@ -38,6 +39,10 @@ MEGATRON = [
     "eval.every_steps=0",
     "gates.checks=[]",
 ]
+# The hang guard (pytest-timeout's 300 s) lies past the placement's own allowance: each placed
+# run may wait START_S for its actors (each rank imports megatron, which a loaded machine takes
+# minutes over), and a test places three runs at most.
+pytestmark = pytest.mark.timeout(3 * START_S + 300)
 KEYS = ("reward/mean", "train/loss", "train/grad_norm", "train/token_mult_prob_error")
 
 

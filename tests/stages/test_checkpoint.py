@@ -403,3 +403,112 @@ def test_a_resave_of_the_same_step_replaces_its_checkpoint(tmp_path: Path) -> No
     assert second == first
     assert read_saved(second).state.next_batch == 5
     assert list(root.iterdir()) == [second]
+
+
+class _Sharded:
+    """A part that writes a folder of its own (as megatron's shards), later: `Snapshotting`.
+    `fail`: its write raises that instead (a bug in a backend)."""
+
+    def __init__(self, fail: BaseException | None = None) -> None:
+        self.fail = fail
+
+    def save(self, directory: Path) -> None:
+        self.snapshot(directory).write()
+
+    def snapshot(self, directory: Path) -> Any:
+        part = self
+
+        class Written:
+            def write(self) -> None:
+                if part.fail is not None:
+                    raise part.fail
+                (directory / "shards").mkdir()
+                (directory / "shards" / "0.bin").write_bytes(b"\1" * 64)
+
+        return Written()
+
+    def load(self, directory: Path) -> None:
+        pass
+
+
+def test_a_save_is_on_disk_before_its_rename_and_its_rename_after(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What makes a save survive a power loss: every file, the marker and every folder of the
+    step is fsynced before the rename that commits it, and the checkpoints folder (which holds
+    the rename) after it. Deleting any of those fsyncs leaves every other test green, since only
+    a machine that loses its page cache would tell."""
+    import os
+
+    root = tmp_path / "checkpoints"
+    root.mkdir()
+    events: list[str] = []
+    fsync, rename = os.fsync, os.rename
+
+    def fsynced(fd: int) -> None:
+        path = Path(os.readlink(f"/proc/self/fd/{fd}"))
+        events.append(f"fsync {path.relative_to(tmp_path)}")
+        fsync(fd)
+
+    def renamed(source: Any, target: Any) -> None:
+        events.append(f"rename {Path(source).name} -> {Path(target).name}")
+        rename(source, target)
+
+    monkeypatch.setattr(os, "fsync", fsynced)
+    monkeypatch.setattr(os, "rename", renamed)
+    state = PipelineState(
+        step=1, policy_version=1, next_batch=1, rollout_counts={}, reward_counts={}, python_rng=[]
+    )
+    Checkpointer(root, keep_last=2).save(1, [_Sharded()], state, _Recipe())
+    tmp = f"checkpoints/.tmp-step-000001-{os.getpid()}"
+    assert events == [
+        f"fsync {tmp}/shards/0.bin",
+        f"fsync {tmp}/{STATE_FILE}",
+        f"fsync {tmp}/recipe.yaml",
+        f"fsync {tmp}/{MARKER}",
+        f"fsync {tmp}/shards",
+        f"fsync {tmp}",
+        f"rename .tmp-step-000001-{os.getpid()} -> step-000001",
+        "fsync checkpoints",
+    ]
+
+
+def test_a_write_that_fails_by_a_bug_raises_it_and_leaves_no_folder_behind(tmp_path: Path) -> None:
+    """A part's write that raises other than a full disk or a non-finite state (a bug) is raised
+    as it is, and its unfinished folder goes with it (a run embedded in a long-lived process
+    would otherwise keep it until its next start)."""
+    root = tmp_path / "checkpoints"
+    checkpoints = Checkpointer(root, keep_last=2)
+    first = _save(checkpoints, 1, next_batch=1)
+    state = PipelineState(
+        step=2, policy_version=2, next_batch=2, rollout_counts={}, reward_counts={}, python_rng=[]
+    )
+    with pytest.raises(ZeroDivisionError):
+        checkpoints.save(2, [_Sharded(fail=ZeroDivisionError())], state, _Recipe())
+    assert list(root.iterdir()) == [first]
+
+
+def test_a_steps_line_lost_to_a_kill_after_its_checkpoint_is_written_back_from_it(tmp_path: Path) -> None:
+    """The kill test above reaches this only when the kill beats the step's line (it depends on
+    the machine's speed): here the line is lost for certain, and the resume writes it back from
+    the checkpoint, marked recovered, dropping what the killed run logged past the checkpoint."""
+    import json
+
+    from stages.checkpoint import restore_metrics
+
+    lines = [{"step": 1, "train/loss": 0.5}, {"step": 3, "train/loss": 0.25}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    state = PipelineState(
+        step=2,
+        policy_version=2,
+        next_batch=2,
+        rollout_counts={},
+        reward_counts={},
+        last_record={"step": 2, "train/loss": 0.375},
+        python_rng=[],
+    )
+    restore_metrics(tmp_path, state)
+    assert read(tmp_path / "metrics.jsonl") == [
+        {"step": 1, "train/loss": 0.5},
+        {"step": 2, "train/loss": 0.375, "metrics/recovered": 1},
+    ]

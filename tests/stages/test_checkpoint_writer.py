@@ -137,3 +137,35 @@ async def test_a_clean_stop_waits_for_the_write_in_flight(tmp_path: Path, fake: 
     returned.set()
     assert seen_returned == [False]
     assert [p.name for p in committed(tmp_path / "run/checkpoints")] == ["step-000002"]
+
+
+async def test_a_failing_write_of_the_last_step_fails_the_run(tmp_path: Path, fake: FakeTime) -> None:
+    """The last step's write is the one no later step checks: the run's end must raise its
+    failure, or the run says it finished with nothing of its last step saved."""
+
+    def full_disk(point: str) -> None:
+        if point == "before_marker":
+            raise OSError(28, "No space left on device")
+
+    with pytest.raises(CheckpointError) as raised:
+        await run(make_recipe(tmp_path, steps=2), fake, checkpoint_hook=full_disk)
+    root = tmp_path / "run/checkpoints"
+    assert str(raised.value) == (
+        f"checkpoint: saving step 2 to {root / 'step-000002'} failed: [Errno 28] No space left on "
+        "device; the last good checkpoint is none"
+    )
+    assert committed(root) == []
+
+
+async def test_each_commit_writes_the_trace_so_far(tmp_path: Path, fake: FakeTime) -> None:
+    """A run killed after a checkpoint still leaves trace.json: each commit writes the trace as
+    of its snapshot. Seen from the next save, which starts once the last write is done."""
+    trace = tmp_path / "run/trace.json"
+    seen: list[bool] = []
+
+    def hook(point: str) -> None:
+        if point == "before_snapshot":
+            seen.append(trace.is_file())
+
+    await run(make_recipe(tmp_path, steps=3, checkpoint={"every_steps": 1}), fake, checkpoint_hook=hook)
+    assert seen == [False, True, True]
