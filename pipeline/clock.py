@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
+from types import TracebackType
 from typing import Protocol
 
 import anyio
@@ -61,13 +62,48 @@ class ClockStatistics(msgspec.Struct, frozen=True):
 
 
 class _Deadline:
-    __slots__ = ("expires_at", "fired", "scope", "suspendable")
+    """One deadline of a clock and the cancel scope it fires: the context manager that
+    `fail_after` and `move_on_after` return (a class, not a generator: every turn of an episode
+    enters several)."""
 
-    def __init__(self, expires_at: float, suspendable: bool) -> None:
-        self.expires_at = expires_at
+    __slots__ = ("clock", "expires_at", "fired", "scope", "seconds", "suspendable", "what")
+
+    def __init__(self, clock: DeadlineClock, seconds: float, what: str | None, suspendable: bool) -> None:
+        self.clock = clock
+        self.seconds = seconds
+        self.what = what  # None: cancel silently (move_on_after)
         self.suspendable = suspendable
-        self.scope = anyio.CancelScope()
         self.fired = False
+        self.expires_at = math.inf
+        self.scope: anyio.CancelScope | None = None
+
+    def __enter__(self) -> None:
+        clock = self.clock
+        if clock._scope_class is None:
+            raise RuntimeError("DeadlineClock.run() must be running before deadlines are set")
+        wall = clock.source.now()
+        if not self.suspendable:
+            self.expires_at = wall + self.seconds
+        elif clock._depth:
+            self.expires_at = clock._suspended_since - clock._suspended_total + self.seconds
+        else:
+            self.expires_at = wall - clock._suspended_total + self.seconds
+        clock._deadlines.add(self)
+        # A suspendable deadline cannot expire while suspended (resuming wakes the timer).
+        if not (self.suspendable and clock._depth) and wall + self.seconds < clock._wake_at:
+            clock._changed()
+        self.scope = scope = clock._scope_class()
+        scope.__enter__()
+
+    def __exit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, traceback: TracebackType | None
+    ) -> bool:
+        self.clock._deadlines.discard(self)
+        assert self.scope is not None  # entered
+        swallowed = self.scope.__exit__(kind, error, traceback)
+        if self.fired and self.what is not None and self.scope.cancelled_caught:
+            raise DeadlineExceeded(self.what, self.seconds) from None
+        return bool(swallowed)
 
 
 class DeadlineClock:
@@ -85,7 +121,9 @@ class DeadlineClock:
         self._suspended_total = 0.0
         self._deadlines: set[_Deadline] = set()
         self._fired = 0
-        self._running = False
+        # The event loop's cancel scope class, looked up once (anyio.CancelScope() finds the
+        # running backend on every call); None while `run()` is not running.
+        self._scope_class: Callable[[], anyio.CancelScope] | None = None
         self._sleep_scope: anyio.CancelScope | None = None
         # Source time the timer task sleeps until: a new deadline expiring later needs no wake-up.
         self._wake_at = -math.inf
@@ -138,43 +176,21 @@ class DeadlineClock:
 
     # -- deadlines --------------------------------------------------------------------------
 
-    @contextmanager
-    def fail_after(self, seconds: float, what: str, *, suspendable: bool = True) -> Iterator[None]:
+    def fail_after(self, seconds: float, what: str, *, suspendable: bool = True) -> AbstractContextManager[None]:
         """Cancel the body and raise `DeadlineExceeded(what)` once `seconds` have passed.
 
         Service time for suspendable deadlines, source (wall) time otherwise.
         """
-        with self._deadline(seconds, suspendable) as deadline:
-            yield
-        if deadline.fired and deadline.scope.cancelled_caught:
-            raise DeadlineExceeded(what, seconds)
+        return _Deadline(self, seconds, what, suspendable)
 
-    @contextmanager
-    def move_on_after(self, seconds: float, *, suspendable: bool = True) -> Iterator[None]:
+    def move_on_after(self, seconds: float, *, suspendable: bool = True) -> AbstractContextManager[None]:
         """Cancel the body silently once `seconds` have passed."""
-        with self._deadline(seconds, suspendable):
-            yield
+        return _Deadline(self, seconds, None, suspendable)
 
     async def sleep(self, seconds: float) -> None:
         """Sleep for `seconds` of service time (time stood down does not count)."""
         with self.move_on_after(seconds):
             await anyio.sleep_forever()
-
-    @contextmanager
-    def _deadline(self, seconds: float, suspendable: bool) -> Iterator[_Deadline]:
-        if not self._running:
-            raise RuntimeError("DeadlineClock.run() must be running before deadlines are set")
-        start = self.now() if suspendable else self.source.now()
-        deadline = _Deadline(start + seconds, suspendable)
-        self._deadlines.add(deadline)
-        # A suspendable deadline cannot expire while suspended (resuming wakes the timer).
-        if not (suspendable and self._depth) and self.source.now() + seconds < self._wake_at:
-            self._changed()
-        try:
-            with deadline.scope:
-                yield deadline
-        finally:
-            self._deadlines.discard(deadline)
 
     def _remaining(self, deadline: _Deadline) -> float:
         if deadline.suspendable:
@@ -188,6 +204,7 @@ class DeadlineClock:
             remaining = self._remaining(deadline)
             if remaining <= _EXPIRY_SLACK_S:
                 deadline.fired = True
+                assert deadline.scope is not None  # registered on entering its scope
                 deadline.scope.cancel()
                 self._deadlines.discard(deadline)
                 self._fired += 1
@@ -202,9 +219,9 @@ class DeadlineClock:
 
     async def run(self) -> None:
         """The timer task: fires deadlines as they expire. Runs until cancelled."""
-        if self._running:
+        if self._scope_class is not None:
             raise RuntimeError("DeadlineClock.run() is already running")
-        self._running = True
+        self._scope_class = type(anyio.CancelScope())
         try:
             while True:
                 delay = self._fire_expired()
@@ -216,6 +233,6 @@ class DeadlineClock:
                         await self.source.sleep(delay)
                 self._sleep_scope = None
         finally:
-            self._running = False
+            self._scope_class = None
             self._sleep_scope = None
             self._wake_at = -math.inf
