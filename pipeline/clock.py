@@ -192,24 +192,33 @@ class DeadlineClock:
         with self.move_on_after(seconds):
             await anyio.sleep_forever()
 
-    def _remaining(self, deadline: _Deadline) -> float:
-        if deadline.suspendable:
-            return math.inf if self._depth else deadline.expires_at - self.now()
-        return deadline.expires_at - self.source.now()
-
     def _fire_expired(self) -> float:
-        """Fire every expired deadline; return the delay until the next one (inf if none)."""
+        """Fire every expired deadline; return the delay until the next one (inf if none).
+
+        Both readings are taken once: a stand-down's suspend and resume scan every deadline of
+        every episode in flight."""
+        wall = self.source.now()
+        service = self.now()
+        suspended = self._depth > 0
         next_delay = math.inf
-        for deadline in list(self._deadlines):
-            remaining = self._remaining(deadline)
-            if remaining <= _EXPIRY_SLACK_S:
-                deadline.fired = True
-                assert deadline.scope is not None  # registered on entering its scope
-                deadline.scope.cancel()
-                self._deadlines.discard(deadline)
-                self._fired += 1
+        expired: list[_Deadline] = []
+        for deadline in self._deadlines:
+            if not deadline.suspendable:
+                remaining = deadline.expires_at - wall
+            elif suspended:
+                continue
             else:
-                next_delay = min(next_delay, remaining)
+                remaining = deadline.expires_at - service
+            if remaining <= _EXPIRY_SLACK_S:
+                expired.append(deadline)
+            elif remaining < next_delay:
+                next_delay = remaining
+        for deadline in expired:
+            deadline.fired = True
+            assert deadline.scope is not None  # registered on entering its scope
+            deadline.scope.cancel()
+            self._deadlines.discard(deadline)
+            self._fired += 1
         return next_delay
 
     def _changed(self) -> None:
