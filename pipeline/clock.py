@@ -8,7 +8,9 @@ down, so no request is charged for time the engine could not serve it.
 Every deadline in the pipeline is created here (`fail_after`, `move_on_after`, `sleep`) and
 tracked by the clock's timer task (`run`), which fires the earliest one when it expires. While
 suspended, suspendable deadlines are frozen; wall-time deadlines (`suspendable=False`, used for
-reward work, which the gate does not block) keep running on the same source.
+reward work, which the gate does not block) keep running on the same source. A `Bound` (`bound`)
+is a deadline without a cancel scope of its own, which the deadlines entered within it end at:
+an outer deadline whose body awaits only under inner ones costs no scope.
 
 All time is read through a `TimeSource`; `MonotonicTime` is the real one and
 `pipeline.testing.FakeTime` a virtual one for tests that never sleep.
@@ -61,18 +63,52 @@ class ClockStatistics(msgspec.Struct, frozen=True):
     fired_deadlines: int
 
 
+class Bound:
+    """A service-time deadline that opens no cancel scope of its own: the deadlines entered
+    within it (`fail_after`, `move_on_after`, `sleep` with ``within=``) end at it where it comes
+    first, and raise its `DeadlineExceeded` then. Code that awaits only under such deadlines is
+    bounded by it as by `fail_after(seconds, what)`, one cancel scope fewer (an episode's turn
+    bounds its attempts and their backoff sleeps so). `fired` is set once it has ended one."""
+
+    __slots__ = ("expires_at", "fired", "seconds", "what")
+
+    def __init__(self, expires_at: float, seconds: float, what: str) -> None:
+        self.expires_at = expires_at
+        self.seconds = seconds
+        self.what = what
+        self.fired = False
+
+    def exceeded(self) -> DeadlineExceeded:
+        return DeadlineExceeded(self.what, self.seconds)
+
+
 class _Deadline:
     """One deadline of a clock and the cancel scope it fires: the context manager that
     `fail_after` and `move_on_after` return (a class, not a generator: every turn of an episode
     enters several)."""
 
-    __slots__ = ("clock", "expires_at", "fired", "scope", "seconds", "suspendable", "what")
+    __slots__ = (
+        "clock",
+        "ends_at_bound",
+        "expires_at",
+        "fired",
+        "scope",
+        "seconds",
+        "suspendable",
+        "what",
+        "within",
+    )
 
-    def __init__(self, clock: DeadlineClock, seconds: float, what: str | None, suspendable: bool) -> None:
+    def __init__(
+        self, clock: DeadlineClock, seconds: float, what: str | None, suspendable: bool, within: Bound | None
+    ) -> None:
+        assert within is None or suspendable, "a bound is service time: only suspendable deadlines end at one"
         self.clock = clock
         self.seconds = seconds
         self.what = what  # None: cancel silently (move_on_after)
         self.suspendable = suspendable
+        self.within = within
+        self.ends_at_bound = False
         self.fired = False
         self.expires_at = math.inf
         self.scope: anyio.CancelScope | None = None
@@ -83,14 +119,18 @@ class _Deadline:
             raise RuntimeError("DeadlineClock.run() must be running before deadlines are set")
         wall = clock.source.now()
         if not self.suspendable:
-            self.expires_at = wall + self.seconds
+            now = wall
         elif clock._depth:
-            self.expires_at = clock._suspended_since - clock._suspended_total + self.seconds
+            now = clock._suspended_since - clock._suspended_total
         else:
-            self.expires_at = wall - clock._suspended_total + self.seconds
+            now = wall - clock._suspended_total
+        self.expires_at = now + self.seconds
+        if self.within is not None and self.within.expires_at <= self.expires_at:
+            self.expires_at = self.within.expires_at
+            self.ends_at_bound = True
         clock._deadlines.add(self)
         # A suspendable deadline cannot expire while suspended (resuming wakes the timer).
-        if not (self.suspendable and clock._depth) and wall + self.seconds < clock._wake_at:
+        if not (self.suspendable and clock._depth) and wall + (self.expires_at - now) < clock._wake_at:
             clock._changed()
         self.scope = scope = clock._scope_class()
         scope.__enter__()
@@ -101,8 +141,13 @@ class _Deadline:
         self.clock._deadlines.discard(self)
         assert self.scope is not None  # entered
         swallowed = self.scope.__exit__(kind, error, traceback)
-        if self.fired and self.what is not None and self.scope.cancelled_caught:
-            raise DeadlineExceeded(self.what, self.seconds) from None
+        if self.fired and self.scope.cancelled_caught:
+            if self.ends_at_bound:
+                assert self.within is not None  # set with it
+                self.within.fired = True
+                raise self.within.exceeded() from None
+            if self.what is not None:
+                raise DeadlineExceeded(self.what, self.seconds) from None
         return bool(swallowed)
 
 
@@ -176,20 +221,32 @@ class DeadlineClock:
 
     # -- deadlines --------------------------------------------------------------------------
 
-    def fail_after(self, seconds: float, what: str, *, suspendable: bool = True) -> AbstractContextManager[None]:
-        """Cancel the body and raise `DeadlineExceeded(what)` once `seconds` have passed.
+    def bound(self, seconds: float, what: str) -> Bound:
+        """A deadline `seconds` of service time from now that the deadlines given it as
+        ``within`` end at (`Bound`); it cancels nothing by itself."""
+        return Bound(self.now() + seconds, seconds, what)
+
+    def fail_after(
+        self, seconds: float, what: str, *, suspendable: bool = True, within: Bound | None = None
+    ) -> AbstractContextManager[None]:
+        """Cancel the body and raise `DeadlineExceeded(what)` once `seconds` have passed (or
+        ``within``'s, at ``within``'s end where that comes first).
 
         Service time for suspendable deadlines, source (wall) time otherwise.
         """
-        return _Deadline(self, seconds, what, suspendable)
+        return _Deadline(self, seconds, what, suspendable, within)
 
-    def move_on_after(self, seconds: float, *, suspendable: bool = True) -> AbstractContextManager[None]:
-        """Cancel the body silently once `seconds` have passed."""
-        return _Deadline(self, seconds, None, suspendable)
+    def move_on_after(
+        self, seconds: float, *, suspendable: bool = True, within: Bound | None = None
+    ) -> AbstractContextManager[None]:
+        """Cancel the body silently once `seconds` have passed (but raise ``within``'s
+        `DeadlineExceeded` at its end, where that comes first)."""
+        return _Deadline(self, seconds, None, suspendable, within)
 
-    async def sleep(self, seconds: float) -> None:
-        """Sleep for `seconds` of service time (time stood down does not count)."""
-        with self.move_on_after(seconds):
+    async def sleep(self, seconds: float, *, within: Bound | None = None) -> None:
+        """Sleep for `seconds` of service time (time stood down does not count); raise
+        ``within``'s `DeadlineExceeded` if it ends first."""
+        with self.move_on_after(seconds, within=within):
             await anyio.sleep_forever()
 
     def _fire_expired(self) -> float:

@@ -224,9 +224,10 @@ class Episodes:
             return completion, version
 
         what = f"turn {index} of an episode of {prompt.prompt_id}"
+        # The turn's deadline bounds its attempts' and backoffs' (one cancel scope an attempt).
+        turn = self.clock.bound(self.section.turn_s, what)
         try:
-            with self.clock.fail_after(self.section.turn_s, what):
-                return await with_retries(attempt, self.section, self.clock, counts, what)
+            return await with_retries(attempt, self.section, self.clock, counts, what, within=turn)
         except DeadlineExceeded:
             counts["timeouts"] += 1
             raise GiveUp("turn_timeout") from None
