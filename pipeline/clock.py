@@ -8,7 +8,9 @@ down, so no request is charged for time the engine could not serve it.
 Every deadline in the pipeline is created here (`fail_after`, `move_on_after`, `sleep`) and
 tracked by the clock's timer task (`run`), which fires the earliest one when it expires. While
 suspended, suspendable deadlines are frozen; wall-time deadlines (`suspendable=False`, used for
-reward work, which the gate does not block) keep running on the same source.
+reward work, which the gate does not block) keep running on the same source. A `Bound` (`bound`)
+is a deadline without a cancel scope of its own, which the deadlines entered within it end at:
+an outer deadline whose body awaits only under inner ones costs no scope.
 
 All time is read through a `TimeSource`; `MonotonicTime` is the real one and
 `pipeline.testing.FakeTime` a virtual one for tests that never sleep.
@@ -18,8 +20,9 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
+from types import TracebackType
 from typing import Protocol
 
 import anyio
@@ -60,14 +63,92 @@ class ClockStatistics(msgspec.Struct, frozen=True):
     fired_deadlines: int
 
 
-class _Deadline:
-    __slots__ = ("expires_at", "fired", "scope", "suspendable")
+class Bound:
+    """A service-time deadline that opens no cancel scope of its own: the deadlines entered
+    within it (`fail_after`, `move_on_after`, `sleep` with ``within=``) end at it where it comes
+    first, and raise its `DeadlineExceeded` then. Code that awaits only under such deadlines is
+    bounded by it as by `fail_after(seconds, what)`, one cancel scope fewer (an episode's turn
+    bounds its attempts and their backoff sleeps so). `fired` is set once it has ended one."""
 
-    def __init__(self, expires_at: float, suspendable: bool) -> None:
+    __slots__ = ("expires_at", "fired", "seconds", "what")
+
+    def __init__(self, expires_at: float, seconds: float, what: str) -> None:
         self.expires_at = expires_at
-        self.suspendable = suspendable
-        self.scope = anyio.CancelScope()
+        self.seconds = seconds
+        self.what = what
         self.fired = False
+
+    def exceeded(self) -> DeadlineExceeded:
+        return DeadlineExceeded(self.what, self.seconds)
+
+
+class _Deadline:
+    """One deadline of a clock and the cancel scope it fires: the context manager that
+    `fail_after` and `move_on_after` return (a class, not a generator: every turn of an episode
+    enters several)."""
+
+    __slots__ = (
+        "clock",
+        "ends_at_bound",
+        "expires_at",
+        "fired",
+        "scope",
+        "seconds",
+        "suspendable",
+        "what",
+        "within",
+    )
+
+    def __init__(
+        self, clock: DeadlineClock, seconds: float, what: str | None, suspendable: bool, within: Bound | None
+    ) -> None:
+        assert within is None or suspendable, "a bound is service time: only suspendable deadlines end at one"
+        self.clock = clock
+        self.seconds = seconds
+        self.what = what  # None: cancel silently (move_on_after)
+        self.suspendable = suspendable
+        self.within = within
+        self.ends_at_bound = False
+        self.fired = False
+        self.expires_at = math.inf
+        self.scope: anyio.CancelScope | None = None
+
+    def __enter__(self) -> None:
+        clock = self.clock
+        if clock._scope_class is None:
+            raise RuntimeError("DeadlineClock.run() must be running before deadlines are set")
+        wall = clock.source.now()
+        if not self.suspendable:
+            now = wall
+        elif clock._depth:
+            now = clock._suspended_since - clock._suspended_total
+        else:
+            now = wall - clock._suspended_total
+        self.expires_at = now + self.seconds
+        if self.within is not None and self.within.expires_at <= self.expires_at:
+            self.expires_at = self.within.expires_at
+            self.ends_at_bound = True
+        clock._deadlines.add(self)
+        # A suspendable deadline cannot expire while suspended (resuming wakes the timer).
+        if not (self.suspendable and clock._depth) and wall + (self.expires_at - now) < clock._wake_at:
+            clock._changed()
+        self.scope = scope = clock._scope_class()
+        scope.__enter__()
+
+    def __exit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, traceback: TracebackType | None
+    ) -> bool:
+        self.clock._deadlines.discard(self)
+        assert self.scope is not None  # entered
+        swallowed = self.scope.__exit__(kind, error, traceback)
+        if self.fired and self.scope.cancelled_caught:
+            if self.ends_at_bound:
+                assert self.within is not None  # set with it
+                self.within.fired = True
+                raise self.within.exceeded() from None
+            if self.what is not None:
+                raise DeadlineExceeded(self.what, self.seconds) from None
+        return bool(swallowed)
 
 
 class DeadlineClock:
@@ -85,7 +166,9 @@ class DeadlineClock:
         self._suspended_total = 0.0
         self._deadlines: set[_Deadline] = set()
         self._fired = 0
-        self._running = False
+        # The event loop's cancel scope class, looked up once (anyio.CancelScope() finds the
+        # running backend on every call); None while `run()` is not running.
+        self._scope_class: Callable[[], anyio.CancelScope] | None = None
         self._sleep_scope: anyio.CancelScope | None = None
         # Source time the timer task sleeps until: a new deadline expiring later needs no wake-up.
         self._wake_at = -math.inf
@@ -138,61 +221,61 @@ class DeadlineClock:
 
     # -- deadlines --------------------------------------------------------------------------
 
-    @contextmanager
-    def fail_after(self, seconds: float, what: str, *, suspendable: bool = True) -> Iterator[None]:
-        """Cancel the body and raise `DeadlineExceeded(what)` once `seconds` have passed.
+    def bound(self, seconds: float, what: str) -> Bound:
+        """A deadline `seconds` of service time from now that the deadlines given it as
+        ``within`` end at (`Bound`); it cancels nothing by itself."""
+        return Bound(self.now() + seconds, seconds, what)
+
+    def fail_after(
+        self, seconds: float, what: str, *, suspendable: bool = True, within: Bound | None = None
+    ) -> AbstractContextManager[None]:
+        """Cancel the body and raise `DeadlineExceeded(what)` once `seconds` have passed (or
+        ``within``'s, at ``within``'s end where that comes first).
 
         Service time for suspendable deadlines, source (wall) time otherwise.
         """
-        with self._deadline(seconds, suspendable) as deadline:
-            yield
-        if deadline.fired and deadline.scope.cancelled_caught:
-            raise DeadlineExceeded(what, seconds)
+        return _Deadline(self, seconds, what, suspendable, within)
 
-    @contextmanager
-    def move_on_after(self, seconds: float, *, suspendable: bool = True) -> Iterator[None]:
-        """Cancel the body silently once `seconds` have passed."""
-        with self._deadline(seconds, suspendable):
-            yield
+    def move_on_after(
+        self, seconds: float, *, suspendable: bool = True, within: Bound | None = None
+    ) -> AbstractContextManager[None]:
+        """Cancel the body silently once `seconds` have passed (but raise ``within``'s
+        `DeadlineExceeded` at its end, where that comes first)."""
+        return _Deadline(self, seconds, None, suspendable, within)
 
-    async def sleep(self, seconds: float) -> None:
-        """Sleep for `seconds` of service time (time stood down does not count)."""
-        with self.move_on_after(seconds):
+    async def sleep(self, seconds: float, *, within: Bound | None = None) -> None:
+        """Sleep for `seconds` of service time (time stood down does not count); raise
+        ``within``'s `DeadlineExceeded` if it ends first."""
+        with self.move_on_after(seconds, within=within):
             await anyio.sleep_forever()
 
-    @contextmanager
-    def _deadline(self, seconds: float, suspendable: bool) -> Iterator[_Deadline]:
-        if not self._running:
-            raise RuntimeError("DeadlineClock.run() must be running before deadlines are set")
-        start = self.now() if suspendable else self.source.now()
-        deadline = _Deadline(start + seconds, suspendable)
-        self._deadlines.add(deadline)
-        # A suspendable deadline cannot expire while suspended (resuming wakes the timer).
-        if not (suspendable and self._depth) and self.source.now() + seconds < self._wake_at:
-            self._changed()
-        try:
-            with deadline.scope:
-                yield deadline
-        finally:
-            self._deadlines.discard(deadline)
-
-    def _remaining(self, deadline: _Deadline) -> float:
-        if deadline.suspendable:
-            return math.inf if self._depth else deadline.expires_at - self.now()
-        return deadline.expires_at - self.source.now()
-
     def _fire_expired(self) -> float:
-        """Fire every expired deadline; return the delay until the next one (inf if none)."""
+        """Fire every expired deadline; return the delay until the next one (inf if none).
+
+        Both readings are taken once: a stand-down's suspend and resume scan every deadline of
+        every episode in flight."""
+        wall = self.source.now()
+        service = self.now()
+        suspended = self._depth > 0
         next_delay = math.inf
-        for deadline in list(self._deadlines):
-            remaining = self._remaining(deadline)
-            if remaining <= _EXPIRY_SLACK_S:
-                deadline.fired = True
-                deadline.scope.cancel()
-                self._deadlines.discard(deadline)
-                self._fired += 1
+        expired: list[_Deadline] = []
+        for deadline in self._deadlines:
+            if not deadline.suspendable:
+                remaining = deadline.expires_at - wall
+            elif suspended:
+                continue
             else:
-                next_delay = min(next_delay, remaining)
+                remaining = deadline.expires_at - service
+            if remaining <= _EXPIRY_SLACK_S:
+                expired.append(deadline)
+            elif remaining < next_delay:
+                next_delay = remaining
+        for deadline in expired:
+            deadline.fired = True
+            assert deadline.scope is not None  # registered on entering its scope
+            deadline.scope.cancel()
+            self._deadlines.discard(deadline)
+            self._fired += 1
         return next_delay
 
     def _changed(self) -> None:
@@ -202,9 +285,9 @@ class DeadlineClock:
 
     async def run(self) -> None:
         """The timer task: fires deadlines as they expire. Runs until cancelled."""
-        if self._running:
+        if self._scope_class is not None:
             raise RuntimeError("DeadlineClock.run() is already running")
-        self._running = True
+        self._scope_class = type(anyio.CancelScope())
         try:
             while True:
                 delay = self._fire_expired()
@@ -216,6 +299,6 @@ class DeadlineClock:
                         await self.source.sleep(delay)
                 self._sleep_scope = None
         finally:
-            self._running = False
+            self._scope_class = None
             self._sleep_scope = None
             self._wake_at = -math.inf

@@ -31,8 +31,9 @@ counts in-flight calls. Each transition's duration is returned by `step` and kep
 from __future__ import annotations
 
 import enum
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
+from collections.abc import Awaitable, Callable
+from contextlib import AbstractAsyncContextManager
+from types import TracebackType
 from typing import TypeVar
 
 import anyio
@@ -106,22 +107,9 @@ class EngineGate:
         """From the stand-down before the engine's `wakes`-th wake to serving again."""
         return self._windows[wakes]
 
-    @asynccontextmanager
-    async def serving(self) -> AsyncIterator[int]:
+    def serving(self) -> AbstractAsyncContextManager[int]:
         """Hold the engine for one call; yields the weights version it serves."""
-        self._waiting += 1
-        try:
-            while self._state is not GateState.SERVING:
-                await self._wait_changed()
-        finally:
-            self._waiting -= 1
-        self._in_flight += 1
-        try:
-            yield self.engine_version
-        finally:
-            self._in_flight -= 1
-            if self._state is GateState.STANDING_DOWN:  # a stand-down waits for the calls in flight
-                self._notify()
+        return _Serving(self)
 
     async def step(
         self,
@@ -244,3 +232,32 @@ class EngineGate:
             last_timings=dict(self._timings),
             engine_memory_after_stand_down=self._memory_after_stand_down,
         )
+
+
+class _Serving:
+    """`EngineGate.serving()`: waits while the gate is not serving, then counts the call in
+    flight until it exits (a class, not a generator: every turn of an episode enters one)."""
+
+    __slots__ = ("gate",)
+
+    def __init__(self, gate: EngineGate) -> None:
+        self.gate = gate
+
+    async def __aenter__(self) -> int:
+        gate = self.gate
+        gate._waiting += 1
+        try:
+            while gate._state is not GateState.SERVING:
+                await gate._wait_changed()
+        finally:
+            gate._waiting -= 1
+        gate._in_flight += 1
+        return gate.engine_version
+
+    async def __aexit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, traceback: TracebackType | None
+    ) -> None:
+        gate = self.gate
+        gate._in_flight -= 1
+        if gate._state is GateState.STANDING_DOWN:  # a stand-down waits for the calls in flight
+            gate._notify()

@@ -42,7 +42,7 @@ import math
 import uuid
 from collections import Counter
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, cast
 
 import msgspec
 
@@ -101,6 +101,10 @@ class Episodes:
         self.clock = clock
         self.chat = chat
         self.vocab_size = tokenizer.vocab_size
+        # Capabilities checked once (a runtime protocol's isinstance walks its members): the
+        # gate's engine is fixed, and an environment's by its class.
+        self.keeper = gate.engine if isinstance(gate.engine, KeepsEpisodes) else None
+        self._closing: dict[type, bool] = {}
 
     async def run(self, prompt: Prompt, *, counts: Counter[str], greedy: bool = False) -> Episode:
         """Play one episode from `prompt`; raises `GiveUp` when a turn's generation gives up."""
@@ -196,10 +200,13 @@ class Episodes:
             self._failed(str(failure), counts)
             return episode(None, {}, failed=str(failure))
         finally:
-            if isinstance(self.gate.engine, KeepsEpisodes):
-                self.gate.engine.end_episode(key)
-            if isinstance(env, ClosingEnvironment):
-                self._close(env)
+            if self.keeper is not None:
+                self.keeper.end_episode(key)
+            closing = self._closing.get(type(env))
+            if closing is None:
+                closing = self._closing[type(env)] = isinstance(env, ClosingEnvironment)
+            if closing:
+                self._close(cast(ClosingEnvironment, env))  # checked by its class
         if section.episode_reward == "sum":
             reward = math.fsum(rewards)
         else:
@@ -217,9 +224,10 @@ class Episodes:
             return completion, version
 
         what = f"turn {index} of an episode of {prompt.prompt_id}"
+        # The turn's deadline bounds its attempts' and backoffs' (one cancel scope an attempt).
+        turn = self.clock.bound(self.section.turn_s, what)
         try:
-            with self.clock.fail_after(self.section.turn_s, what):
-                return await with_retries(attempt, self.section, self.clock, counts, what)
+            return await with_retries(attempt, self.section, self.clock, counts, what, within=turn)
         except DeadlineExceeded:
             counts["timeouts"] += 1
             raise GiveUp("turn_timeout") from None

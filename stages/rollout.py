@@ -23,7 +23,7 @@ import anyio
 import msgspec
 
 from pipeline.channel import Channel
-from pipeline.clock import DeadlineClock
+from pipeline.clock import Bound, DeadlineClock
 from pipeline.contracts.errors import (
     DeadlineExceeded,
     DropBudgetExceeded,
@@ -129,21 +129,26 @@ async def with_retries(
     clock: DeadlineClock,
     counts: Counter[str],
     what: str,
+    *,
+    within: Bound | None = None,
 ) -> T:
     """`await attempt(n)` under `generation_s`, retried with backoff up to `max_retries` times.
 
     Timeouts and `RetryableEngineError`s are retried; a `RequestRejected` gives up at once; any
-    other exception is a bug and propagates. Raises `GiveUp` when the attempts run out.
+    other exception is a bug and propagates. Raises `GiveUp` when the attempts run out, and
+    ``within``'s `DeadlineExceeded` when that bound ends an attempt or a backoff (`Bound`).
     """
     reason = ""
     for number in range(section.max_retries + 1):
         if number:
             counts["retries"] += 1
-            await clock.sleep(section.backoff_s * 2 ** (number - 1))
+            await clock.sleep(section.backoff_s * 2 ** (number - 1), within=within)
         try:
-            with clock.fail_after(section.generation_s, "generation request"):
+            with clock.fail_after(section.generation_s, "generation request", within=within):
                 return await attempt(number)
         except DeadlineExceeded:
+            if within is not None and within.fired:
+                raise  # the bound's: no retry
             counts["timeouts"] += 1
             reason = "generation_timeout"
         except RequestRejected as error:  # the same request would be refused again

@@ -259,3 +259,41 @@ async def test_fake_time_stands_still_while_a_worker_thread_works(fake: FakeTime
             await anyio.wait_all_tasks_blocked()
         assert fake.now() == 1.0
         tg.cancel_scope.cancel()
+
+
+async def test_a_deadline_within_a_bound_ends_at_the_bound_and_raises_its_error(
+    clock: DeadlineClock, fake: FakeTime
+) -> None:
+    async with ticking(clock, fake):
+        turn = clock.bound(10, "turn")
+        with pytest.raises(DeadlineExceeded, match=r"^attempt exceeded"):
+            with clock.fail_after(4, "attempt", within=turn):
+                await anyio.sleep_forever()
+        assert fake.now() == 4 and not turn.fired  # its own deadline came first
+        # The timer sleeps until the outer deadline at 54 s; the attempt's, cut to the bound's
+        # 10 s, wakes it.
+        with clock.fail_after(50, "outer"), pytest.raises(DeadlineExceeded) as raised:
+            await anyio.sleep(0)  # the timer is asleep until t = 54
+            with clock.fail_after(100, "attempt", within=turn):
+                await anyio.sleep_forever()
+        assert str(raised.value) == "turn exceeded its deadline of 10 s"
+        assert fake.now() == 10 and turn.fired
+        assert clock.statistics().active_deadlines == 0
+
+
+async def test_a_bound_is_service_time_and_ends_a_sleep_within_it(
+    clock: DeadlineClock, fake: FakeTime
+) -> None:
+    async with ticking(clock, fake):
+        turn = clock.bound(10, "turn")
+        await fake.sleep(2)
+        with clock.suspended_while():
+            await fake.sleep(1000)  # stood down: not charged to the bound
+        with pytest.raises(DeadlineExceeded, match=r"^turn exceeded"):
+            await clock.sleep(100, within=turn)
+        assert fake.now() == 1010 and turn.fired
+        # A silent deadline within it raises the bound's error too, at once (it has ended).
+        with pytest.raises(DeadlineExceeded, match=r"^turn exceeded"):
+            with clock.move_on_after(5, within=clock.bound(0, "turn")):
+                await anyio.sleep_forever()
+        assert fake.now() == 1010

@@ -25,7 +25,7 @@ from pipeline.logs import reset_warnings
 from pipeline.testing import FakeEngine, FakeTime, FakeTrainer
 from stages.chat_turns import ChatTurns
 from stages.episodes import Episode, Episodes
-from stages.rollout import RolloutSection
+from stages.rollout import GiveUp, RolloutSection
 from stages.tokenizer import CharTokenizer, Tokenizer
 from tests.stages.test_flow import drive, make_recipe, metrics
 
@@ -202,6 +202,36 @@ async def test_a_turn_deadline_is_credited_during_a_stand_down() -> None:
     assert isinstance(episode, Episode), episode
     assert episode.stats.turns == 1 and counts["timeouts"] == 0
     assert at == pytest.approx(1030.0)
+
+
+@pytest.mark.parametrize(
+    ("turn_s", "timeouts"),
+    [(70.0, 3), (61.5, 3), (200.0, 3)],
+    ids=["in-an-attempt", "in-a-backoff", "attempts-run-out"],
+)
+async def test_a_turn_deadline_ends_its_retries_and_backoffs(turn_s: float, timeouts: int) -> None:
+    """Attempts that hang past generation_s 30 are retried after backoffs of 1 s and 2 s (0-30,
+    31-61, 63-93 s): turn_s ends the turn where it falls, in an attempt or a backoff, with no
+    further retry, counted as one timeout beside the attempts' that timed out; a turn_s past
+    them gives up with the attempts' reason."""
+    fake = FakeTime()
+    counts: Counter[str] = Counter()
+    result, at = await _play(
+        Replies,
+        FakeEngine(time=fake, latency=1000.0),
+        fake,
+        counts=counts,
+        turn_s=turn_s,
+        generation_s=30.0,
+        max_retries=2,
+        backoff_s=1.0,
+    )
+    assert isinstance(result, GiveUp), result
+    if turn_s < 93:
+        assert result.reason == "turn_timeout" and at == pytest.approx(turn_s)
+    else:
+        assert result.reason == "generation_timeout" and at == pytest.approx(93.0)
+    assert counts["timeouts"] == timeouts and counts["retries"] == 2
 
 
 async def test_an_environment_deadline_runs_on_through_a_stand_down() -> None:
