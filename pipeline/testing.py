@@ -389,7 +389,8 @@ class _FakeRequest:
         checkpoint the tokens before it are part of the prompt."""
         cut = self.checkpointed
         return SimpleNamespace(
-            prompt_tokens=self.prompt + self.generated_tokens[:cut], generated_tokens=self.generated_tokens[cut:]
+            prompt_tokens=self.prompt + self.generated_tokens[:cut],
+            generated_tokens=self.generated_tokens[cut:],
         )
 
 

@@ -8,9 +8,7 @@ from backends.torch.section import ModelSection
 from pipeline.contracts.backend_input import Sampling
 
 
-def check_engine(
-    rollout: Sampling, *, backend: str, model: ModelSection, placement: Placement
-) -> None:
+def check_engine(rollout: Sampling, *, backend: str, model: ModelSection, placement: Placement) -> None:
     """Cross-field rules of `rollout.engine` against the rest of the recipe (ValueError naming
     both). megatron's engine serves the megatron trainer's module (colocated) or a copy of it
     (apart) in the trainer's process: CUDA (its dynamic context allocates with CUDA only), bf16

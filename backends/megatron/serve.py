@@ -5,12 +5,12 @@ Colocated no weights move: the engine runs the module the trainer steps, so a wa
 new weights (`wake_carries_weights`). Apart (`colocated: false`) it runs a model of its own
 (`apart.EngineCopy`), refreshed from the trainer's after each step (`MegatronInference.refit`).
 With partial rollouts the gate stands it down with requests in flight: they rely on recompute
-(below), and `drop_pending_forward` runs before each suspend. Its pieces, as megatron 0.19 wires them (the construction a probe on
-the H200 ran): an `InferenceConfig`, the `DynamicInferenceContext` that holds the paged KV cache,
-`GPTInferenceWrapper` over the model, a `TextGenerationController` (with a stand-in tokenizer:
-the pipeline passes token ids) and the `DynamicInferenceEngine`. Attention inside it calls
-flash-attn's functions, answered by torch's flash kernels and a Triton decode kernel where
-flash-attn is missing (`flash_adapter`).
+(below), and `drop_pending_forward` runs before each suspend. Its pieces, as megatron 0.19
+wires them (the construction a probe on the H200 ran): an `InferenceConfig`, the
+`DynamicInferenceContext` that holds the paged KV cache, `GPTInferenceWrapper` over the model,
+a `TextGenerationController` (with a stand-in tokenizer: the pipeline passes token ids) and the
+`DynamicInferenceEngine`. Attention inside it calls flash-attn's functions, answered by torch's
+flash kernels and a Triton decode kernel where flash-attn is missing (`flash_adapter`).
 
 - CUDA graphs (`rollout.graphs`, off by default until the GPU tests have run it; `KVHandoff`):
   megatron captures its decoder block (all layers) once per decode batch size, a power of two

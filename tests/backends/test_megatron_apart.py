@@ -72,7 +72,9 @@ async def test_a_refit_that_leaves_the_copy_stale_fails_the_handoff_check(
     engine, trainer, _ = _apart(monkeypatch)
     gate = EngineGate(engine, DeadlineClock(MonotonicTime()), checks=trainer)
     try:
-        with pytest.raises(HandoffMismatch, match="after the refit to version 1 the engine serves weights other"):
+        with pytest.raises(
+            HandoffMismatch, match="after the refit to version 1 the engine serves weights other"
+        ):
             await gate.step(lambda: trainer.train_step(_groups()))
     finally:
         engine.close()

@@ -247,15 +247,19 @@ async def test_partial_rollouts_continue_frozen_requests_on_the_new_weights() ->
     finally:
         adapter.close()
     assert adapter.partial_rollouts and adapter.wakes == 1
-    assert continued == [
-        Completion(
-            tokens=(3, 4, 5, 6),
-            logprobs=(-0.5, -0.5, -1.5, -1.5),
-            finish_reason="length",
-            segments=((0, 0), (2, 1)),
-            reprefilled_tokens=2 + 2,
-        )
-    ] * 2
+    assert (
+        continued
+        == [
+            Completion(
+                tokens=(3, 4, 5, 6),
+                logprobs=(-0.5, -0.5, -1.5, -1.5),
+                finish_reason="length",
+                segments=((0, 0), (2, 1)),
+                reprefilled_tokens=2 + 2,
+            )
+        ]
+        * 2
+    )
     assert fresh == Completion(
         tokens=(6, 7, 8, 9), logprobs=(-1.5,) * 4, finish_reason="stop", segments=((0, 1),)
     )
