@@ -9,7 +9,7 @@
 - `FaultInjector`: raises at a given stage and step.
 - `FakeDynamicEngine`: the methods of megatron-core's `DynamicInferenceEngine` that
   `backends.megatron.inference.MegatronInference` drives (add_request, step_modern,
-  has_unfinished_requests, suspend, resume), from a thread, without megatron or a GPU.
+  has_unfinished_requests, get_request, suspend, resume), from a thread, without megatron or a GPU.
 
 Every fake appends to an `events` list (shared if you pass one) so tests can assert exact order.
 """
@@ -23,6 +23,7 @@ import math
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import anyio
@@ -369,7 +370,8 @@ class FaultInjector:
 
 
 class _FakeRequest:
-    """What `FakeDynamicEngine.step_modern` reports finished (`merge()` is the record's merge)."""
+    """What `FakeDynamicEngine.step_modern` reports finished (`merge()` is the record's merge:
+    every token since it was added)."""
 
     def __init__(self, request_id: int, prompt: list[int], length: int) -> None:
         self.request_id = request_id
@@ -377,19 +379,33 @@ class _FakeRequest:
         self.length = length
         self.generated_tokens: list[int] = []
         self.generated_log_probs: list[float] = []
+        self.checkpointed = 0  # tokens moved into its latest record's prompt (recompute)
 
     def merge(self) -> _FakeRequest:
         return self
+
+    def latest(self) -> SimpleNamespace:
+        """Its latest record, as megatron's `get_request` returns it: after a recompute
+        checkpoint the tokens before it are part of the prompt."""
+        cut = self.checkpointed
+        return SimpleNamespace(
+            prompt_tokens=self.prompt + self.generated_tokens[:cut],
+            generated_tokens=self.generated_tokens[cut:],
+        )
 
 
 class FakeDynamicEngine:
     """A dynamic inference engine whose requests generate `length` tokens (fewer where their
     sampling parameters' `num_tokens_to_generate` says so, as megatron's `SamplingParams`), one
-    a step: token k of a request is (last prompt token + k + 1) % `vocab` with logprob -0.5,
-    and a token in `stop_at` ends it early. Events: `add <id>`, `step`, `suspend`, `resume`.
+    a step: token k of a request is (last prompt token + k + 1) % `vocab` with logprob
+    -0.5 - `weights` (a test sets `weights` to stand for the model's weights version), and a
+    token in `stop_at` ends it early. Events: `add <id>`, `step`, `suspend`, `resume`, and
+    `recompute <id>` for each request a recompute resume adds again.
 
     Like megatron's, it keeps requests in flight across suspend/resume; stepping while
-    suspended, or adding a request then, raises (the adapter must not). `hold_after_steps`
+    suspended, or adding a request then, raises (the adapter must not). `recompute=True` is
+    megatron's recompute mode: `suspend()` checkpoints each request in flight (`get_request`
+    then shows its tokens so far in its prompt) and `resume()` adds it again. `hold_after_steps`
     makes `has_unfinished_requests()` say no past that many steps until `release()`, so a test
     can stand the engine down between two steps; `wait_steps(k)` blocks until k steps ran.
     `fail_at_step` raises `InjectedFault` in that step (from 1).
@@ -403,7 +419,10 @@ class FakeDynamicEngine:
         stop_at: Sequence[int] = (),
         hold_after_steps: int | None = None,
         fail_at_step: int | None = None,
+        recompute: bool = False,
     ) -> None:
+        self.recompute = recompute
+        self.weights = 0
         self.length = length
         self.vocab = vocab
         self.stop_at = set(stop_at)
@@ -424,6 +443,10 @@ class FakeDynamicEngine:
         limit = getattr(sampling_params, "num_tokens_to_generate", None) or self.length
         self._active.append(_FakeRequest(request_id, prompt, min(self.length, limit)))
 
+    def get_request(self, request_id: int) -> SimpleNamespace:
+        (request,) = [r for r in self._active if r.request_id == request_id]
+        return request.latest()
+
     def has_unfinished_requests(self) -> bool:
         held = self.hold_after_steps is not None and self.steps >= self.hold_after_steps
         return bool(self._active) and not held
@@ -441,7 +464,7 @@ class FakeDynamicEngine:
         for request in self._active:
             token = (request.prompt[-1] + len(request.generated_tokens) + 1) % self.vocab
             request.generated_tokens.append(token)
-            request.generated_log_probs.append(-0.5)
+            request.generated_log_probs.append(-0.5 - self.weights)
             if len(request.generated_tokens) == request.length or token in self.stop_at:
                 finished.append(request)
         self._active = [r for r in self._active if r not in finished]
@@ -453,10 +476,15 @@ class FakeDynamicEngine:
     def suspend(self) -> None:
         self.events.append("suspend")
         self.suspended = True
+        if self.recompute:
+            for request in self._active:
+                request.checkpointed = len(request.generated_tokens)
 
     def resume(self) -> None:
         self.events.append("resume")
         self.suspended = False
+        if self.recompute:
+            self.events.extend(f"recompute {r.request_id}" for r in self._active)
 
     def wait_steps(self, steps: int, timeout: float = 30.0) -> None:
         with self._progress:

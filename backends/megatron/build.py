@@ -6,8 +6,9 @@ Hugging Face directory): the torch `Decoder` is built or loaded first and its we
 copied into the megatron `GPTModel`, so both start equal. Our torch engine (`rollout.engine:
 torch`) samples from that `Decoder`, refreshed from megatron's weights by `reshard` (the
 engine's `refresh_weights`) on each wake (colocated) or refit (separate); megatron's dynamic
-inference engine (`megatron`, `backends/megatron/serve.py`) runs the `GPTModel` itself, and the
-`Decoder` is let go once copied. On CPU the trainer steps with torch AdamW, on CUDA with
+inference engine (`megatron`, `backends/megatron/serve.py`) runs the `GPTModel` itself
+(colocated) or a copy of it refreshed at each refit (separate, `backends/megatron/apart.py`),
+and the `Decoder` is let go once copied. On CPU the trainer steps with torch AdamW, on CUDA with
 megatron's DDP and distributed optimizer (bf16 weights through float32 masters).
 
 Train options the torch trainer has and this one does not yet are refused by name.
@@ -119,13 +120,18 @@ def build_backend(
 
     sampling = spec.sampling
     if sampling.engine == "megatron":
+        from backends.megatron.apart import EngineCopy
         from backends.megatron.serve import build_inference
 
-        del decoder  # copied into the trainer's model; the engine serves that model itself
+        del decoder  # copied into the trainer's model; the engine serves that model or a copy
         try:
+            copy = None
+            if not spec.colocated:
+                copy = EngineCopy(trainer.model, trainer.config, fingerprints=spec.handoff_checks)
+            served = trainer.model if copy is None else copy.model
             return (
                 build_inference(
-                    trainer.model, trainer.config, spec, stop_ids=stop_ids, device=trainer.device
+                    served, trainer.config, spec, stop_ids=stop_ids, device=trainer.device, copy=copy
                 ),
                 trainer,
             )

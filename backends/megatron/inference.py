@@ -1,8 +1,14 @@
 """megatron-core's dynamic inference engine behind the pipeline's `Engine` protocol.
 
-`MegatronInference` drives a `DynamicInferenceEngine` that shares the trainer's module (same
-process, same GPUs): `blocks_training` and `wake_carries_weights` are both true, so the gate
-stands it down for every train step and the wake serves the new weights with no copy.
+`MegatronInference` drives a `DynamicInferenceEngine`. Colocated it shares the trainer's module
+(same process, same GPUs): `blocks_training` and `wake_carries_weights` are both true, so the
+gate stands it down for every train step and the wake serves the new weights with no copy.
+Apart (`refresh_weights` given: the engine serves a model of its own) neither is: it keeps
+serving while the trainer steps, and `refit` brings its model up to date once the requests in
+flight have finished, as the torch engine's refit does between two loops: requests that arrive
+meanwhile wait in the adapter and enter after it, so every request is generated under one
+weights version. `fingerprint` is then taken of the refreshed model (`fingerprint` given), for
+the gate's handoff checks; `load` refreshes too (a resume's weights are the trainer's).
 
 The engine is not thread-safe and its `step_modern()` blocks, so one thread of its own owns it
 for its whole life. The event loop talks to that thread through a command queue; each command
@@ -14,6 +20,8 @@ carries a future of the caller's loop that the thread settles with `call_soon_th
                                     `kv_cache_management_mode` says), then `handoff.release`
     wake       -> ("resume", ...)   `handoff.restore`, then `engine.resume()`: memory back,
                                     frozen requests re-added
+    refit      -> ("refit", ...)    apart: once no request is unfinished, `refresh_weights`
+                                    (and the fingerprint); `load` sends it too
     close      -> ("close", None)   a serving engine is suspended, then `handoff.close`; the
                                     thread ends (requests still pending fail)
 
@@ -22,8 +30,23 @@ megatron's own calls (`serve.KVHandoff`).
 
 States: serving -> suspending -> down -> resuming -> serving; closed at the end. The thread
 steps the engine only while serving and holding unfinished requests, and otherwise blocks on
-the queue. Requests added while down wait in the adapter and enter the engine at resume. An
-exception in the thread fails every pending and later call with it (a bug, not retried).
+the queue. Requests added while down (or while a refit waits) wait in the adapter and enter the
+engine at resume (after the refit). An exception in the thread fails every pending and later
+call with it (a bug, not retried).
+
+Partial rollouts (``partial=True``, colocated; `PartialRollouts`): the gate stands the engine
+down with requests in flight, and megatron's `suspend()` keeps them. They rely on megatron's
+recompute mode (`KVCacheManagementMode.RECOMPUTE`, what `serve.inference_config` sets without
+graphs): its suspend drops the KV cache and checkpoints each request in flight (its prompt
+becomes prompt + tokens so far), and its resume adds them again, so each continues under the
+new weights after prefilling its prompt and tokens so far again, as the torch engine continues
+a frozen row. ``freeze`` runs on the engine thread just before each suspend (`serve` drops the
+forward megatron's async schedule launched for the next token, whose logits are the old
+weights'). Before the suspend the adapter reads each request's tokens so far from the engine
+(`get_request`); at the resume it counts the wake (`wakes`) and opens a new stretch there, tagged
+with that count (`Completion.segments`, as the torch engine tags them), and adds prompt plus
+tokens so far to the request's `reprefilled_tokens`. A request that had generated nothing when
+frozen has its one stretch retagged. Every token keeps the logprob it was drawn with.
 
 The thread also builds the engine (`build()`, before the constructor returns, raising what it
 raised): megatron's engine takes the event loop running where it is constructed for its own
@@ -45,10 +68,11 @@ machine runs against `pipeline.testing.FakeDynamicEngine` on any machine.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import itertools
 import queue
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from enum import Enum
 from pathlib import Path
 from typing import Any, Protocol
@@ -76,17 +100,42 @@ class State(Enum):
     CLOSED = "closed"
 
 
+Future = asyncio.Future[Any] | concurrent.futures.Future[Any]
+
+
 class _Pending:
     """One `generate` call: its requests' ids, their completions so far, the caller's future."""
 
-    def __init__(self, ids: list[int], future: asyncio.Future[list[Completion]]) -> None:
+    def __init__(self, ids: list[int], prompt_tokens: int, future: Future) -> None:
         self.ids = ids
+        self.prompt_tokens = prompt_tokens
         self.done: dict[int, Completion] = {}
         self.future = future
 
 
-def _settle(future: asyncio.Future[Any], value: Any, error: BaseException | None = None) -> None:
-    """Resolve `future` on its own loop from the engine thread (a cancelled caller is gone)."""
+class _Stretches:
+    """One request's stretches (partial rollouts): (first token index, the engine's `wakes`
+    then) of each, and the tokens prefilled again to continue it."""
+
+    __slots__ = ("reprefilled", "starts")
+
+    def __init__(self, wakes: int) -> None:
+        self.starts = [(0, wakes)]
+        self.reprefilled = 0
+
+    def continue_at(self, tokens: int, wakes: int, prompt_tokens: int) -> None:
+        """It was frozen with `tokens` generated; it continues after wake number `wakes`."""
+        if self.starts[-1][0] == tokens:  # nothing generated since its last stretch opened
+            self.starts[-1] = (tokens, wakes)
+        else:
+            self.starts.append((tokens, wakes))
+        if tokens:  # a request frozen before its first token is prefilled for the first time
+            self.reprefilled += prompt_tokens + tokens
+
+
+def _settle(future: Future, value: Any, error: BaseException | None = None) -> None:
+    """Resolve `future` from the engine thread: an asyncio one on its own loop (a cancelled
+    caller is gone), a blocking caller's at once."""
 
     def settle() -> None:
         if future.done():
@@ -96,13 +145,13 @@ def _settle(future: asyncio.Future[Any], value: Any, error: BaseException | None
         else:
             future.set_result(value)
 
-    future.get_loop().call_soon_threadsafe(settle)
+    if isinstance(future, asyncio.Future):
+        future.get_loop().call_soon_threadsafe(settle)
+    else:
+        settle()
 
 
 class MegatronInference:
-    blocks_training = True
-    wake_carries_weights = True
-
     def __init__(
         self,
         build: Callable[[], Any],
@@ -116,8 +165,24 @@ class MegatronInference:
         generator: Callable[[Any], Any] = lambda engine: None,
         serving: Callable[[], None] = lambda: None,
         handoff: Handoff | None = None,
+        partial: bool = False,
+        freeze: Callable[[Any], None] = lambda engine: None,
+        refresh_weights: Callable[[], None] | None = None,
+        fingerprint: Callable[[], Mapping[str, int] | None] = lambda: None,
     ) -> None:
+        assert refresh_weights is None or not partial, "partial rollouts need an engine that stands down"
         self.engine: Any = None
+        # Apart (a model of its own, refreshed by refit) it never stands down.
+        self.blocks_training = self.wake_carries_weights = refresh_weights is None
+        self.partial_rollouts = partial
+        self.wakes = 0  # resumes served (tags partial rollouts' stretches)
+        self._freeze = freeze
+        self._refresh = refresh_weights
+        self._fingerprint = fingerprint
+        self._served: Mapping[str, int] | None = None  # the fingerprint of the last refresh
+        self._refit_waiting: list[Future] = []  # refits waiting for the requests in flight
+        self._stretches: dict[int, _Stretches] = {}  # by request id (partial rollouts)
+        self._frozen: dict[int, int] = {}  # tokens so far of each request frozen by the suspend
         self._handoff = handoff
         self._serving = serving  # on the engine thread, before it serves: once built, each resume
         self.sampling = sampling
@@ -143,14 +208,24 @@ class MegatronInference:
             assert self._failure is not None
             raise self._failure
 
-    async def _call(self, command: str, payload: Any = None) -> Any:
+    def _check_open(self) -> None:
         if self._failure is not None:
             raise self._failure
         if self.state is State.CLOSED:
             raise RuntimeError("the megatron inference engine is closed")
+
+    async def _call(self, command: str, payload: Any = None) -> Any:
+        self._check_open()
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._commands.put((command, (future, payload)))
         return await future
+
+    def _call_blocking(self, command: str) -> Any:
+        """`_call` from a thread that runs no event loop (a resume's `load`)."""
+        self._check_open()
+        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        self._commands.put((command, (future, None)))
+        return future.result()
 
     async def generate(
         self, prompt_tokens: Sequence[int], n: int, *, greedy: bool = False, episode: str | None = None
@@ -172,10 +247,14 @@ class MegatronInference:
         await self._call("resume")
 
     async def refit(self) -> None:
-        """Nothing to copy: the engine serves the trainer's own module."""
+        """Apart: refresh the served model once the requests in flight have finished (module
+        docstring). Colocated nothing to copy: the engine serves the trainer's own module."""
+        if self._refresh is not None:
+            await self._call("refit")
 
-    def fingerprint(self) -> None:
-        return None
+    def fingerprint(self) -> Mapping[str, int] | None:
+        """Of the model as the last refresh left it (None colocated, or without handoff checks)."""
+        return self._served
 
     def memory_in_use(self) -> int | None:
         return self._memory(self.engine)
@@ -184,7 +263,11 @@ class MegatronInference:
         save_state(directory / ENGINE_FILE, self.state_dict())
 
     def load(self, directory: Path) -> None:
+        """The sampling state; apart also the trainer's weights, loaded just before (a worker
+        thread's call, before anything is generated)."""
         self.load_state_dict(load_state(directory / ENGINE_FILE))
+        if self._refresh is not None:
+            self._call_blocking("refit")
 
     def state_dict(self) -> dict[str, Any]:
         """The sampling RNG and the bench lengths' draw (read between steps: saves run while the
@@ -227,6 +310,9 @@ class MegatronInference:
         try:
             while True:
                 stepping = self.state is State.SERVING and self.engine.has_unfinished_requests()
+                if self._refit_waiting and not stepping:
+                    self._refit()
+                    continue
                 try:
                     command, payload = self._commands.get(block=not stepping)
                 except queue.Empty:
@@ -246,25 +332,33 @@ class MegatronInference:
             failure = self._failure or RuntimeError("the megatron inference engine closed")
             for pending in {id(p): p for p in self._pending.values()}.values():
                 _settle(pending.future, None, failure)
+            for future in self._refit_waiting:
+                _settle(future, None, failure)
             while not self._commands.empty():
                 command, payload = self._commands.get()
                 if payload is not None:
                     _settle(payload[0], None, failure)
 
-    def _handle(self, command: str, future: asyncio.Future[Any], payload: Any) -> None:
+    def _handle(self, command: str, future: Future, payload: Any) -> None:
         if command == "add":
             prompt, greedy, limits = payload
             ids = [next(self._ids) for _ in limits]
-            pending = _Pending(ids, future)
+            pending = _Pending(ids, len(prompt), future)
             self._pending.update(dict.fromkeys(ids, pending))
-            if self.state is State.DOWN:
+            if self.state is State.DOWN or self._refit_waiting:
                 self._held.append((ids, prompt, greedy, limits))
             else:
                 self._add(ids, prompt, greedy, limits)
             return
+        if command == "refit":
+            self._refit_waiting.append(future)  # done by the loop once nothing is unfinished
+            return
         if command == "suspend":
             if self.state is State.SERVING:
                 self.state = State.SUSPENDING
+                if self.partial_rollouts:
+                    self._frozen = self._tokens_so_far()
+                self._freeze(self.engine)
                 self.engine.suspend()
                 if self._handoff is not None:
                     self._handoff.release(self.engine)
@@ -274,17 +368,49 @@ class MegatronInference:
                 self.state = State.RESUMING
                 if self._handoff is not None:
                     self._handoff.restore(self.engine)
+                self.wakes += 1
+                for request_id, tokens in self._frozen.items():
+                    prompt_tokens = self._pending[request_id].prompt_tokens
+                    self._stretches[request_id].continue_at(tokens, self.wakes, prompt_tokens)
+                self._frozen = {}
                 self.engine.resume()
                 self._serving()
-                held, self._held = self._held, []
-                for ids, prompt, greedy, limits in held:
-                    self._add(ids, prompt, greedy, limits)
+                self._add_held()
                 self.state = State.SERVING
         else:
             raise AssertionError(f"unknown command {command!r}")
         _settle(future, None)
 
+    def _tokens_so_far(self) -> dict[int, int]:
+        """Each unfinished request's tokens so far, by id (all in the engine: none is held while
+        serving). megatron's latest record of a request checkpointed before (an eviction) has
+        the tokens before that in its prompt."""
+        counts = {}
+        for request_id, pending in self._pending.items():
+            request = self.engine.get_request(request_id)
+            counts[request_id] = (
+                len(request.prompt_tokens) - pending.prompt_tokens + len(request.generated_tokens)
+            )
+        return counts
+
+    def _refit(self) -> None:
+        """Refresh the served model (nothing is unfinished), then admit what waited."""
+        assert self._refresh is not None, "only an engine apart is refitted"
+        self._refresh()
+        self._served = self._fingerprint()
+        waiting, self._refit_waiting = self._refit_waiting, []
+        for future in waiting:
+            _settle(future, None)
+        self._add_held()
+
+    def _add_held(self) -> None:
+        held, self._held = self._held, []
+        for ids, prompt, greedy, limits in held:
+            self._add(ids, prompt, greedy, limits)
+
     def _add(self, ids: list[int], prompt: Sequence[int], greedy: bool, limits: list[int]) -> None:
+        for request_id in ids:
+            self._stretches[request_id] = _Stretches(self.wakes)
         for request_id, limit in zip(ids, limits, strict=True):
             answered = self.engine.add_request(request_id, list(prompt), self.sampling(greedy, limit))
             # megatron answers at once only a request it failed (too long for its context or
@@ -297,13 +423,19 @@ class MegatronInference:
         for record in result["finished_request_records"]:
             request = record.merge()
             pending = self._pending.pop(request.request_id)
+            stretches = self._stretches.pop(request.request_id)
             tokens = tuple(request.generated_tokens)
             logprobs = tuple(request.generated_log_probs)
             assert tokens and len(logprobs) == len(tokens), (request.request_id, len(tokens), len(logprobs))
+            assert stretches.starts[-1][0] < len(tokens), (request.request_id, stretches.starts, len(tokens))
             # Short of max_new_tokens without a stop token: its bench length ended it.
             stopped = tokens[-1] in self.stop_token_ids or len(tokens) < self.max_new_tokens
             pending.done[request.request_id] = Completion(
-                tokens=tokens, logprobs=logprobs, finish_reason="stop" if stopped else "length"
+                tokens=tokens,
+                logprobs=logprobs,
+                finish_reason="stop" if stopped else "length",
+                segments=tuple(stretches.starts) if self.partial_rollouts else (),
+                reprefilled_tokens=stretches.reprefilled,
             )
             if len(pending.done) == len(pending.ids):
                 _settle(pending.future, [pending.done[i] for i in pending.ids])

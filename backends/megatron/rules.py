@@ -8,13 +8,12 @@ from backends.torch.section import ModelSection
 from pipeline.contracts.backend_input import Sampling
 
 
-def check_engine(
-    rollout: Sampling, *, backend: str, colocated: bool, model: ModelSection, placement: Placement
-) -> None:
+def check_engine(rollout: Sampling, *, backend: str, model: ModelSection, placement: Placement) -> None:
     """Cross-field rules of `rollout.engine` against the rest of the recipe (ValueError naming
-    both). megatron's engine serves the megatron trainer's module where it lies: one process,
-    colocated, CUDA (its dynamic context allocates with CUDA only), bf16 (its attention runs
-    flash-attention kernels)."""
+    both). megatron's engine serves the megatron trainer's module (colocated) or a copy of it
+    (apart) in the trainer's process: CUDA (its dynamic context allocates with CUDA only), bf16
+    (its attention runs flash-attention kernels), not on Ray; partial rollouts recompute the
+    requests they continue, which its graphs' persistent cache does not."""
     if rollout.engine == "torch":
         if rollout.kv_cache_gb:
             raise ValueError(
@@ -33,12 +32,6 @@ def check_engine(
             f"trainer's own model), got {backend}; set train.backend: megatron or "
             "rollout.engine: torch"
         )
-    if not colocated:
-        raise ValueError(
-            "rollout.engine: megatron needs colocated: true (it serves the trainer's model in place; "
-            "a separate engine would need a model of its own and a weight copy after each step); set "
-            "colocated: true or rollout.engine: torch"
-        )
     if not model.device.startswith("cuda"):
         raise ValueError(
             f"rollout.engine: megatron needs model.device: cuda (megatron's dynamic inference context "
@@ -55,8 +48,10 @@ def check_engine(
             "rollout.engine: megatron is not built for placement.backend ray yet: set "
             "placement.backend: local or rollout.engine: torch"
         )
-    if rollout.partial:
+    if rollout.partial and rollout.graphs:
         raise ValueError(
-            "rollout.partial: true needs rollout.engine: torch (the weights version of each token of "
-            "a continued request is the torch engine's bookkeeping); set rollout.partial: false"
+            "rollout.partial: true with rollout.engine megatron needs rollout.graphs: false (graphs "
+            "keep megatron's KV cache across a stand-down, so a frozen request would hold it through "
+            "the train step and continue over keys of the old weights; without graphs it is "
+            "recomputed under the new ones); set rollout.graphs: false or rollout.partial: false"
         )

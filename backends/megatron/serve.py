@@ -1,13 +1,16 @@
 """megatron-core's dynamic inference engine on the megatron trainer's own `GPTModel`
 (`rollout.engine: megatron`), behind `MegatronInference`.
 
-No weights move: the engine runs the module the trainer steps, so a wake serves the new weights
-(`wake_carries_weights`). Its pieces, as megatron 0.19 wires them (the construction a probe on
-the H200 ran): an `InferenceConfig`, the `DynamicInferenceContext` that holds the paged KV cache,
-`GPTInferenceWrapper` over the model, a `TextGenerationController` (with a stand-in tokenizer:
-the pipeline passes token ids) and the `DynamicInferenceEngine`. Attention inside it calls
-flash-attn's functions, answered by torch's flash kernels and a Triton decode kernel where
-flash-attn is missing (`flash_adapter`).
+Colocated no weights move: the engine runs the module the trainer steps, so a wake serves the
+new weights (`wake_carries_weights`). Apart (`colocated: false`) it runs a model of its own
+(`apart.EngineCopy`), refreshed from the trainer's after each step (`MegatronInference.refit`).
+With partial rollouts the gate stands it down with requests in flight: they rely on recompute
+(below), and `drop_pending_forward` runs before each suspend. Its pieces, as megatron 0.19
+wires them (the construction a probe on the H200 ran): an `InferenceConfig`, the
+`DynamicInferenceContext` that holds the paged KV cache, `GPTInferenceWrapper` over the model,
+a `TextGenerationController` (with a stand-in tokenizer: the pipeline passes token ids) and the
+`DynamicInferenceEngine`. Attention inside it calls flash-attn's functions, answered by torch's
+flash kernels and a Triton decode kernel where flash-attn is missing (`flash_adapter`).
 
 - CUDA graphs (`rollout.graphs`, off by default until the GPU tests have run it; `KVHandoff`):
   megatron captures its decoder block (all layers) once per decode batch size, a power of two
@@ -31,7 +34,10 @@ flash-attn is missing (`flash_adapter`).
   driver while the trainer steps. A request still in the cache at a stand-down (the gate drains
   them first) keeps it mapped. Without graphs: recompute. The gate drains the requests in flight
   before each stand-down, so `suspend()` frees the cache with nothing to recompute, where offload
-  would copy the whole cache to host memory and back at every step. Its size
+  would copy the whole cache to host memory and back at every step; with partial rollouts the
+  requests in flight are recomputed at the resume under the new weights (persist would continue
+  them over keys of the old weights, their cache held through the train step: `rules` refuses
+  partial rollouts with graphs). Its size
   (`kv_cache_bytes`): `rollout.kv_cache_gb` when set, else the rows in flight at once
   (`rollout.max_rows`, else prompts_per_step x samples_per_prompt x (L + 1): megatron's
   `max_requests`, the rest wait in its queue) times 2 x max_new_tokens tokens each (room
@@ -95,6 +101,7 @@ from megatron.core.transformer.enums import InferenceCudaGraphScope
 from backends.bench_lengths import length_draw
 from backends.input import Input
 from backends.megatron import flash_adapter
+from backends.megatron.apart import EngineCopy
 from backends.megatron.inference import MegatronInference
 from backends.megatron.sampling import FusedRaceSampling, RaceSampling, sampling_params
 from backends.torch.config import ModelConfig
@@ -219,6 +226,16 @@ def inference_config(
         logprobs_mode="processed_logprobs",
         async_sched_mode=schedule,
     )
+
+
+def drop_pending_forward(engine: Any) -> None:
+    """Before a suspend with requests in flight (partial rollouts): megatron's async schedule
+    ends a step with the next token's forward launched and its logits kept for the next step to
+    sample (the controller's `_async_sched_logits`), which megatron's suspend leaves in place.
+    The recompute suspend checkpoints each request at its tokens drawn so far, and the resume
+    computes the next token's logits again under the new weights: the old weights' are dropped,
+    as megatron drops them itself when a step finds no request left."""
+    engine.controller._async_sched_logits.clear()
 
 
 def empty_cache_unless_graphs() -> None:
@@ -366,8 +383,10 @@ def build_inference(
     stop_ids: Sequence[int],
     device: torch.device,
     serving: Serving = SERVING,
+    copy: EngineCopy | None = None,
 ) -> MegatronInference:
-    """`MegatronInference` over a `DynamicInferenceEngine` serving `model` in place."""
+    """`MegatronInference` over a `DynamicInferenceEngine` serving `model`: the trainer's in
+    place, or apart `copy.model`, which `copy` refreshes from the trainer's at each refit."""
     rollout = spec.sampling
     termination = termination_id(stop_ids)
     inference = inference_config(rollout, config, model.config.params_dtype, schedule=serving.schedule)
@@ -391,4 +410,8 @@ def build_inference(
         # megatron's inference attention asserts eval mode; the trainer's step sets train mode
         # again (colocated, the two never run at once).
         serving=model.eval,
+        partial=rollout.partial,
+        freeze=drop_pending_forward if rollout.partial else lambda engine: None,
+        refresh_weights=None if copy is None else copy.refresh,
+        fingerprint=(lambda: None) if copy is None else copy.fingerprint,
     )

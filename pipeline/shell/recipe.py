@@ -80,7 +80,6 @@ class Recipe(Section, frozen=True):
         check_engine(
             sampling_of(self),
             backend=self.train.backend,
-            colocated=self.colocated,
             model=self.model,
             placement=self.placement,
         )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -220,3 +221,131 @@ async def test_the_engine_is_built_and_stepped_on_its_own_thread_away_from_the_e
     adapter = MegatronInference(build, sampling=_sampling, stop_token_ids=[9], max_new_tokens=1)
     adapter.close()
     assert seen == ["no loop"]
+
+
+async def test_partial_rollouts_continue_frozen_requests_on_the_new_weights() -> None:
+    """A stand-down freezes the requests in flight (megatron's recompute suspend, after the
+    adapter's `freeze`); after the wake they continue where they were, under the new weights
+    (the fake's logprob -1.5 from there), each stretch tagged with the wakes served when it
+    was generated and the tokens prefilled again counted (prompt + tokens so far). A request
+    made while down starts after the wake, in one stretch."""
+    engine = FakeDynamicEngine(length=4, hold_after_steps=2, recompute=True)
+    adapter = _adapter(
+        engine, max_new_tokens=4, partial=True, freeze=lambda engine: engine.events.append("freeze")
+    )
+    try:
+        request = asyncio.ensure_future(adapter.generate([1, 2], 2))
+        await asyncio.to_thread(engine.wait_steps, 2)
+        await adapter.stand_down()
+        engine.weights = 1  # the train step
+        engine.release()
+        late = asyncio.ensure_future(adapter.generate([5], 1))
+        await asyncio.sleep(0)  # its add reaches the engine thread before the wake
+        await adapter.wake()
+        continued = await request
+        (fresh,) = await late
+    finally:
+        adapter.close()
+    assert adapter.partial_rollouts and adapter.wakes == 1
+    assert (
+        continued
+        == [
+            Completion(
+                tokens=(3, 4, 5, 6),
+                logprobs=(-0.5, -0.5, -1.5, -1.5),
+                finish_reason="length",
+                segments=((0, 0), (2, 1)),
+                reprefilled_tokens=2 + 2,
+            )
+        ]
+        * 2
+    )
+    assert fresh == Completion(
+        tokens=(6, 7, 8, 9), logprobs=(-1.5,) * 4, finish_reason="stop", segments=((0, 1),)
+    )
+    assert engine.events[:9] == [
+        "add 0", "add 1", "step", "step", "freeze", "suspend", "resume", "recompute 0", "recompute 1",
+    ]  # fmt: skip
+
+
+async def test_a_request_frozen_before_its_first_token_has_its_one_stretch_retagged() -> None:
+    """Nothing generated before the stand-down: all its tokens are the new weights', in one
+    stretch tagged with the wake, and nothing counts as prefilled again."""
+    engine = FakeDynamicEngine(length=2, hold_after_steps=0, recompute=True)
+    adapter = _adapter(engine, max_new_tokens=2, partial=True)
+    try:
+        request = asyncio.ensure_future(adapter.generate([1], 1))
+        await asyncio.sleep(0)
+        await adapter.stand_down()
+        engine.release()
+        await adapter.wake()
+        (completion,) = await request
+    finally:
+        adapter.close()
+    assert (completion.segments, completion.reprefilled_tokens) == (((0, 1),), 0)
+
+
+async def test_without_partial_rollouts_a_completion_carries_no_stretches() -> None:
+    """(The gate drains such an engine before each stand-down: nothing is frozen then.)"""
+    engine = FakeDynamicEngine(length=3, hold_after_steps=1, recompute=True)
+    adapter = _adapter(engine)
+    try:
+        request = asyncio.ensure_future(adapter.generate([1], 1))
+        await asyncio.to_thread(engine.wait_steps, 1)
+        await adapter.stand_down()
+        engine.release()
+        await adapter.wake()
+        (completion,) = await request
+    finally:
+        adapter.close()
+    assert not adapter.partial_rollouts and completion.segments == ()
+
+
+class _Paced(FakeDynamicEngine):
+    """Steps only as the test lets it (`go.release(n)`: n more steps)."""
+
+    def __init__(self, **options) -> None:
+        super().__init__(**options)
+        self.go = threading.Semaphore(0)
+
+    def step_modern(self):
+        self.go.acquire()
+        return super().step_modern()
+
+
+async def test_apart_a_refit_refreshes_the_model_once_the_requests_in_flight_have_finished(
+    tmp_path: Path,
+) -> None:
+    """An engine with a model of its own (`refresh_weights`) never stands down; its refit lets
+    the request in flight finish under the weights it started with, then refreshes the model
+    and takes its fingerprint; a request made meanwhile enters after it, under the new
+    weights. A resume's `load` refreshes too (from a worker thread)."""
+    engine = _Paced(length=3)
+
+    def refresh() -> None:
+        engine.events.append("refresh")
+        engine.weights += 1
+
+    adapter = _adapter(engine, refresh_weights=refresh, fingerprint=lambda: {"weights": engine.weights})
+    assert not adapter.blocks_training and not adapter.wake_carries_weights
+    try:
+        first = asyncio.ensure_future(adapter.generate([1], 1))
+        await asyncio.sleep(0)
+        refit = asyncio.ensure_future(adapter.refit())
+        later = asyncio.ensure_future(adapter.generate([5], 1))
+        await asyncio.sleep(0)  # both queued behind the first request's add
+        assert adapter.fingerprint() is None  # no refresh yet
+        engine.go.release(6)
+        await refit
+        (old,) = await first
+        (new,) = await later
+        assert adapter.fingerprint() == {"weights": 1}
+        adapter.save(tmp_path)
+        await asyncio.to_thread(adapter.load, tmp_path)
+        assert adapter.fingerprint() == {"weights": 2}
+    finally:
+        adapter.close()
+    assert (old.logprobs, new.logprobs) == ((-0.5,) * 3, (-1.5,) * 3)
+    assert engine.events == [
+        "add 0", "step", "step", "step", "refresh", "add 1", "step", "step", "step", "refresh", "suspend",
+    ]  # fmt: skip

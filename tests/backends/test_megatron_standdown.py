@@ -13,6 +13,7 @@ train mode (megatron's engine itself needs CUDA: tests/gpu/test_megatron_gpu.py 
 
 from __future__ import annotations
 
+import asyncio
 from types import SimpleNamespace
 from typing import Any
 
@@ -20,6 +21,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("megatron.core")
+
+from megatron.core.inference.config import KVCacheManagementMode  # noqa: E402
 
 from backends.megatron import serve  # noqa: E402
 from backends.megatron.build import build_backend  # noqa: E402
@@ -67,6 +70,31 @@ class ServingEngine(FakeDynamicEngine):
         super().resume()
         if self.pool is None:
             self.context.memory_buffer = torch.empty(KV_BYTES, dtype=torch.uint8)
+
+
+class ModelEngine(FakeDynamicEngine):
+    """A `FakeDynamicEngine` over the model it was built for: each step records that model's
+    weights as they are then (a copy of its word embeddings), what the real engine would read;
+    its controller holds the logits megatron's async schedule keeps between steps."""
+
+    def __init__(self, model: Any, **options: Any) -> None:
+        super().__init__(vocab=16, **options)
+        self.model = model
+        self.seen: list[Any] = []
+        self.controller = SimpleNamespace(_async_sched_logits=_PendingLogits())
+        self.context = SimpleNamespace(memory_buffer=None)  # no KV cache held
+
+    def step_modern(self) -> dict[str, Any]:
+        self.seen.append(self.model.embedding.word_embeddings.weight.detach().clone())
+        self.controller._async_sched_logits.is_valid = True  # the next token's forward, launched
+        return super().step_modern()
+
+
+class _PendingLogits:
+    is_valid = False
+
+    def clear(self) -> None:
+        self.is_valid = False
 
 
 def _backend(
@@ -141,3 +169,44 @@ async def test_a_stand_down_that_keeps_the_kv_cache_fails_the_handoff_check(
     finally:
         engine.close()
         trainer.close()
+
+
+async def test_partial_rollouts_freeze_a_request_through_the_step_and_continue_it_on_the_new_weights(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`rollout.partial` as the builder wires it: megatron's engine in recompute mode, the gate
+    standing it down with a request in flight (no drain), the forward megatron launched for the
+    next token dropped before the suspend; after the wake the request continues on the step's
+    weights, and its stretches map through the gate to versions 0 and 1."""
+    made: list[ModelEngine] = []
+
+    def engine_on_cpu(model, inference, *, tokens, seed, device, graphs, sampler):
+        assert inference.kv_cache_management_mode is KVCacheManagementMode.RECOMPUTE
+        made.append(ModelEngine(model, length=2, hold_after_steps=1, recompute=True))
+        return made[-1]
+
+    monkeypatch.setattr(serve, "dynamic_engine", engine_on_cpu)
+    engine, trainer = build_backend(_on_cpu(partial=True), vocab_size=16, stop_ids=[1])
+    (fake,) = made
+    gate = EngineGate(engine, DeadlineClock(MonotonicTime()))
+    try:
+        assert gate.partial
+        request = asyncio.ensure_future(engine.generate([3, 4], 1))
+        await asyncio.to_thread(fake.wait_steps, 1)
+        built = fake.seen[0]
+
+        async def train() -> Any:
+            assert not fake.controller._async_sched_logits.is_valid  # dropped before the suspend
+            fake.release()  # steps again once woken
+            return await trainer.train_step(_groups())
+
+        await gate.step(train)
+        (completion,) = await request
+    finally:
+        engine.close()
+        trainer.close()
+    assert [gate.version_after(wakes) for _, wakes in completion.segments] == [0, 1]
+    assert completion.reprefilled_tokens == 2 + 1
+    assert not torch.equal(fake.seen[1], built)
+    assert torch.equal(fake.seen[1], trainer.model.embedding.word_embeddings.weight)
+    assert fake.events[:6] == ["add 0", "step", "suspend", "resume", "recompute 0", "step"]

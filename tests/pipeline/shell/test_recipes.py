@@ -300,13 +300,6 @@ VALID_RUN_FIELDS = "dir, steps, seed, stop_grace_s, progress, log_every_steps, p
             id="megatron-engine-torch-trainer",
         ),
         pytest.param(
-            MEGATRON_ON_GPU + "colocated: false\n",
-            "rollout.engine: megatron needs colocated: true (it serves the trainer's model in place; a "
-            "separate engine would need a model of its own and a weight copy after each step); set "
-            "colocated: true or rollout.engine: torch",
-            id="megatron-engine-separate",
-        ),
-        pytest.param(
             "train:\n  backend: megatron\nrollout:\n  engine: megatron\n",
             "rollout.engine: megatron needs model.device: cuda (megatron's dynamic inference context "
             "allocates its KV cache and bookkeeping on CUDA only), got cpu; set rollout.engine: torch",
@@ -326,10 +319,12 @@ VALID_RUN_FIELDS = "dir, steps, seed, stop_grace_s, progress, log_every_steps, p
             id="megatron-engine-on-ray",
         ),
         pytest.param(
-            MEGATRON_ON_GPU.replace("engine: megatron", "engine: megatron\n  partial: true"),
-            "rollout.partial: true needs rollout.engine: torch (the weights version of each token of a "
-            "continued request is the torch engine's bookkeeping); set rollout.partial: false",
-            id="megatron-engine-partial",
+            MEGATRON_ON_GPU.replace("engine: megatron", "engine: megatron\n  partial: true\n  graphs: true"),
+            "rollout.partial: true with rollout.engine megatron needs rollout.graphs: false (graphs keep "
+            "megatron's KV cache across a stand-down, so a frozen request would hold it through the train "
+            "step and continue over keys of the old weights; without graphs it is recomputed under the "
+            "new ones); set rollout.graphs: false or rollout.partial: false",
+            id="megatron-engine-partial-graphs",
         ),
         pytest.param("train:\n  lr: .inf\n", "train.lr: Expected a finite number, got inf", id="lr-infinite"),
         pytest.param(
@@ -536,6 +531,11 @@ def test_megatron_inference_loads_where_it_can_run(tmp_path: Path) -> None:
     path.write_text(MEGATRON_ON_GPU + "  temperature: 0\n  top_p: 0.9\n  graphs: true\n")
     rollout = pipeline.load_recipe(path).rollout
     assert (rollout.temperature, rollout.top_p, rollout.graphs) == (0, 0.9, True)
+    # Apart from the trainer, and with partial rollouts (colocated, without graphs).
+    path.write_text(MEGATRON_ON_GPU + "colocated: false\n")
+    assert not pipeline.load_recipe(path).colocated
+    path.write_text(MEGATRON_ON_GPU + "  partial: true\n")
+    assert pipeline.load_recipe(path).rollout.partial
 
 
 def test_a_lookahead_past_the_run_sizes_nothing_past_the_run(tmp_path: Path) -> None:
