@@ -34,6 +34,11 @@ from typing import NamedTuple
 from torch import Tensor
 
 
+def never_given_up() -> bool:
+    """The ``given_up`` of a request whose caller cannot give up."""
+    return False
+
+
 class KeptKV(NamedTuple):
     """Keys and values ``kv`` [len(tokens), layers, 2, kv_heads, head_dim] of ``tokens`` at
     positions 0..len(tokens)-1 (a view into a pack, or a tensor of its own)."""
@@ -58,7 +63,7 @@ class KVKeep:
     def resident_bytes(self) -> int:
         return self._bytes
 
-    def keep(self, key: Hashable, kept: KeptKV, *, given_up: Callable[[], bool] = lambda: False) -> None:
+    def keep(self, key: Hashable, kept: KeptKV, *, given_up: Callable[[], bool] = never_given_up) -> None:
         """Keep ``kept`` under ``key``: `keep_all` of one."""
         self.keep_all([(key, kept, given_up)])
 

@@ -50,7 +50,7 @@ from backends.torch import race
 from backends.torch.attention import attend
 from backends.torch.decode_step import DecodeStep, DecodeSteps, flash_works
 from backends.torch.kv_cache import KVCache
-from backends.torch.kv_keep import KeptKV, KVKeep
+from backends.torch.kv_keep import KeptKV, KVKeep, never_given_up
 from backends.torch.kv_pool import KVPool, make_pool
 from backends.torch.model import PLAIN_PARTS, Decoder, compiled_layer_parts
 from backends.torch.sampling import check_arguments, completions, draw
@@ -520,7 +520,7 @@ class Sampler:
             for i, kv in zip(pack, packed.split([known[i] for i in pack]), strict=True):
                 admission, completion, _ = rows[i]
                 tokens = (*admission.prompt, *completion.tokens[:-1])
-                given_up = functools.partial(dropped, admission) if dropped is not None else _never
+                given_up = functools.partial(dropped, admission) if dropped is not None else never_given_up
                 entries.append((admission.keep, KeptKV(tokens, kv), given_up))
         kept.keep_all(entries)
 
@@ -638,10 +638,6 @@ class Sampler:
             last = torch.tensor([len(prompts[i]) - 1 for i in part], device=dev)
             hidden_out[rows] = hidden[src, last[src]]
         return hidden_out
-
-
-def _never() -> bool:
-    return False
 
 
 def _positions(slots: list[int], lengths: list[int], device: torch.device) -> tuple[Tensor, Tensor]:
