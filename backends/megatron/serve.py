@@ -100,7 +100,7 @@ from megatron.core.transformer.enums import InferenceCudaGraphScope
 
 from backends.bench_lengths import length_draw
 from backends.input import Input
-from backends.megatron import flash_adapter
+from backends.megatron import flash_adapter, inference_mode
 from backends.megatron.apart import EngineCopy
 from backends.megatron.inference import MegatronInference
 from backends.megatron.sampling import FusedRaceSampling, RaceSampling, sampling_params
@@ -387,6 +387,7 @@ def build_inference(
 ) -> MegatronInference:
     """`MegatronInference` over a `DynamicInferenceEngine` serving `model`: the trainer's in
     place, or apart `copy.model`, which `copy` refreshes from the trainer's at each refit."""
+    inference_mode.install()  # apart, the trainer steps while the engine serves
     rollout = spec.sampling
     termination = termination_id(stop_ids)
     inference = inference_config(rollout, config, model.config.params_dtype, schedule=serving.schedule)

@@ -14,6 +14,8 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("megatron.core")
 
+from megatron.core.inference.utils import InferenceMode  # noqa: E402
+
 from backends.megatron import apart, serve  # noqa: E402
 from backends.megatron.build import build_backend  # noqa: E402
 from pipeline.clock import DeadlineClock, MonotonicTime  # noqa: E402
@@ -27,6 +29,7 @@ def _apart(monkeypatch: pytest.MonkeyPatch) -> tuple[Any, Any, ModelEngine]:
     made: list[ModelEngine] = []
 
     def engine_on_cpu(model, inference, *, tokens, seed, device, graphs, sampler):
+        InferenceMode.set_active()  # as megatron's engine does when built, on its own thread
         made.append(ModelEngine(model, length=2))
         return made[-1]
 
@@ -46,6 +49,9 @@ async def test_the_engine_serves_its_own_copy_refitted_with_each_steps_weights(
     engine, trainer, fake = _apart(monkeypatch)
     gate = EngineGate(engine, DeadlineClock(MonotonicTime()), checks=trainer)
     try:
+        # The engine serving on its thread leaves the trainer's forward out of megatron's
+        # inference paths (whose output layer would assert the logits are gathered).
+        assert not InferenceMode.is_active()
         assert not engine.blocks_training and not engine.wake_carries_weights
         assert fake.model is not trainer.model
         assert not any(p.requires_grad for p in fake.model.parameters())
