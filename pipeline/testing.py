@@ -370,8 +370,10 @@ class FaultInjector:
 
 
 class _FakeRequest:
-    """What `FakeDynamicEngine.step_modern` reports finished (`merge()` is the record's merge:
-    every token since it was added)."""
+    """A request of `FakeDynamicEngine`, and the record `step_modern` reports finished: its
+    `requests` are megatron's record's, one per recompute checkpoint, each holding the tokens
+    generated since the last. As megatron's, a record's `generated_log_probs` is None until its
+    first token (megatron makes the list then), so a record frozen before any token has none."""
 
     def __init__(self, request_id: int, prompt: list[int], length: int) -> None:
         self.request_id = request_id
@@ -379,15 +381,24 @@ class _FakeRequest:
         self.length = length
         self.generated_tokens: list[int] = []
         self.generated_log_probs: list[float] = []
-        self.checkpointed = 0  # tokens moved into its latest record's prompt (recompute)
+        self.cuts: list[int] = []  # tokens so far at each recompute checkpoint
 
-    def merge(self) -> _FakeRequest:
-        return self
+    @property
+    def requests(self) -> list[SimpleNamespace]:
+        bounds = [0, *self.cuts, len(self.generated_tokens)]
+        return [
+            SimpleNamespace(
+                request_id=self.request_id,
+                generated_tokens=self.generated_tokens[start:end],
+                generated_log_probs=self.generated_log_probs[start:end] or None,
+            )
+            for start, end in itertools.pairwise(bounds)
+        ]
 
     def latest(self) -> SimpleNamespace:
         """Its latest record, as megatron's `get_request` returns it: after a recompute
         checkpoint the tokens before it are part of the prompt."""
-        cut = self.checkpointed
+        cut = self.cuts[-1] if self.cuts else 0
         return SimpleNamespace(
             prompt_tokens=self.prompt + self.generated_tokens[:cut],
             generated_tokens=self.generated_tokens[cut:],
@@ -478,7 +489,7 @@ class FakeDynamicEngine:
         self.suspended = True
         if self.recompute:
             for request in self._active:
-                request.checkpointed = len(request.generated_tokens)
+                request.cuts.append(len(request.generated_tokens))
 
     def resume(self) -> None:
         self.events.append("resume")

@@ -421,16 +421,16 @@ class MegatronInference:
     def _step(self) -> None:
         result = self.engine.step_modern()
         for record in result["finished_request_records"]:
-            request = record.merge()
-            pending = self._pending.pop(request.request_id)
-            stretches = self._stretches.pop(request.request_id)
-            tokens = tuple(request.generated_tokens)
-            logprobs = tuple(request.generated_log_probs)
-            assert tokens and len(logprobs) == len(tokens), (request.request_id, len(tokens), len(logprobs))
-            assert stretches.starts[-1][0] < len(tokens), (request.request_id, stretches.starts, len(tokens))
+            request_id, tokens, logprobs = _generated(record)
+            # Left in `_pending` until its completion is made: a failure here fails its caller too.
+            pending = self._pending[request_id]
+            stretches = self._stretches[request_id]
+            assert tokens and len(logprobs) == len(tokens), (request_id, len(tokens), len(logprobs))
+            assert stretches.starts[-1][0] < len(tokens), (request_id, stretches.starts, len(tokens))
             # Short of max_new_tokens without a stop token: its bench length ended it.
             stopped = tokens[-1] in self.stop_token_ids or len(tokens) < self.max_new_tokens
-            pending.done[request.request_id] = Completion(
+            del self._pending[request_id], self._stretches[request_id]
+            pending.done[request_id] = Completion(
                 tokens=tokens,
                 logprobs=logprobs,
                 finish_reason="stop" if stopped else "length",
@@ -439,3 +439,15 @@ class MegatronInference:
             )
             if len(pending.done) == len(pending.ids):
                 _settle(pending.future, [pending.done[i] for i in pending.ids])
+
+
+def _generated(record: Any) -> tuple[int, tuple[int, ...], tuple[float, ...]]:
+    """A finished request's id, tokens and their logprobs, read over its records (one per
+    recompute checkpoint, each with the tokens generated since the last). Not megatron's
+    `merge()`: a record frozen before its first token has no logprobs list (None, as megatron
+    makes it at the first token), and `merge()` then gives None for the whole request, or raises
+    where a later record has none."""
+    parts = record.requests
+    tokens = tuple(token for part in parts for token in part.generated_tokens)
+    logprobs = tuple(logprob for part in parts for logprob in part.generated_log_probs or ())
+    return parts[0].request_id, tokens, logprobs

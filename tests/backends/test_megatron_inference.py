@@ -140,6 +140,28 @@ async def test_an_engine_failure_fails_the_waiting_request_and_every_later_call(
     assert adapter.state is State.CLOSED
 
 
+class _LosingLogprobs(FakeDynamicEngine):
+    """Reports its finished requests with one logprob fewer than tokens (a bug's record)."""
+
+    def step_modern(self) -> dict:
+        result = super().step_modern()
+        for request in result["finished_request_records"]:
+            request.generated_log_probs.pop()
+        return result
+
+
+async def test_a_finished_request_the_adapter_cannot_read_fails_its_own_caller() -> None:
+    """The failure is the engine thread's (a bug): the request it was reading gets it too,
+    rather than waiting forever."""
+    adapter = _adapter(_LosingLogprobs(length=2))
+    try:
+        with pytest.raises(AssertionError):
+            await asyncio.wait_for(adapter.generate([1], 1), 30)
+    finally:
+        adapter.close()
+    assert adapter.state is State.CLOSED
+
+
 async def test_close_fails_what_is_still_pending() -> None:
     engine = FakeDynamicEngine(length=3, hold_after_steps=0)
     adapter = _adapter(engine)
