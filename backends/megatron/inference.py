@@ -100,7 +100,8 @@ class WeightsIn(Protocol):
     (`apart.ReplicaCopy`): `like`, each parameter a package must hold (name, shape, dtype);
     `receive`, the weights the next refit copies in."""
 
-    like: Sequence[tuple[str, Any]]
+    @property
+    def like(self) -> Sequence[tuple[str, Any]]: ...
 
     def receive(self, weights: Mapping[str, Any]) -> None: ...
 

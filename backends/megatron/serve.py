@@ -2,8 +2,10 @@
 (`rollout.engine: megatron`), behind `MegatronInference`.
 
 Colocated no weights move: the engine runs the module the trainer steps, so a wake serves the
-new weights (`wake_carries_weights`). Apart (`colocated: false`) it runs a model of its own
-(`apart.EngineCopy`), refreshed from the trainer's after each step (`MegatronInference.refit`).
+new weights (`wake_carries_weights`); with handoff checks each wake fingerprints that module.
+Apart (`colocated: false`) it runs a model of its own (`apart.EngineCopy`), refreshed from the
+trainer's after each step (`MegatronInference.refit`); as a Ray replica, from the weights it was
+sent (`apart.ReplicaCopy`). On Ray, colocated, each trainer rank's actor builds it as here.
 With partial rollouts the gate stands it down with requests in flight: they rely on recompute
 (below), and `drop_pending_forward` runs before each suspend. Its pieces, as megatron 0.19
 wires them (the construction a probe on the H200 ran): an `InferenceConfig`, the

@@ -144,7 +144,9 @@ def _served_each_steps_weights(summary: Any, steps: list[Any]) -> None:
 def test_colocated_in_the_trainer_ranks_actor(tmp_path: Path, ray_cluster: Any, monkeypatch: Any) -> None:
     """The engine serves the rank's own module: stood down for each step, and the wake's
     fingerprint (of that module) is the trainer's."""
-    summary, backend, steps = _run(tmp_path, monkeypatch, "colocated=true", "async_rl.max_lookahead_versions=0")
+    summary, backend, steps = _run(
+        tmp_path, monkeypatch, "colocated=true", "async_rl.max_lookahead_versions=0"
+    )
     assert backend.engine.blocks_training and backend.engine.wake_carries_weights
     _served_each_steps_weights(summary, steps)
 
@@ -154,6 +156,8 @@ def test_apart_as_a_replica_refitted_with_the_trainers_weights(
 ) -> None:
     """A replica actor of its own, one version ahead (L = 1): each refit copies the trainer's
     package into its `GPTModel`, whose fingerprint is then the trainer's."""
-    summary, backend, steps = _run(tmp_path, monkeypatch, "colocated=false", "async_rl.max_lookahead_versions=1")
+    summary, backend, steps = _run(
+        tmp_path, monkeypatch, "colocated=false", "async_rl.max_lookahead_versions=1"
+    )
     assert not backend.engine.blocks_training
     _served_each_steps_weights(summary, steps)
