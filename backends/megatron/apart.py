@@ -101,7 +101,9 @@ class ReplicaCopy:
             setattr(shell.get_submodule(owner), leaf, torch.nn.Parameter(tensor, requires_grad=False))
         layout.load_hf(self.model, shell.state_dict(), self.config)
         if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()  # CUDA IPC sources stay valid until then
+            # The copies have read their sources (by CUDA IPC, the trainer's own tensors) before
+            # the refit answers and the trainer's next step may write them.
+            torch.cuda.current_stream(self.device).synchronize()
 
     def fingerprint(self) -> dict[str, int] | None:
         if not self.fingerprints:
