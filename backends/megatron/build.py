@@ -131,7 +131,13 @@ def build_backend(
             served = trainer.model if copy is None else copy.model
             return (
                 build_inference(
-                    served, trainer.config, spec, stop_ids=stop_ids, device=trainer.device, copy=copy
+                    served,
+                    trainer.config,
+                    spec,
+                    stop_ids=stop_ids,
+                    device=trainer.device,
+                    copy=copy,
+                    replica=replica,
                 ),
                 trainer,
             )
@@ -167,10 +173,22 @@ def build_backend(
 
 
 def build_engine_alone(spec: Input, *, vocab_size: int, stop_ids: Sequence[int], replica: int = 0) -> Any:
-    """An engine replica apart from the megatron trainer: our torch engine, refreshed from the
-    trainer's weights as the engine's `Decoder` holds them (`reshard.served`). Importing this
-    module set megatron's warning filters: the trainer's weights arrive pickled through
-    megatron's `safe_load_from_bytes`, which the unpickling imports."""
+    """An engine replica apart from the megatron trainer, refreshed from the trainer's weights
+    as the engine's `Decoder` holds them (`reshard.served`): our torch engine, or with
+    `rollout.engine: megatron` megatron's over a `GPTModel` of the replica's own
+    (`apart.ReplicaCopy`). Importing this module set megatron's warning filters: the
+    trainer's weights arrive pickled through megatron's `safe_load_from_bytes`, which the
+    unpickling imports."""
+    if spec.sampling.engine == "megatron":
+        from backends.megatron.apart import ReplicaCopy
+        from backends.megatron.serve import build_inference
+
+        check(spec)
+        _, model, config = _gpt_model(spec, vocab_size=vocab_size)
+        copy = ReplicaCopy(model, config, fingerprints=spec.handoff_checks)
+        return build_inference(
+            model, config, spec, stop_ids=stop_ids, device=copy.device, copy=copy, replica=replica
+        )
     from backends.torch.build import build_engine_alone as torch_engine
 
     return torch_engine(spec, vocab_size=vocab_size, stop_ids=stop_ids, replica=replica)
@@ -199,20 +217,16 @@ def _copy_served(decoder: Any, served: list[tuple[str, Any]]) -> None:
         target.copy_(weights[name])
 
 
-def _build(spec: Input, *, vocab_size: int) -> tuple[Any, Any]:
-    """(the torch `Decoder` the model section gives, the trainer of this rank's megatron copy of it)."""
-    check(spec)
-    require_megatron()
+def _gpt_model(spec: Input, *, vocab_size: int) -> tuple[Any, Any, Any]:
+    """(the torch `Decoder` the model section gives, this rank's megatron copy of it, its
+    `ModelConfig`), in megatron's process groups of `train.tensor_parallel` ranks."""
     # Imported once megatron is known to import (each of these imports it).
     from megatron.core import parallel_state
 
     from backends.megatron import layout, parallel
-    from backends.megatron.model import build_gpt_model, compile_layers
-    from backends.megatron.optimizer import MegatronAdam, TorchAdamW
-    from backends.megatron.trainer import MegatronTrainer
+    from backends.megatron.model import build_gpt_model
 
-    section, optimizer = spec.model, spec.optimizer
-    seed = spec.seed
+    section, seed = spec.model, spec.seed
     decoder = build_model(section, vocab_size=vocab_size, seed=seed)
     config = decoder.config
     size = spec.options.tensor_parallel
@@ -224,6 +238,19 @@ def _build(spec: Input, *, vocab_size: int) -> tuple[Any, Any]:
     layout.load_hf(
         model, decoder.state_dict(), config, rank=parallel_state.get_tensor_model_parallel_rank(), size=size
     )
+    return decoder, model, config
+
+
+def _build(spec: Input, *, vocab_size: int) -> tuple[Any, Any]:
+    """(the torch `Decoder` the model section gives, the trainer of this rank's megatron copy of it)."""
+    check(spec)
+    from backends.megatron.model import compile_layers
+    from backends.megatron.optimizer import MegatronAdam, TorchAdamW
+    from backends.megatron.trainer import MegatronTrainer
+
+    optimizer, seed = spec.optimizer, spec.seed
+    decoder, model, config = _gpt_model(spec, vocab_size=vocab_size)
+    device = next(model.parameters()).device
     if spec.options.compile:
         compile_layers(model)
     step = (MegatronAdam if device.type == "cuda" else TorchAdamW)(

@@ -9,6 +9,9 @@ flight have finished, as the torch engine's refit does between two loops: reques
 meanwhile wait in the adapter and enter after it, so every request is generated under one
 weights version. `fingerprint` is then taken of the refreshed model (`fingerprint` given), for
 the gate's handoff checks; `load` refreshes too (a resume's weights are the trainer's).
+Colocated it is taken after each resume, of the module the wake serves. A replica apart on
+Ray (`weights_in` given) is sent the trainer's weights (`load_weights`, checked against
+`served_parameters`) and refits with them as above.
 
 The engine is not thread-safe and its `step_modern()` blocks, so one thread of its own owns it
 for its whole life. The event loop talks to that thread through a command queue; each command
@@ -19,7 +22,7 @@ carries a future of the caller's loop that the thread settles with `call_soon_th
                                     kept (recomputed or restored at resume, as the engine's
                                     `kv_cache_management_mode` says), then `handoff.release`
     wake       -> ("resume", ...)   `handoff.restore`, then `engine.resume()`: memory back,
-                                    frozen requests re-added
+                                    frozen requests re-added (and the fingerprint)
     refit      -> ("refit", ...)    apart: once no request is unfinished, `refresh_weights`
                                     (and the fingerprint); `load` sends it too
     close      -> ("close", None)   a serving engine is suspended, then `handoff.close`; the
@@ -90,6 +93,17 @@ class Handoff(Protocol):
     def release(self, engine: Any) -> None: ...  # after engine.suspend()
     def restore(self, engine: Any) -> None: ...  # before engine.resume()
     def close(self, engine: Any) -> None: ...  # after the last engine.suspend()
+
+
+class WeightsIn(Protocol):
+    """Where an engine replica apart on Ray receives the trainer's weights between refits
+    (`apart.ReplicaCopy`): `like`, each parameter a package must hold (name, shape, dtype);
+    `receive`, the weights the next refit copies in."""
+
+    @property
+    def like(self) -> Sequence[tuple[str, Any]]: ...
+
+    def receive(self, weights: Mapping[str, Any]) -> None: ...
 
 
 class State(Enum):
@@ -169,6 +183,7 @@ class MegatronInference:
         freeze: Callable[[Any], None] = lambda engine: None,
         refresh_weights: Callable[[], None] | None = None,
         fingerprint: Callable[[], Mapping[str, int] | None] = lambda: None,
+        weights_in: WeightsIn | None = None,
     ) -> None:
         assert refresh_weights is None or not partial, "partial rollouts need an engine that stands down"
         self.engine: Any = None
@@ -179,6 +194,7 @@ class MegatronInference:
         self._freeze = freeze
         self._refresh = refresh_weights
         self._fingerprint = fingerprint
+        self._weights_in = weights_in
         self._served: Mapping[str, int] | None = None  # the fingerprint of the last refresh
         self._refit_waiting: list[Future] = []  # refits waiting for the requests in flight
         self._stretches: dict[int, _Stretches] = {}  # by request id (partial rollouts)
@@ -252,8 +268,21 @@ class MegatronInference:
         if self._refresh is not None:
             await self._call("refit")
 
+    def served_parameters(self) -> Sequence[tuple[str, Any]]:
+        """A Ray replica's: the parameters `load_weights` takes (names, shapes, dtypes)."""
+        assert self._weights_in is not None, "only a Ray replica is sent weights"
+        return self._weights_in.like
+
+    async def load_weights(self, weights: Mapping[str, Any]) -> None:
+        """A Ray replica's refit: serve `weights` (the trainer's, by the engine `Decoder`'s
+        names) once the requests in flight have finished."""
+        assert self._weights_in is not None, "only a Ray replica is sent weights"
+        self._weights_in.receive(weights)
+        await self.refit()
+
     def fingerprint(self) -> Mapping[str, int] | None:
-        """Of the model as the last refresh left it (None colocated, or without handoff checks)."""
+        """Of the model as the last refresh (apart) or wake (colocated) left it; None without
+        handoff checks."""
         return self._served
 
     def memory_in_use(self) -> int | None:
@@ -375,6 +404,7 @@ class MegatronInference:
                 self._frozen = {}
                 self.engine.resume()
                 self._serving()
+                self._served = self._fingerprint()  # colocated: the trainer's newest weights
                 self._add_held()
                 self.state = State.SERVING
         else:

@@ -3,17 +3,18 @@ recipe, checked by the shell's root recipe (so `validate` and `run` refuse alike
 
 from __future__ import annotations
 
-from backends.placement import Placement, RayPlacement
 from backends.torch.section import ModelSection
 from pipeline.contracts.backend_input import Sampling
 
 
-def check_engine(rollout: Sampling, *, backend: str, model: ModelSection, placement: Placement) -> None:
+def check_engine(rollout: Sampling, *, backend: str, model: ModelSection, tensor_parallel: int) -> None:
     """Cross-field rules of `rollout.engine` against the rest of the recipe (ValueError naming
-    both). megatron's engine serves the megatron trainer's module (colocated) or a copy of it
-    (apart) in the trainer's process: CUDA (its dynamic context allocates with CUDA only), bf16
-    (its attention runs flash-attention kernels), not on Ray; partial rollouts recompute the
-    requests they continue, which its graphs' persistent cache does not."""
+    both). megatron's engine serves the megatron trainer's module (colocated: in its process, or
+    its rank's Ray actor) or a copy of it (apart: in its process, or a Ray replica of its own):
+    CUDA (its dynamic context allocates with CUDA only), bf16 (its attention runs
+    flash-attention kernels), one tensor-parallel rank (it runs one rank's forward alone);
+    partial rollouts recompute the requests they continue, which its graphs' persistent cache
+    does not."""
     if rollout.engine == "torch":
         if rollout.kv_cache_gb:
             raise ValueError(
@@ -43,10 +44,11 @@ def check_engine(rollout: Sampling, *, backend: str, model: ModelSection, placem
             f"rollout.engine: megatron needs model.dtype: bfloat16 (its attention runs flash-attention "
             f"kernels, which take bf16), got {model.dtype}"
         )
-    if isinstance(placement, RayPlacement):
+    if tensor_parallel > 1:
         raise ValueError(
-            "rollout.engine: megatron is not built for placement.backend ray yet: set "
-            "placement.backend: local or rollout.engine: torch"
+            f"rollout.engine: megatron is not built for train.tensor_parallel: {tensor_parallel} yet "
+            "(it would run one rank's shard of the model, whose forward needs every rank); set "
+            "train.tensor_parallel: 1 or rollout.engine: torch"
         )
     if rollout.partial and rollout.graphs:
         raise ValueError(

@@ -2,8 +2,10 @@
 (`rollout.engine: megatron`), behind `MegatronInference`.
 
 Colocated no weights move: the engine runs the module the trainer steps, so a wake serves the
-new weights (`wake_carries_weights`). Apart (`colocated: false`) it runs a model of its own
-(`apart.EngineCopy`), refreshed from the trainer's after each step (`MegatronInference.refit`).
+new weights (`wake_carries_weights`); with handoff checks each wake fingerprints that module.
+Apart (`colocated: false`) it runs a model of its own (`apart.EngineCopy`), refreshed from the
+trainer's after each step (`MegatronInference.refit`); as a Ray replica, from the weights it was
+sent (`apart.ReplicaCopy`). On Ray, colocated, each trainer rank's actor builds it as here.
 With partial rollouts the gate stands it down with requests in flight: they rely on recompute
 (below), and `drop_pending_forward` runs before each suspend. Its pieces, as megatron 0.19
 wires them (the construction a probe on the H200 ran): an `InferenceConfig`, the
@@ -100,11 +102,12 @@ from megatron.core.transformer.enums import InferenceCudaGraphScope
 
 from backends.bench_lengths import length_draw
 from backends.input import Input
-from backends.megatron import flash_adapter, inference_mode
-from backends.megatron.apart import EngineCopy
+from backends.megatron import flash_adapter, inference_mode, reshard
+from backends.megatron.apart import EngineCopy, ReplicaCopy
 from backends.megatron.inference import MegatronInference
 from backends.megatron.sampling import FusedRaceSampling, RaceSampling, sampling_params
 from backends.torch.config import ModelConfig
+from backends.torch.fingerprint import Fingerprinter, parameter_probes
 from backends.torch.kv_pool import KVPool, VirtualMemoryPool
 from pipeline.contracts.backend_input import Sampling
 from pipeline.contracts.errors import RecipeError
@@ -383,16 +386,19 @@ def build_inference(
     stop_ids: Sequence[int],
     device: torch.device,
     serving: Serving = SERVING,
-    copy: EngineCopy | None = None,
+    copy: EngineCopy | ReplicaCopy | None = None,
+    replica: int = 0,
 ) -> MegatronInference:
     """`MegatronInference` over a `DynamicInferenceEngine` serving `model`: the trainer's in
-    place, or apart `copy.model`, which `copy` refreshes from the trainer's at each refit."""
+    place, or apart `copy.model`, which `copy` refreshes at each refit (from the trainer's in
+    this process, `EngineCopy`; from the weights a Ray replica was sent, `ReplicaCopy`).
+    `replica`: its index among the engine's replicas (each draws its own random numbers)."""
     inference_mode.install()  # apart, the trainer steps while the engine serves
     rollout = spec.sampling
     termination = termination_id(stop_ids)
     inference = inference_config(rollout, config, model.config.params_dtype, schedule=serving.schedule)
     tokens = _Tokens(termination, config.vocab_size)
-    seed = spec.seed + 1  # the torch engine's
+    seed = spec.seed + 1 + 1000 * replica  # the torch engine's
     handoff = KVHandoff(model, lambda: VirtualMemoryPool(device)) if rollout.graphs else None
     return MegatronInference(
         lambda: dynamic_engine(
@@ -405,7 +411,7 @@ def build_inference(
         stop_token_ids=stop_ids,
         max_new_tokens=rollout.max_new_tokens,
         max_sequence_length=inference.max_sequence_length,
-        lengths=length_draw(rollout, seed=spec.seed),
+        lengths=length_draw(rollout, seed=spec.seed + 1000 * replica),
         memory_in_use=_kv_cache_in_use if handoff is None else handoff.memory_in_use,
         generator=lambda engine: engine.controller.sampling_rng,
         # megatron's inference attention asserts eval mode; the trainer's step sets train mode
@@ -414,5 +420,21 @@ def build_inference(
         partial=rollout.partial,
         freeze=drop_pending_forward if rollout.partial else lambda engine: None,
         refresh_weights=None if copy is None else copy.refresh,
-        fingerprint=(lambda: None) if copy is None else copy.fingerprint,
+        fingerprint=_fingerprint(model, config, spec.handoff_checks) if copy is None else copy.fingerprint,
+        weights_in=copy if isinstance(copy, ReplicaCopy) else None,
     )
+
+
+def _fingerprint(model: Any, config: ModelConfig, checks: bool) -> Callable[[], dict[str, int] | None]:
+    """Colocated: the fingerprint of the trainer's module the engine serves, as the trainer
+    publishes its own (the engine's `Decoder` layout), taken at each wake (with handoff checks;
+    on Ray the gate then compares each rank's replica with the trainer's weights)."""
+    if not checks:
+        return lambda: None
+
+    def take() -> dict[str, int]:
+        if next(model.parameters()).is_cuda:
+            torch.cuda.synchronize()  # the trainer's step, written from its own thread
+        return Fingerprinter(parameter_probes(reshard.served(model, config)))()
+
+    return take

@@ -81,6 +81,6 @@ class Recipe(Section, frozen=True):
             sampling_of(self),
             backend=self.train.backend,
             model=self.model,
-            placement=self.placement,
+            tensor_parallel=self.train.tensor_parallel,
         )
         check_names(self.gates, MetricNames.for_recipe(self))

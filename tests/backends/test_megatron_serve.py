@@ -127,6 +127,22 @@ async def test_the_builder_hands_the_trainers_own_model_to_megatrons_engine(monk
         trainer.close()
 
 
+def test_each_replica_draws_from_a_seed_of_its_own(monkeypatch) -> None:
+    """Colocated data-parallel ranks on Ray each hold a replica (`replica`): seeded as the
+    torch engine's replicas, so no two draw the same random numbers."""
+    seeds = []
+
+    def engine_on_cpu(model, inference, *, tokens, seed, device, graphs, sampler):
+        seeds.append(seed)
+        return FakeDynamicEngine(length=5, vocab=16)
+
+    monkeypatch.setattr(serve, "dynamic_engine", engine_on_cpu)
+    engine, trainer = build_backend(_on_cpu(), vocab_size=16, stop_ids=[1], replica=2)
+    engine.close()
+    trainer.close()
+    assert seeds == [1 + 1000 * 2]  # recipe seed 0
+
+
 def test_a_tokenizer_with_several_stop_tokens_is_refused() -> None:
     with pytest.raises(RecipeError) as raised:
         build_backend(_on_cpu(), vocab_size=16, stop_ids=[1, 2])

@@ -1,7 +1,8 @@
 """The megatron backend on a GPU: megatron's DDP and distributed optimizer train a bf16 model
 through float32 masters, and our CUDA engine serves the trained weights after each hand-off;
 with `rollout.engine: megatron`, megatron's dynamic engine generates on the trained model itself,
-on a copy of it apart from the trainer, and with partial rollouts.
+on a copy of it apart from the trainer, with partial rollouts, and on Ray (in the trainer
+rank's actor, or a replica actor of its own).
 
 Written on a CPU-only machine: not yet run (the lead runs `pytest -m gpu` on the H200)."""
 
@@ -183,6 +184,39 @@ def test_megatron_inference_apart_serves_its_copy_refitted_after_each_step(
         assert record["timing/refit_s"] >= 0 and "timing/stand_down_s" not in record, record
         if lookahead == 0:
             assert record["train/token_mult_prob_error"] < 1.05, record
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        pytest.param(["colocated=true"], id="colocated-in-the-trainer-actor"),
+        pytest.param(
+            ["colocated=false", "placement.engine_gpus=0.5", "placement.trainer_gpus=0.5"],
+            id="apart-replica-sharing-the-gpu",
+        ),
+    ],
+)
+def test_megatron_inference_on_ray(tmp_path, monkeypatch, overrides: list[str]) -> None:
+    """The quickstart with megatron's engine on Ray (`placement.backend: ray`) at L = 0:
+    colocated, inside the trainer rank's actor on the rank's own module (stood down for each
+    step, the wake's fingerprint checked against the trainer's); apart, a replica actor of its
+    own on the same GPU, refitted with the trainer's weights by CUDA IPC (the refit's
+    fingerprint checked). Every step on-policy."""
+    import ray
+
+    if ray.is_initialized() and ray.cluster_resources().get("GPU", 0) < 1:
+        pytest.skip("this session's Ray cluster has no GPU")
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    recipe = _megatron_quickstart(
+        tmp_path, "run.steps=4", "placement.backend=ray", "async_rl.max_lookahead_versions=0", *overrides
+    )
+    summary = anyio.run(pipeline.run, recipe)
+    assert summary.steps_done == 4 and not summary.stopped
+    colocated = recipe.colocated
+    for record in _steps_hold(tmp_path, recipe, 4):
+        assert record["train/token_mult_prob_error"] < 1.05, record
+        assert ("timing/stand_down_s" in record) == colocated, record
+        assert colocated or record["timing/refit_s"] >= 0, record
 
 
 def test_megatron_inference_with_partial_rollouts_continues_frozen_requests(tmp_path) -> None:

@@ -313,10 +313,12 @@ VALID_RUN_FIELDS = "dir, steps, seed, stop_grace_s, progress, log_every_steps, p
             id="megatron-engine-float32",
         ),
         pytest.param(
-            MEGATRON_ON_GPU + "placement:\n  backend: ray\n",
-            "rollout.engine: megatron is not built for placement.backend ray yet: set placement.backend: "
-            "local or rollout.engine: torch",
-            id="megatron-engine-on-ray",
+            MEGATRON_ON_GPU.replace("backend: megatron", "backend: megatron\n  tensor_parallel: 2")
+            + "placement:\n  backend: ray\n",
+            "rollout.engine: megatron is not built for train.tensor_parallel: 2 yet (it would run one "
+            "rank's shard of the model, whose forward needs every rank); set train.tensor_parallel: 1 "
+            "or rollout.engine: torch",
+            id="megatron-engine-tensor-parallel",
         ),
         pytest.param(
             MEGATRON_ON_GPU.replace("engine: megatron", "engine: megatron\n  partial: true\n  graphs: true"),
@@ -396,6 +398,15 @@ def test_bad_recipe_message(tmp_path: Path, text: str, message: str) -> None:
     with pytest.raises(RecipeError) as raised:
         pipeline.load_recipe(path)
     assert str(raised.value) == f"{path}: {message}"
+
+
+@pytest.mark.parametrize("colocated", ["true", "false"])
+def test_megatrons_engine_on_ray_is_a_valid_recipe(tmp_path: Path, colocated: str) -> None:
+    """Colocated in the trainer rank's actor, or apart as engine replicas (tensor parallel 1)."""
+    path = tmp_path / "ray.yaml"
+    path.write_text(MEGATRON_ON_GPU + f"placement:\n  backend: ray\ncolocated: {colocated}\n")
+    recipe = pipeline.load_recipe(path)
+    assert recipe.rollout.engine == "megatron" and type(recipe.placement).__name__ == "RayPlacement"
 
 
 def test_yaml_syntax_error_names_line_and_column(tmp_path: Path) -> None:
