@@ -318,8 +318,8 @@ class MegatronInference:
 
     def close(self) -> None:
         """End the engine thread after its current step, suspending a serving engine first (its
-        KV cache and megatron's process-wide "inference active" flag, which the model's
-        forward reads, are let go); closing twice is harmless."""
+        KV cache and megatron's "inference active" flag, which the model's forward reads and
+        `inference_mode` keeps per thread, are let go); closing twice is harmless."""
         if self._thread.is_alive():
             self._commands.put(("close", None))
             self._thread.join()

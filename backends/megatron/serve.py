@@ -433,8 +433,11 @@ def _fingerprint(model: Any, config: ModelConfig, checks: bool) -> Callable[[], 
         return lambda: None
 
     def take() -> dict[str, int]:
-        if next(model.parameters()).is_cuda:
-            torch.cuda.synchronize()  # the trainer's step, written from its own thread
+        device = next(model.parameters()).device
+        if device.type == "cuda":
+            # The trainer's step, written from its own thread (whose current device this
+            # thread's need not be).
+            torch.cuda.synchronize(device)
         return Fingerprinter(parameter_probes(reshard.served(model, config)))()
 
     return take
