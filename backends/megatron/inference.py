@@ -9,7 +9,7 @@ flight have finished, as the torch engine's refit does between two loops: reques
 meanwhile wait in the adapter and enter after it, so every request is generated under one
 weights version. `fingerprint` is then taken of the refreshed model (`fingerprint` given), for
 the gate's handoff checks; `load` refreshes too (a resume's weights are the trainer's).
-Colocated it is taken after each resume, of the module the wake serves. A replica apart on
+Colocated there is none (it serves the trainer's own module). A replica apart on
 Ray (`weights_in` given) is sent the trainer's weights (`load_weights`, checked against
 `served_parameters`) and refits with them as above.
 
@@ -22,7 +22,7 @@ carries a future of the caller's loop that the thread settles with `call_soon_th
                                     kept (recomputed or restored at resume, as the engine's
                                     `kv_cache_management_mode` says), then `handoff.release`
     wake       -> ("resume", ...)   `handoff.restore`, then `engine.resume()`: memory back,
-                                    frozen requests re-added (and the fingerprint)
+                                    frozen requests re-added
     refit      -> ("refit", ...)    apart: once no request is unfinished, `refresh_weights`
                                     (and the fingerprint); `load` sends it too
     close      -> ("close", None)   a serving engine is suspended, then `handoff.close`; the
@@ -281,8 +281,7 @@ class MegatronInference:
         await self.refit()
 
     def fingerprint(self) -> Mapping[str, int] | None:
-        """Of the model as the last refresh (apart) or wake (colocated) left it; None without
-        handoff checks."""
+        """Of the model as the last refresh left it (None colocated, or without handoff checks)."""
         return self._served
 
     def memory_in_use(self) -> int | None:
@@ -404,7 +403,6 @@ class MegatronInference:
                 self._frozen = {}
                 self.engine.resume()
                 self._serving()
-                self._served = self._fingerprint()  # colocated: the trainer's newest weights
                 self._add_held()
                 self.state = State.SERVING
         else:

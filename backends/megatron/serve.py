@@ -2,7 +2,8 @@
 (`rollout.engine: megatron`), behind `MegatronInference`.
 
 Colocated no weights move: the engine runs the module the trainer steps, so a wake serves the
-new weights (`wake_carries_weights`); with handoff checks each wake fingerprints that module.
+new weights (`wake_carries_weights`), with nothing to check at the hand-off: it reports no
+fingerprint, and the gate's handoff checks leave it unchecked.
 Apart (`colocated: false`) it runs a model of its own (`apart.EngineCopy`), refreshed from the
 trainer's after each step (`MegatronInference.refit`); as a Ray replica, from the weights it was
 sent (`apart.ReplicaCopy`). On Ray, colocated, each trainer rank's actor builds it as here.
@@ -102,12 +103,11 @@ from megatron.core.transformer.enums import InferenceCudaGraphScope
 
 from backends.bench_lengths import length_draw
 from backends.input import Input
-from backends.megatron import flash_adapter, inference_mode, reshard
+from backends.megatron import flash_adapter, inference_mode
 from backends.megatron.apart import EngineCopy, ReplicaCopy
 from backends.megatron.inference import MegatronInference
 from backends.megatron.sampling import FusedRaceSampling, RaceSampling, sampling_params
 from backends.torch.config import ModelConfig
-from backends.torch.fingerprint import Fingerprinter, parameter_probes
 from backends.torch.kv_pool import KVPool, VirtualMemoryPool
 from pipeline.contracts.backend_input import Sampling
 from pipeline.contracts.errors import RecipeError
@@ -420,24 +420,6 @@ def build_inference(
         partial=rollout.partial,
         freeze=drop_pending_forward if rollout.partial else lambda engine: None,
         refresh_weights=None if copy is None else copy.refresh,
-        fingerprint=_fingerprint(model, config, spec.handoff_checks) if copy is None else copy.fingerprint,
+        fingerprint=(lambda: None) if copy is None else copy.fingerprint,
         weights_in=copy if isinstance(copy, ReplicaCopy) else None,
     )
-
-
-def _fingerprint(model: Any, config: ModelConfig, checks: bool) -> Callable[[], dict[str, int] | None]:
-    """Colocated: the fingerprint of the trainer's module the engine serves, as the trainer
-    publishes its own (the engine's `Decoder` layout), taken at each wake (with handoff checks;
-    on Ray the gate then compares each rank's replica with the trainer's weights)."""
-    if not checks:
-        return lambda: None
-
-    def take() -> dict[str, int]:
-        device = next(model.parameters()).device
-        if device.type == "cuda":
-            # The trainer's step, written from its own thread (whose current device this
-            # thread's need not be).
-            torch.cuda.synchronize(device)
-        return Fingerprinter(parameter_probes(reshard.served(model, config)))()
-
-    return take
