@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,19 @@ from backends.torch.runtime import load
 # any test module imports it: with the default spinning, the in-process runs' two threads were
 # many times slower on a machine loaded by other work.
 load()
+
+# Ray's own start-up waits (for its GCS port, a worker's and an agent's registration) are sized
+# for an idle machine; on a loaded shared one (CI) its Python processes import many times slower
+# and a wait that runs out fails the test. Every Ray runtime the tests start (the session's
+# cluster, a run's own, a command line's in a subprocess) reads these from its environment: a
+# bound that catches a hang, not a slow start.
+RAY_START_UP_S = 600
+for _name, _value in [
+    ("RAY_gcs_server_port_wait_time_s", RAY_START_UP_S),
+    ("RAY_worker_register_timeout_seconds", RAY_START_UP_S),
+    ("RAY_agent_register_timeout_ms", RAY_START_UP_S * 1000),
+]:
+    os.environ.setdefault(_name, str(_value))
 
 
 def pytest_asyncio_loop_factories(config, item):

@@ -43,7 +43,7 @@ def test_data_parallel_ranks_give_the_step_of_one(tmp_path: Path, size: int, tp:
         )
         for r in range(size)
     ]
-    logs = [p.communicate(timeout=300)[0] for p in ranks]
+    logs = [p.communicate(timeout=600)[0] for p in ranks]
     assert [p.returncode for p in ranks] == [0] * size, logs
     many = torch.load(out, weights_only=True)
 

@@ -32,7 +32,7 @@ def interpreted() -> dict[str, Any]:
         env=env,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=600,
     )
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout)

@@ -44,7 +44,7 @@ def test_tensor_parallel_2_gives_the_loss_and_gradients_of_tensor_parallel_1_and
         )
         for r in range(2)
     ]
-    logs = [p.communicate(timeout=240)[0] for p in ranks]
+    logs = [p.communicate(timeout=600)[0] for p in ranks]
     assert [p.returncode for p in ranks] == [0, 0], logs
     two = torch.load(out, weights_only=True)
 

@@ -95,8 +95,8 @@ def held(pool: EnvironmentPool) -> list[int]:
 
 
 async def logged(log: Path, lines: list[str]) -> bool:
-    """Whether `log` holds `lines` within 30 s."""
-    deadline = time.monotonic() + 30
+    """Whether `log` holds `lines` within 120 s (a hang guard: a loaded machine is slow)."""
+    deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         if log.exists() and log.read_text().splitlines() == lines:
             return True
@@ -105,9 +105,10 @@ async def logged(log: Path, lines: list[str]) -> bool:
 
 
 def let_go(pool: EnvironmentPool) -> bool:
-    """Whether every worker lets go of its environments within 10 s (a `close` is sent and not
-    awaited, and an async actor runs its calls in no fixed order)."""
-    deadline = time.monotonic() + 10
+    """Whether every worker lets go of its environments within 120 s (a `close` is sent and not
+    awaited, and an async actor runs its calls in no fixed order; a hang guard on a loaded
+    machine)."""
+    deadline = time.monotonic() + 120
     while any(held(pool)) and time.monotonic() < deadline:
         time.sleep(0.01)
     return not any(held(pool)) and not any(w.in_hand for w in pool.workers)

@@ -99,7 +99,7 @@ def run_ranks(algorithm: Algorithm, size: int, steps: list[list[TrainGroup]]) ->
     for thread in threads:
         thread.start()
     for thread in threads:
-        thread.join(timeout=120)
+        thread.join(timeout=600)
     assert not errors, errors
     return results
 

@@ -34,7 +34,7 @@ FAILING = (  # the second cannot pass: rewards are at most 1
 )
 
 
-def cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+def cli(*args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "pipeline", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout
     )
@@ -111,7 +111,7 @@ def test_validate_good_recipe_exits_0(tmp_path: Path) -> None:
 
 def test_small_real_run(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    result = cli("run", str(QUICKSTART), "run.steps=3", f"run.dir={run_dir}", *SMALL, PASSING, timeout=240)
+    result = cli("run", str(QUICKSTART), "run.steps=3", f"run.dir={run_dir}", *SMALL, PASSING, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "Traceback" not in result.stderr
     # What start-up is doing, said as it starts (a timestamp first), with the console's lines
@@ -148,7 +148,7 @@ def test_small_real_run(tmp_path: Path) -> None:
         assert all(math.isfinite(v) for v in line.values() if isinstance(v, float))
     assert json.loads((run_dir / "trace.json").read_text())["traceEvents"]
     # Rerunning the finished run as it is would train nothing: refused, and nothing changes.
-    again = cli("run", str(QUICKSTART), "run.steps=3", f"run.dir={run_dir}", *SMALL, "--quiet", timeout=240)
+    again = cli("run", str(QUICKSTART), "run.steps=3", f"run.dir={run_dir}", *SMALL, "--quiet", timeout=600)
     assert again.returncode == 2, again.stdout + again.stderr
     assert again.stderr.splitlines()[-1] == (
         f"error: run.steps: 3, but the run in {run_dir} has trained 3 steps (checkpoint step-000003); "
@@ -164,7 +164,7 @@ def test_a_second_run_on_the_same_run_dir_exits_2_naming_the_first(tmp_path: Pat
     holder = RunDirLock(run_dir)
     holder.acquire()
     try:
-        result = cli("run", str(QUICKSTART), f"run.dir={run_dir}", *SMALL, "--quiet", timeout=240)
+        result = cli("run", str(QUICKSTART), f"run.dir={run_dir}", *SMALL, "--quiet", timeout=600)
         who = holder.path.read_text().strip()
     finally:
         holder.release()
@@ -183,7 +183,7 @@ def nan_reward(prompt: object, completion: str) -> float:
 def test_a_reward_that_is_always_nan_ends_the_run_with_exit_1(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     reward = "reward.function=tests.e2e.test_cli_errors:nan_reward"
-    result = cli("run", str(QUICKSTART), f"run.dir={run_dir}", reward, *SMALL, "--quiet", timeout=240)
+    result = cli("run", str(QUICKSTART), f"run.dir={run_dir}", reward, *SMALL, "--quiet", timeout=600)
     assert result.returncode == 1, result.stdout + result.stderr
     assert result.stderr.splitlines()[-1] == (
         "error: 65 reward failures, over reward.max_failures=64; last: NonFiniteReward: "
@@ -202,7 +202,7 @@ def test_failed_gates_exit_3_and_check_reads_the_resumed_run(tmp_path: Path) -> 
         FAILING,
         "checkpoint.every_steps=1",
     ]
-    first = cli(*base, "run.steps=2", "--quiet", timeout=240)
+    first = cli(*base, "run.steps=2", "--quiet", timeout=600)
     assert first.returncode == 3, first.stdout + first.stderr
     assert first.stdout.splitlines()[-2:] == [
         f"finished after 2 steps (policy version 2); run dir {run_dir}",
@@ -220,7 +220,7 @@ def test_failed_gates_exit_3_and_check_reads_the_resumed_run(tmp_path: Path) -> 
     assert not verdict["passed"]
 
     # Resumed from step 2 to 3; gates.fail: false reports the failure but exits 0.
-    second = cli(*base, "run.steps=3", "gates.fail=false", "--quiet", timeout=240)
+    second = cli(*base, "run.steps=3", "gates.fail=false", "--quiet", timeout=600)
     assert second.returncode == 0, second.stdout + second.stderr
     assert "resumed from" in second.stderr
     assert second.stdout.splitlines()[-1] == f"gates: 1 of 2 failed (see {run_dir}/gates.json)"
@@ -278,7 +278,7 @@ def test_sigterm_stops_cleanly(tmp_path: Path) -> None:
     try:
         read_until(process, "step 1/1000")
         process.send_signal(signal.SIGTERM)
-        output, _ = process.communicate(timeout=120)
+        output, _ = process.communicate(timeout=600)
     finally:
         process.kill()
     assert process.returncode == 0, output
@@ -321,7 +321,7 @@ def test_second_signal_exits_at_once(tmp_path: Path) -> None:
         process.send_signal(signal.SIGTERM)
         read_until(process, "stopping admission")
         process.send_signal(signal.SIGTERM)
-        output, _ = process.communicate(timeout=30)
+        output, _ = process.communicate(timeout=300)
     finally:
         process.kill()
     assert process.returncode == 128 + signal.SIGTERM, output

@@ -80,7 +80,7 @@ def test_a_stop_on_ray_leaves_no_ray_process_behind(tmp_path: Path, signum: sign
             # The driver, Ray's own processes (GCS, raylet, agents) and the actor's worker.
             assert len(marked(marker)) > 3, output
             process.send_signal(signum)
-            output += process.communicate(timeout=120)[0]
+            output += process.communicate(timeout=600)[0]
         finally:
             process.kill()
     assert process.returncode == 0, output
@@ -100,7 +100,7 @@ def test_a_second_signal_on_ray_takes_the_runtime_down_with_it(tmp_path: Path) -
             process.send_signal(signal.SIGTERM)
             output += read_until(process, "stopping admission")
             process.send_signal(signal.SIGTERM)
-            output += process.communicate(timeout=60)[0]
+            output += process.communicate(timeout=300)[0]
         finally:
             process.kill()
     assert process.returncode == 128 + signal.SIGTERM, output

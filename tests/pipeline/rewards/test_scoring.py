@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import re
+import threading
+import time
+from collections.abc import Awaitable, Callable
+
 import pytest
 
 from pipeline.contracts.errors import RecipeError
 from pipeline.contracts.messages import Prompt
 from pipeline.rewards.scoring import resolve
+from pipeline.rewards.threads import BLOCKING_S
 
 
 def _prompt(answer: str) -> Prompt:
@@ -114,15 +120,26 @@ def test_a_reward_abandoned_by_its_deadline_does_not_keep_the_process_alive() ->
     import subprocess
     import sys
 
-    done = subprocess.run([sys.executable, "-c", ABANDON_SCRIPT], capture_output=True, text=True, timeout=60)
+    done = subprocess.run([sys.executable, "-c", ABANDON_SCRIPT], capture_output=True, text=True, timeout=240)
     assert (done.returncode, done.stdout) == (0, "abandoned\n"), done.stderr
 
 
-async def _blocks(prompt: Prompt, completion: str) -> float:
-    import time
+def _blocking(release: threading.Event) -> Callable[[Prompt, str], Awaitable[float]]:
+    """An async reward that holds whatever loop runs it, in a synchronous wait, until `release`
+    is set and for more than BLOCKING_S; `release` unset after a minute is a hang."""
 
-    time.sleep(1.5)  # a synchronous call inside an async def: it holds whatever loop runs it
-    return 1.0
+    async def _blocks(prompt: Prompt, completion: str) -> float:
+        held = time.monotonic() + BLOCKING_S + 0.2
+        release.wait(timeout=60)
+        time.sleep(max(0.0, held - time.monotonic()))
+        return 1.0
+
+    return _blocks
+
+
+def _seconds(text: str) -> str:
+    """`text` with its one figure of seconds written `N.N` (it depends on the machine's speed)."""
+    return re.sub(r"for \d+\.\d s", "for N.N s", text)
 
 
 async def test_an_async_reward_that_blocks_cannot_freeze_the_pipeline_and_is_reported(
@@ -134,6 +151,7 @@ async def test_an_async_reward_that_blocks_cannot_freeze_the_pipeline_and_is_rep
     from pipeline.rewards.scoring import score_all
 
     reset_warnings()  # the warning is said once a run; each test is a run here
+    ticked = threading.Event()  # the reward holds its loop until the pipeline's has ticked
     ticks = 0
 
     async def tick() -> None:
@@ -141,17 +159,19 @@ async def test_an_async_reward_that_blocks_cannot_freeze_the_pipeline_and_is_rep
         while True:
             await anyio.sleep(0.05)
             ticks += 1
+            if ticks == 10:
+                ticked.set()
 
     async with anyio.create_task_group() as tg:
         tg.start_soon(tick)
-        scored = await score_all(_blocks, [(_prompt("1"), "1")])
+        scored = await score_all(_blocking(ticked), [(_prompt("1"), "1")])
         tg.cancel_scope.cancel()
     assert scored == [{"reward": 1.0}]
-    assert ticks >= 10  # the pipeline's loop kept running for the 1.5 s
+    assert ticks >= 10  # the pipeline's loop kept running while the reward held its own
     (message,) = [r.getMessage() for r in caplog.records if r.name == "pipeline.rewards"]
-    assert message.startswith("async reward function _blocks blocked its event loop for 1.")
-    assert message.endswith(
-        " s in one step: make it a plain def (it then runs in a worker thread) or await its slow work"
+    assert _seconds(message) == (
+        "async reward function _blocks blocked its event loop for N.N s in one step: make it a plain "
+        "def (it then runs in a worker thread) or await its slow work"
     )
 
 
@@ -161,11 +181,24 @@ async def test_a_deadline_on_a_blocked_async_reward_fires_and_says_why() -> None
     from pipeline.rewards.scoring import score_all
     from pipeline.rewards.threads import blocking_note
 
-    with anyio.move_on_after(1.2) as scope:
-        await score_all(_blocks, [(_prompt("1"), "1")])
-    assert scope.cancelled_caught
-    assert blocking_note().startswith("; an async reward function has blocked its event loop for 1.")
-    await anyio.sleep(0.5)  # the slice ends: the next test finds the reward loop free
+    release = threading.Event()
+    with anyio.fail_after(60):  # a hang guard only
+        with anyio.move_on_after(0.1) as scope:
+            await score_all(_blocking(release), [(_prompt("1"), "1")])
+        assert scope.cancelled_caught
+        while not blocking_note():  # said once the reward has held its loop past BLOCKING_S
+            await anyio.sleep(0.01)
+        assert _seconds(blocking_note()) == (
+            "; an async reward function has blocked its event loop for N.N s (make it a plain def or "
+            "await its slow work)"
+        )
+        release.set()
+        # The slice ends: the next test finds the reward loop free.
+        assert await score_all(_async_one, [(_prompt("1"), "1")]) == [{"reward": 1.0}]
+
+
+async def _async_one(prompt: Prompt, completion: str) -> float:
+    return 1.0
 
 
 def _nan_part(prompt: Prompt, completion: str) -> dict[str, float]:

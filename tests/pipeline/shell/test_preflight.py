@@ -230,7 +230,7 @@ def test_validate_and_run_exit_2_with_one_line_for_a_missing_device(tmp_path: Pa
         cwd=ROOT,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=600,
     )
     assert (result.returncode, result.stderr) == (2, f"error: {CPU_TORCH}\n")
     # `run` says what start-up did before it found the device missing (stdout, with the
