@@ -21,7 +21,11 @@ a stand-down and a refit all make the loop admit nothing more, so it ends once i
 `max_rows` (`rollout.max_rows`) sets a loop's slots: it opens that wide with the requests that
 fit under it, and the rest enter as rows finish; a loop opened by a few rows (those frozen at a
 stand-down, continuing after the wake) is that wide too, so the next batch's requests enter at
-once rather than wait for those rows, the long tail of the last batch, to end.
+once rather than wait for those rows, the long tail of the last batch, to end. On a bucketed
+sampler (a GPU's) a loop whose live rows fit half its slots while nothing waits decodes at
+their narrower width, and widens again for the requests that come (`Sampler.serve`'s
+``narrow``): at L = 1 the slots a batch's tail leaves idle cannot be filled until the next
+train step admits another batch, and a narrow step costs less than a full one.
 
 Colocated (`shared=True`) the engine samples from the trainer's own parameter tensors: it must
 stand down for training (its KV cache's memory is released) and waking it maps the cache again
@@ -293,7 +297,6 @@ class TorchEngine:
                 freeze=self._freeze if self.partial_rollouts else None,
                 dropped=lambda admission: admission.key[0].cancelled,
                 width=self.max_rows,
-                narrow=not self.max_rows,  # at `max_rows` the next batch fills the width
                 kept=self.kept,
             )
         except Exception as error:

@@ -286,9 +286,11 @@ class Sampler:
 
         ``narrow`` (bucketed loops): at a check where the source gave nothing and the live rows
         fit half the slots, the loop moves them (their cache rows, tokens so far and state) to
-        the lowest slots and goes on at their bucket's width (`_narrowed`), so a long tail's
-        last rows decode in a narrow step instead of the full width's. A caller that expects
-        more requests to fill the width (`width`) passes False.
+        the lowest slots and goes on at their bucket's width (`_moved`), so a long tail's
+        last rows decode in a narrow step instead of the full width's. A narrowed loop still
+        offers the source the slots it opened with: when it gives more rows than the narrow
+        width has free, the loop widens again (the same move) to their bucket, so requests
+        that come later (the next batch) enter at once instead of waiting for the tail.
 
         ``kept``: where an admission with a ``keep`` key keeps its row's keys and values when
         the row comes back, before the admission reaches ``sink``: the rows of one check in one
@@ -320,6 +322,7 @@ class Sampler:
         token = torch.zeros(rows, dtype=torch.long, device=dev)
         logprob = torch.zeros(rows, dtype=torch.float32, device=dev)
         loop = _Slots(rows)
+        full = rows  # the cache's rows for this loop: a narrowed loop widens back up to them
         pending = first
         count = checked = 0
         while True:
@@ -356,27 +359,36 @@ class Sampler:
                 )
                 if frozen:
                     break
-                if loop.free:
-                    pending = list(source(len(loop.free), positions))
+                # A narrowed loop offers the slots it had at its start: it widens for what comes.
+                if room := len(loop.free) + full - rows:
+                    pending = list(source(room, positions))
                     assert all(
                         len(a.prompt) + max(a.limits) <= positions and max(a.limits) <= max_new_tokens
                         for a in pending
                     ), "the source broke its bounds"
                 if not loop.live and not pending:
                     break
-                if narrow and not pending and self._bucketed:
+                resized = rows
+                if (wanted := sum(len(a.limits) for a in pending)) > len(loop.free):
+                    resized = self.width_for(rows - len(loop.free) + wanted)
+                elif (
+                    narrow
+                    and not pending
+                    and self._bucketed
+                    and self.width_for(rows - len(loop.free)) <= rows // 2
+                ):
+                    resized = self.width_for(rows - len(loop.free))
+                if resized != rows:
                     live = sorted(slot for _, _, slot in loop.finished(done_list, everything=True))
-                    narrower = self.width_for(len(live))
-                    if narrower <= rows // 2:
-                        old_step = step
-                        step = self.steps.get(narrower, draws=old_step.draws)
-                        state = (tokens, logprobs, generated, limit, done, token, logprob)
-                        tokens, logprobs, generated, limit, done, token, logprob = self._narrowed(
-                            live, narrower, loop, old_step, step, state
-                        )
-                        rows = narrower
-                        if greedy and step.draws and not step.race:
-                            step.noise.fill_(1.0)
+                    old_step = step
+                    step = self.steps.get(resized, draws=old_step.draws)
+                    state = (tokens, logprobs, generated, limit, done, token, logprob)
+                    tokens, logprobs, generated, limit, done, token, logprob = self._moved(
+                        live, resized, loop, old_step, step, state
+                    )
+                    rows = resized
+                    if greedy and step.draws and not step.race:
+                        step.noise.fill_(1.0)
             if token is not step.token:
                 step.token.copy_(token)
             if step.draws and not greedy:
@@ -394,7 +406,7 @@ class Sampler:
                 # step.logits holds logits / temperature.
                 token, logprob = draw(step.logits, 1.0, top_p, generator)
 
-    def _narrowed(
+    def _moved(
         self,
         live: list[int],
         width: int,

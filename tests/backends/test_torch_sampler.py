@@ -525,6 +525,51 @@ def test_a_dropped_admission_frees_its_slots_at_the_next_check_and_is_never_hand
         assert handed[admission.key].tokens == alone.tokens
 
 
+def test_a_narrowed_loop_widens_for_requests_that_come_later() -> None:
+    """A bucketed loop opened `width` 16 by two rows (1 and 9 tokens) narrows to 8 slots once
+    the short row ends and nothing waits; ten one-row requests (2 tokens each: the next batch)
+    then arrive at once. The loop still offers its 16 slots, widens back to them, and takes
+    all ten at that check (one hand-back), instead of seven through its narrow width and the
+    rest after them. Greedy: the same tokens as each row alone."""
+    from backends.torch.sampler import Admission
+
+    sampler = _samplers()[1]
+    first = [Admission(PROMPTS[0], [1], "short"), Admission(PROMPTS[1], [9], "long")]
+    later = [Admission(PROMPTS[i % len(PROMPTS)], [2], i) for i in range(10)]
+    offered: list[int] = []
+    handed: dict[Any, Completion] = {}
+    backs: list[list[Any]] = []
+
+    def source(rows: int | None, positions: int | None) -> list[Admission]:
+        if rows is None:
+            return first
+        offered.append(rows)
+        if len(offered) == 3:  # narrowed at the first check, the crowd arrives at the third
+            given = later[:]
+            while sum(len(a.limits) for a in given) > rows:
+                given.pop()
+            return given
+        return []
+
+    def sink(back: list[tuple[Admission, list[Completion]]]) -> None:
+        backs.append([admission.key for admission, _ in back])
+        for admission, out in back:
+            (handed[admission.key],) = out
+
+    sampler.serve(
+        source, sink, max_new_tokens=9, temperature=0.0, generator=torch.Generator().manual_seed(0), width=16
+    )
+    assert offered[:3] == [15, 15, 15]  # the 16 slots, less the long row's, even when 8 wide
+    assert list(range(10)) in backs  # the ten admitted together come back together
+    # 16 wide for the first step, 8 for two, 16 for the two steps of the ten, then 8 wide.
+    assert sampler.slot_steps == 16 + 8 * 2 + 16 * 2 + 8 * 4
+    for admission in [*first, *later]:
+        ((alone,),) = _requests(
+            sampler, [(admission.prompt, 1)], temperature=0.0, max_new_tokens=admission.limits[0]
+        )
+        assert handed[admission.key].tokens == alone.tokens, admission.key
+
+
 def test_a_long_tail_s_last_rows_decode_in_a_narrower_step() -> None:
     """A bucketed loop of 12 rows (16 slots): ten end after 1-2 tokens, two run to 9. Once
     nothing waits and the live rows fit half the slots, the loop moves them (keys and values,

@@ -294,6 +294,60 @@ async def test_at_max_rows_a_loop_opened_by_one_row_takes_a_crowd_at_once() -> N
     assert (stats.slot_steps, stats.busy_slot_steps) == (4 * 8, 8 + 3 * 2)
 
 
+async def test_at_max_rows_a_tail_decodes_narrow_and_the_next_batch_widens_it() -> None:
+    """The real engine on a bucketed sampler (as on a GPU), `max_rows` 16: a request of two
+    rows (1 and 8 tokens) opens the loop 16 wide; once the short row ends and nothing waits,
+    the long row decodes 8 wide (a batch's tail). Ten one-row requests (2 tokens each: the
+    next batch, admitted after a train step) queued while it runs enter at the next check,
+    all of them: the loop widens back to 16 for them, and they are answered while the long
+    row still decodes, in the same loop."""
+    model = _model()
+    engine = TorchEngine(
+        Sampler(model, compiled=True),
+        shared=True,
+        source=model,
+        max_new_tokens=8,
+        temperature=1.0,
+        top_p=1.0,
+        stop_token_ids=(),
+        seed=0,
+        lengths=_Scripted([1, 8], *[[2]] * 10),
+        max_rows=16,
+    )
+    # Hold the loop at its second check (a hook on the model is not reliable under compile).
+    started, go = threading.Event(), threading.Event()
+    admit, checks = engine._admit, []
+
+    def holding(greedy: bool, active: Any, rows: int | None, positions: int | None) -> Any:
+        if rows is not None:
+            checks.append(rows)
+            if len(checks) == 2:
+                started.set()
+                go.wait(timeout=30)
+        return admit(greedy, active, rows, positions)
+
+    engine._admit = holding  # type: ignore[method-assign]
+    try:
+        with anyio.fail_after(120):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(engine.generate, PROMPT, 2)
+                while not started.is_set():
+                    await anyio.sleep(0.01)
+                for _ in range(10):
+                    tg.start_soon(engine.generate, [5, 6, 7], 1)
+                while len(engine._queue) < 10:
+                    await anyio.sleep(0.01)
+                go.set()
+    finally:
+        go.set()
+        engine.close()
+    stats = engine.statistics()
+    assert engine.calls == 1
+    assert checks[:2] == [15, 15]  # its 16 slots less the long row's, offered even when 8 wide
+    # 16 wide for one step, 8 for one, 16 for the ten's two steps, 8 for the long row's last four.
+    assert (stats.slot_steps, stats.busy_slot_steps) == (16 + 8 + 16 * 2 + 8 * 4, 9 + 10 * 2)
+
+
 def test_max_rows_below_a_group_is_refused() -> None:
     import pipeline
 

@@ -250,3 +250,45 @@ def test_slots_refilled_mid_loop_under_graphs(temperature: float) -> None:
     else:
         lp, gen, mask = _recomputed(model, [p for p in prompts for _ in range(2)], flat, temperature)
         torch.testing.assert_close(gen * mask, lp * mask, atol=2e-4, rtol=0)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_narrowed_loop_widens_again_under_graphs(temperature: float) -> None:
+    """A loop opened 16 wide by two rows (1 and 100 tokens) narrows to 8 slots once the short
+    row is back and nothing waits (32 steps a check); ten one-row requests (40 tokens each)
+    then come at its next check: it offers its 16 slots, widens back (its 16-wide graph
+    replayed again, no third capture) and takes all ten. Greedy, each row is its prompt's
+    greedy continuation alone; sampled, its logprobs match a full recomputation."""
+    from backends.torch.sampler import Admission
+
+    model = _model(torch.float32)
+    sampler = Sampler(model)
+    prompts = _prompts(12, seed=8)
+    first = [Admission(prompts[0], [1], 0), Admission(prompts[1], [100], 1)]
+    later = [Admission(p, [40], i + 2) for i, p in enumerate(prompts[2:])]
+    offered: list[int] = []
+    out: dict[int, Completion] = {}
+
+    def source(free: int | None, positions: int | None) -> list[Admission]:
+        if free is None:
+            return first
+        offered.append(free)
+        return later if len(offered) == 2 else []
+
+    def sink(back: list[tuple[Admission, list[Completion]]]) -> None:
+        for admission, (completion,) in back:
+            out[admission.key] = completion
+
+    kw = dict(max_new_tokens=100, temperature=temperature, generator=torch.Generator("cuda").manual_seed(0))
+    sampler.serve(source, sink, width=16, **kw)
+    assert offered[:2] == [15, 15] and sampler.captures == 2
+    flat = [out[i] for i in range(len(prompts))]
+    assert [len(c.tokens) for c in flat] == [1, 100] + [40] * 10
+    if temperature == 0:
+        greedy = _generate(Sampler(model), prompts, **kw)
+        assert [c.tokens for c in flat] == [
+            g.tokens[: len(c.tokens)] for g, c in zip(greedy, flat, strict=True)
+        ]
+    else:
+        lp, gen, mask = _recomputed(model, prompts, flat, temperature)
+        torch.testing.assert_close(gen * mask, lp * mask, atol=2e-4, rtol=0)
