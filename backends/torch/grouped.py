@@ -158,7 +158,10 @@ def _hidden(
     positions = torch.cat([prefix_positions.reshape(-1), suffix_positions])
     x = model.embed(ids, positions)  # [T, H], T = P*W + I
     cos, sin = model.rotary(positions)
-    attention = _PromptShared(p, w, rows, prefix_real, packing, flash=_flash_usable(x))
+    # The layers' own dtype, not the residual stream's: `model.residual: float32` keeps the sums
+    # in float32, while queries, keys and values come out of the projections in half precision.
+    flash = _flash_usable(x.device, model.lm_head.weight.dtype)
+    attention = _PromptShared(p, w, rows, prefix_real, packing, flash=flash)
     parts = compiled_layer_parts() if compiled else PLAIN_PARTS
     x = model.model.norm(model.run_layers(x, cos, sin, attention, parts, checkpointed=checkpointed))
     hidden = x.shape[-1]
@@ -238,11 +241,12 @@ class _FlashLayout(NamedTuple):
     max_keys: int
 
 
-def _flash_usable(x: Tensor) -> bool:
-    """Whether the responses' attention runs as one flash call (`_flash_attend`): CUDA, half
-    precision. Elsewhere it is SDPA with an explicit mask (prompt keys then causal), which
-    keeps SDPA off its flash kernel."""
-    return x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
+def _flash_usable(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the responses' attention runs as one flash call (`_flash_attend`): on CUDA, with
+    layers (`dtype`) in half precision. Elsewhere it is SDPA with an explicit mask (prompt keys
+    then causal) over the responses padded to the longest, which keeps SDPA off its flash
+    kernel and costs a long-tailed micro-batch its padding's attention."""
+    return device.type == "cuda" and dtype in (torch.bfloat16, torch.float16)
 
 
 def _flash_layout(

@@ -113,6 +113,32 @@ def test_float32_residual_keeps_bf16_layers_and_matches_the_sampler() -> None:
     torch.testing.assert_close(lp * mask, gen, atol=0.02, rtol=0)
 
 
+def test_flash_is_chosen_on_cuda_for_half_precision_layers_only() -> None:
+    from backends.torch.grouped import _flash_usable
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert _flash_usable(cuda, torch.bfloat16) and _flash_usable(cuda, torch.float16)
+    assert not _flash_usable(cuda, torch.float32)
+    assert not _flash_usable(cpu, torch.bfloat16)
+
+
+def test_a_float32_residual_asks_for_flash_by_the_layers_dtype(monkeypatch) -> None:
+    """`model.residual: float32` (the H200 recipes') keeps bf16 layers: the pass asks for the
+    responses' flash attention by their dtype, not the float32 residual stream's. Asked by the
+    stream's, a GPU pass fell back to SDPA over the responses padded to the longest, which on
+    long-tailed lengths cost most of a training step."""
+    from backends.torch import grouped
+
+    asked: list[tuple[torch.device, torch.dtype]] = []
+    monkeypatch.setattr(grouped, "_flash_usable", lambda *where: asked.append(where) or False)
+    torch.manual_seed(0)
+    model = Decoder(ModelConfig(vocab_size=23, hidden_size=64, intermediate_size=96)).to(torch.bfloat16)
+    model.residual_dtype = torch.float32
+    with torch.no_grad():
+        response_logprobs(model, [(2, 5, 7)], [0, 0], [(4, 6, 1), (3,)], 1.0)
+    assert asked == [(torch.device("cpu"), torch.bfloat16)]
+
+
 def test_recipe_residual_field_reaches_the_model() -> None:
     from backends.torch.build import build_model
     from backends.torch.section import ModelSection
@@ -162,7 +188,7 @@ def test_flash_layout_of_the_responses_attention_matches_the_masked_one(monkeypa
         return lp.detach(), [p.grad.clone() for p in model.parameters()]
 
     masked, masked_grads = run()
-    monkeypatch.setattr(grouped, "_flash_usable", lambda x: True)
+    monkeypatch.setattr(grouped, "_flash_usable", lambda *a: True)
     monkeypatch.setattr(grouped, "_flash_attend", _varlen_causal_attention)
     flash, flash_grads = run()
     torch.testing.assert_close(flash, masked, atol=1e-5, rtol=0)
@@ -179,7 +205,7 @@ def test_packed_long_tailed_responses_give_the_padded_logprobs_loss_and_gradient
     from backends.torch import grouped
 
     if flash:
-        monkeypatch.setattr(grouped, "_flash_usable", lambda x: True)
+        monkeypatch.setattr(grouped, "_flash_usable", lambda *a: True)
         monkeypatch.setattr(grouped, "_flash_attend", _varlen_causal_attention)
     torch.manual_seed(0)
     config = ModelConfig(

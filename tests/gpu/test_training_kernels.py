@@ -90,10 +90,20 @@ def test_compiled_trainer_pass_matches_plain_in_bf16() -> None:
         _assert_bf16_close(batch.run(**options), plain)
 
 
-def test_responses_flash_attention_matches_the_masked_path_in_bf16(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("residual", [None, torch.float32], ids=["bf16-residual", "float32-residual"])
+def test_responses_flash_attention_matches_the_masked_path_in_bf16(
+    monkeypatch: pytest.MonkeyPatch, residual: torch.dtype | None
+) -> None:
+    """bf16 layers attend through flash whatever the residual stream's dtype (the H200
+    recipes' `model.residual: float32` included), and give the masked path's figures."""
     from backends.torch import grouped
 
     batch = _batch()
+    batch.model.residual_dtype = residual
+    calls = []
+    attend = grouped._flash_attend
+    monkeypatch.setattr(grouped, "_flash_attend", lambda *a: calls.append(1) or attend(*a))
     flash = batch.run()
-    monkeypatch.setattr(grouped, "_flash_usable", lambda x: False)
+    assert calls, "the responses' attention did not run through flash"
+    monkeypatch.setattr(grouped, "_flash_usable", lambda *a: False)
     _assert_bf16_close(flash, batch.run())
