@@ -35,7 +35,6 @@ from pipeline.contracts.errors import RecipeError
 # train.<field>: (its value in the input, its default, what it would take)
 _NOT_YET: dict[str, tuple[Callable[[Input], Any], Any, str]] = {
     "kl_coef": (lambda spec: spec.algorithm.loss.kl_coef, 0.0, "a reference model"),
-    "micro_batch_tokens": (lambda spec: spec.batching.micro_batch_tokens, 0, "token-budgeted micro-batches"),
     "offload_optimizer": (lambda spec: spec.options.offload_optimizer, False, "optimizer offload"),
     "activation_checkpointing": (
         lambda spec: spec.options.activation_checkpointing,

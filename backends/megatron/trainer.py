@@ -3,8 +3,9 @@
 `train_step(groups)` runs one pipeline step on the trainer's compute thread through the shared
 update loop (`pipeline.algorithms.update.run_update`: minibatches, the algorithm's loss and
 aggregation, the skip on a non-finite loss or gradient norm, the `train/*` metrics, as for
-`TorchTrainer`); this backend supplies micro-batches of whole groups (at most
-`micro_batch_samples` samples), megatron's forward and its optimizer step.
+`TorchTrainer`); this backend supplies micro-batches (whole groups of at most
+`micro_batch_samples` samples, or with `micro_batch_tokens` samples by length under that
+budget of padded tokens), megatron's forward and its optimizer step.
 
 Each sample is one right-padded sequence, prompt then response (megatron's model takes whole
 sequences; the torch trainer computes a group's prompt once instead); only the response
@@ -59,11 +60,14 @@ MODEL_DIR = "megatron"
 STATE_FILE = "megatron-trainer.pt"
 
 
+Row = tuple[tuple[int, ...], TrainSample]  # a sample with its prompt: one padded sequence
+
+
 class _Inputs:
     """A micro-batch as megatron's model takes it: sequences [N, S] (prompt then response,
     right-padded) and, for each response token, the position that predicts it [N, R]."""
 
-    def __init__(self, samples: list[tuple[tuple[int, ...], TrainSample]], device: torch.device) -> None:
+    def __init__(self, samples: list[Row], device: torch.device) -> None:
         width = max(len(p) + len(s.tokens) for p, s in samples)
         longest = max(len(s.tokens) for _, s in samples)
         self.ids = torch.tensor(
@@ -114,6 +118,21 @@ def data_parallel() -> DataParallel | None:
     )
 
 
+def by_length(samples: list[Row], budget: int, most: int) -> list[list[Row]]:
+    """`samples` cut into micro-batches of at most `most` rows whose padded tokens (rows times
+    the longest prompt plus response among them) fit `budget`: longest first (equal lengths in
+    their order), each micro-batch taking the next ones while they fit; a sequence over the
+    budget alone makes a micro-batch of its own."""
+    parts: list[list[Row]] = []
+    width = 0  # the current micro-batch's longest: its first
+    for prompt, sample in sorted(samples, key=lambda row: -(len(row[0]) + len(row[1].tokens))):
+        if not parts or len(parts[-1]) >= most or (len(parts[-1]) + 1) * width > budget:
+            parts.append([])
+            width = len(prompt) + len(sample.tokens)
+        parts[-1].append((prompt, sample))
+    return parts
+
+
 class MegatronTrainer:
     def __init__(
         self,
@@ -148,6 +167,7 @@ class MegatronTrainer:
         self.schedule = optimizer.schedule
         self.min_lr_ratio = optimizer.min_lr_ratio
         self.micro_batch_samples = batching.micro_batch_samples
+        self.micro_batch_tokens = batching.micro_batch_tokens
         self.updates_per_step = updates_per_step
         # Greedy generation reports temperature-1 logprobs, so recompute at 1 then as well.
         self.temperature = temperature if temperature > 0 else 1.0
@@ -206,19 +226,24 @@ class MegatronTrainer:
     has_reference = False
 
     def micro_batches(self, groups: list[TrainGroup]) -> list[Chunk]:
-        """One minibatch's micro-batches: whole groups, at most `micro_batch_samples` samples."""
-        parts: list[list[TrainGroup]] = [[]]
-        rows = 0
-        for group in groups:
-            if parts[-1] and rows + len(group.samples) > self.micro_batch_samples:
-                parts.append([])
-                rows = 0
-            parts[-1].append(group)
-            rows += len(group.samples)
-        chunks = []
-        for part in parts:
-            samples = [(g.prompt_tokens, s) for g in part for s in g.samples]
-            chunks.append(Chunk.of([s for _, s in samples], _Inputs(samples, self.device), self.device))
+        """One minibatch's micro-batches, each sequence right-padded to its micro-batch's longest.
+        Without `micro_batch_tokens`: whole groups in order, at most `micro_batch_samples`
+        samples. With it: the minibatch's samples by length (`by_length`), so that a long-tailed
+        minibatch pads its short samples to short neighbours, not to its longest (megatron's
+        local attention takes no packed sequences)."""
+        samples = [(g.prompt_tokens, s) for g in groups for s in g.samples]
+        parts: list[list[Row]] = [[]]
+        if self.micro_batch_tokens:
+            parts = by_length(samples, self.micro_batch_tokens, self.micro_batch_samples)
+        else:
+            rows = 0
+            for group in groups:
+                if parts[-1] and rows + len(group.samples) > self.micro_batch_samples:
+                    parts.append([])
+                    rows = 0
+                parts[-1].extend((group.prompt_tokens, s) for s in group.samples)
+                rows += len(group.samples)
+        chunks = [Chunk.of([s for _, s in part], _Inputs(part, self.device), self.device) for part in parts]
         self._computed_tokens += sum(chunk.inputs.ids.numel() for chunk in chunks)
         return chunks
 

@@ -15,11 +15,12 @@ pytest.importorskip("megatron.core")
 from backends.megatron import layout, parallel, reshard  # noqa: E402
 from backends.megatron.model import build_gpt_model  # noqa: E402
 from backends.megatron.optimizer import TorchAdamW  # noqa: E402
-from backends.megatron.trainer import MegatronTrainer  # noqa: E402
+from backends.megatron.trainer import MegatronTrainer, by_length  # noqa: E402
 from backends.torch.model import Decoder  # noqa: E402
 from backends.torch.trainer import TorchTrainer  # noqa: E402
 from pipeline.algorithms.config import Algorithm, LossConfig  # noqa: E402
 from pipeline.contracts.errors import DamagedState, NonFiniteState  # noqa: E402
+from pipeline.contracts.messages import TrainGroup, TrainSample  # noqa: E402
 from tests.backends.megatron_cases import CONFIGS, groups  # noqa: E402
 from tests.backends.trainer_inputs import batching, optimizer  # noqa: E402
 
@@ -41,7 +42,13 @@ def _groups() -> None:
 
 
 def megatron_trainer(
-    config, hf, *, updates_per_step: int = 1, micro_batch_samples: int = 5, algorithm: Algorithm = LOSS
+    config,
+    hf,
+    *,
+    updates_per_step: int = 1,
+    micro_batch_samples: int = 5,
+    micro_batch_tokens: int = 0,
+    algorithm: Algorithm = LOSS,
 ) -> MegatronTrainer:
     model = build_gpt_model(config, dtype=torch.float32, device=CPU)
     layout.load_hf(model, hf, config)
@@ -52,7 +59,11 @@ def megatron_trainer(
         config=config,
         algorithm=algorithm,
         optimizer=OPTIMIZER,
-        batching=batching(micro_batch_samples=micro_batch_samples, updates_per_step=updates_per_step),
+        batching=batching(
+            micro_batch_samples=micro_batch_samples,
+            micro_batch_tokens=micro_batch_tokens,
+            updates_per_step=updates_per_step,
+        ),
         temperature=0.7,
         seed=3,
     )
@@ -93,6 +104,59 @@ async def test_same_loss_metrics_and_gradients_as_the_torch_trainer(name: str, v
     grads = dict(reshard.as_parameters(hf_grads, config))
     for name_, param in decoder.named_parameters():
         torch.testing.assert_close(grads[name_], param.grad, atol=1e-6, rtol=0, msg=name_)
+
+
+def _long_tailed(vocab: int = 32) -> list[TrainGroup]:
+    """Three groups of four whose responses are 1-3 tokens but one of 30 in the first group."""
+    g = torch.Generator().manual_seed(5)
+    out = []
+    for gi in range(3):
+        samples = []
+        for si in range(4):
+            n = 30 if (gi, si) == (0, 1) else 1 + (si + gi) % 3
+            samples.append(
+                TrainSample(
+                    tokens=tuple(torch.randint(0, vocab, (n,), generator=g).tolist()),
+                    logprobs=tuple((-torch.rand(n, generator=g) * 3 - 2).tolist()),
+                    reward=float(si % 2),
+                    advantage=float(si) - 1.5,
+                )
+            )
+        prompt = tuple(torch.randint(0, vocab, (3 + gi,), generator=g).tolist())
+        out.append(TrainGroup(group_id=f"g{gi}", prompt_tokens=prompt, samples=tuple(samples)))
+    return out
+
+
+def test_by_length_fits_each_micro_batch_to_the_budget_longest_first() -> None:
+    rows = [(g.prompt_tokens, s) for g in _long_tailed() for s in g.samples]
+    parts = by_length(rows, budget=24, most=5)
+    assert sorted(id(s) for part in parts for _, s in part) == sorted(id(s) for _, s in rows)  # each once
+    widths = [[len(p) + len(s.tokens) for p, s in part] for part in parts]
+    assert widths[0] == [33]  # over the budget: alone
+    for part in widths[1:]:
+        assert len(part) <= 5 and len(part) * part[0] <= 24 and part == sorted(part, reverse=True)
+    assert [w for part in widths for w in part] == sorted((w for part in widths for w in part), reverse=True)
+
+
+async def test_token_budgeted_micro_batches_give_the_same_update_with_less_padding() -> None:
+    """`train.micro_batch_tokens`: samples grouped by length under a budget of padded tokens
+    train to the same metrics and gradients as whole groups padded to their longest, and pad
+    less (`train/computed_tokens`)."""
+    config = CONFIGS["qwen2-bias"]
+    torch.manual_seed(0)
+    hf = Decoder(config).state_dict()
+    budgeted = megatron_trainer(config, hf, micro_batch_samples=8, micro_batch_tokens=24)
+    whole = megatron_trainer(config, hf, micro_batch_samples=8)
+    batch = _long_tailed()
+    got, expected = await budgeted.train_step(batch), await whole.train_step(batch)
+    budgeted.close()
+    whole.close()
+    assert got["train/computed_tokens"] < expected["train/computed_tokens"] / 2
+    for key, value in expected.items():
+        if key != "train/computed_tokens":
+            assert got[key] == pytest.approx(value, abs=1e-6, rel=1e-5), key
+    for (name, ours), theirs in zip(budgeted.model.named_parameters(), whole.model.parameters(), strict=True):
+        torch.testing.assert_close(ours, theirs, atol=1e-6, rtol=1e-5, msg=name)
 
 
 @pytest.mark.parametrize("how", ["save", "snapshot"])
