@@ -21,6 +21,8 @@ Parts (each can be picked with --parts):
   (`rollout.graphs`, the default here) and without (`megatron_inference_eager`: one call;
   megatron's recompute handoffs, also with megatron's own `suspend()`); `--megatron-variants`
   each schedule and sampler asked for (`megatron_inference_legacy_megatron`, ...);
+  `--megatron-attention adapter,flash-attn-4` each `rollout.attention` (`..._fa4`: the
+  flash-attn-4 package's kernels, which must be installed);
   `--megatron-profile` and `--megatron-trace STEPS` profile one more call of each.
 - `handoff`: `release` (stand-down) and `wake` times of the sampler's KV cache, a check that
   the captured graphs still
@@ -172,28 +174,34 @@ def _megatron_variants(
     from bench import megatron_inference
 
     out: dict[str, Any] = {}
-    for graphs in args.megatron_graphs:
-        for text in args.megatron_variants:
-            serving = megatron_inference.variant(text)
-            name = megatron_inference.name(serving, graphs=graphs)
-            try:
-                result = megatron_inference.run(
-                    model,
-                    QWEN_1_5B,
-                    prompts,
-                    args,
-                    graphs=graphs,
-                    serving=serving,
-                    mismatch=lambda outs: _mismatch(model, prompts, outs),
-                )
-            except Exception as error:  # a bench of variants: the others still run
-                traceback.print_exc()
-                out[name] = {"error": repr(error)}
-                torch.cuda.empty_cache()
-                continue
-            result["over_graphs"] = result["tokens_per_s"] / ours["tokens_per_s"]
-            result["step_ms_over_graphs"] = result["step_ms_median"] / ours["ms_per_decode_step"]
-            out[name] = result
+    runs = [
+        (g, v, a)
+        for g in args.megatron_graphs
+        for v in args.megatron_variants
+        for a in args.megatron_attention
+    ]
+    for graphs, text, attention in runs:
+        serving = megatron_inference.variant(text)
+        name = megatron_inference.name(serving, graphs=graphs, attention=attention)
+        try:
+            result = megatron_inference.run(
+                model,
+                QWEN_1_5B,
+                prompts,
+                args,
+                graphs=graphs,
+                serving=serving,
+                mismatch=lambda outs: _mismatch(model, prompts, outs),
+                attention=attention,
+            )
+        except Exception as error:  # a bench of variants: the others still run
+            traceback.print_exc()
+            out[name] = {"error": repr(error)}
+            torch.cuda.empty_cache()
+            continue
+        result["over_graphs"] = result["tokens_per_s"] / ours["tokens_per_s"]
+        result["step_ms_over_graphs"] = result["step_ms_median"] / ours["ms_per_decode_step"]
+        out[name] = result
     return out
 
 
@@ -544,6 +552,13 @@ def main() -> None:
         default=["async+race"],
         help="with --megatron-inference: comma list of SCHEDULE+SAMPLER, SCHEDULE async (the "
         "pipeline's) or legacy, SAMPLER race (the pipeline's), fused or megatron; each one built and timed",
+    )
+    parser.add_argument(
+        "--megatron-attention",
+        type=lambda text: text.split(","),
+        default=["adapter"],
+        help="with --megatron-inference: comma list of adapter (rollout.attention's default: torch's "
+        "flash kernels and our Triton paged decode) and flash-attn-4 (that package's kernels, installed)",
     )
     parser.add_argument(
         "--megatron-profile",

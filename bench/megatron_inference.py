@@ -61,12 +61,15 @@ def variant(text: str) -> Serving:
     return Serving(schedule=AsyncScheduleMode(schedule), sampler=sampler)
 
 
-def name(serving: Serving, *, graphs: bool) -> str:
-    """The result's key: `megatron_inference` for the pipeline's serving with graphs, else with
-    the variant (`_legacy_megatron`) and `_eager` appended."""
+def name(serving: Serving, *, graphs: bool, attention: str = "adapter") -> str:
+    """The result's key: `megatron_inference` for the pipeline's serving with graphs and the
+    adapter's attention, else with the variant (`_legacy_megatron`), `_fa4` (flash-attn-4's
+    kernels) and `_eager` appended."""
     key = "megatron_inference"
     if serving != SERVING:
         key += f"_{serving.schedule.value}_{serving.sampler}"
+    if attention == "flash-attn-4":
+        key += "_fa4"
     return key if graphs else key + "_eager"
 
 
@@ -107,6 +110,7 @@ def run(
     graphs: bool,
     serving: Serving,
     mismatch: Callable[[list[Completion]], dict[str, float]],
+    attention: str = "adapter",
 ) -> dict[str, Any]:
     """One variant, timed (module docstring); `mismatch` compares its completions' logprobs with
     the recomputed ones."""
@@ -123,6 +127,7 @@ def run(
             f"rollout.samples_per_prompt={args.samples_per_prompt}",
             f"prompts.prompts_per_step={args.batch // args.samples_per_prompt}",
             f"rollout.graphs={str(graphs).lower()}",
+            f"rollout.attention={attention}",
         ],
     )
     start = _sync_time()
@@ -202,7 +207,9 @@ def run(
         if args.megatron_profile:
             result["profiled_call_s"] = _profiled(engine, lambda: asyncio.run(generate())[0])
         if args.megatron_trace:
-            path = Path(args.out).with_name(f"megatron-trace-{name(serving, graphs=graphs)}.json.gz")
+            path = Path(args.out).with_name(
+                f"megatron-trace-{name(serving, graphs=graphs, attention=attention)}.json.gz"
+            )
             result["trace"] = _traced(engine, lambda: asyncio.run(generate()), args.megatron_trace, path)
     finally:
         engine.close()
@@ -215,7 +222,7 @@ def run(
         "released_bytes": [r for _, _, r in handoff],
         "mismatch": mismatch(outs),
     }
-    print(name(serving, graphs=graphs), json.dumps(result), flush=True)
+    print(name(serving, graphs=graphs, attention=attention), json.dumps(result), flush=True)
     del gpt
     torch.cuda.empty_cache()
     return result

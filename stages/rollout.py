@@ -80,6 +80,10 @@ class RolloutSection(Section, frozen=True):
     # engine megatron: replay its decode steps from CUDA graphs (false: each step launched from
     # Python); the torch engine always does on CUDA (backends/megatron/serve.py).
     graphs: bool = False
+    # engine megatron: the kernels its attention runs. `adapter`: torch's flash kernels and our
+    # Triton paged decode kernel (backends/megatron/flash_adapter.py); `flash-attn-4`: megatron's
+    # own path over the flash-attn-4 package (installed separately, 4.0.0b20 or later).
+    attention: Literal["adapter", "flash-attn-4"] = "adapter"
     # Multi-turn rollouts (stages/episodes.py): `module:Class` of an environment
     # (pipeline/contracts/environments.py), built once per episode with `environment_args` as
     # its keyword arguments. Its episodes' rewards replace `reward.function`.

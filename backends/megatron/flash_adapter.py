@@ -39,7 +39,9 @@ _VERSION = "2.8.3"
 
 def install() -> None:
     """Make `import flash_attn` give these functions, and hand them to megatron's attention
-    module if it was imported first. Leaves a real flash-attn package alone."""
+    module if it was imported first. Leaves a real flash-attn 2 package alone; flash-attn-4
+    alone installs `flash_attn` as a namespace of its `flash_attn.cute` (no 2.x functions):
+    these go into it."""
     try:
         import flash_attn  # noqa: F401
     except ImportError:
@@ -47,15 +49,31 @@ def install() -> None:
         # A spec, as an imported module has: importlib.util.find_spec (transformers' probe of
         # installed packages) raises on a module in sys.modules without one.
         module.__spec__ = importlib.machinery.ModuleSpec("flash_attn", None)
-        module.__version__ = _VERSION  # type: ignore[attr-defined]
-        module.flash_attn_varlen_func = flash_attn_varlen_func  # type: ignore[attr-defined]
-        module.flash_attn_with_kvcache = flash_attn_with_kvcache  # type: ignore[attr-defined]
         sys.modules["flash_attn"] = module
     flash = sys.modules["flash_attn"]
+    if getattr(flash, "flash_attn_varlen_func", None) is None:
+        flash.__version__ = _VERSION  # type: ignore[attr-defined]
+        flash.flash_attn_varlen_func = flash_attn_varlen_func  # type: ignore[attr-defined]
+        flash.flash_attn_with_kvcache = flash_attn_with_kvcache  # type: ignore[attr-defined]
     attention = sys.modules.get("megatron.core.transformer.attention")
     if attention is not None and getattr(attention, "flash_attn_varlen_func", None) is None:
         attention.flash_attn_varlen_func = flash.flash_attn_varlen_func  # type: ignore[attr-defined]
         attention.flash_attn_with_kvcache = flash.flash_attn_with_kvcache  # type: ignore[attr-defined]
+
+
+# rollout.attention -> the FlashAttention generation megatron's inference attention runs.
+_GENERATION = {"adapter": 2, "flash-attn-4": 4}
+
+
+def pin(model: Any, attention: str) -> None:
+    """Pin the inference attention of `model`'s layers to `attention` (`rollout.attention`):
+    `adapter`, these functions (megatron's flash-attn 2 calls), even where flash-attn-4 is
+    installed (megatron would prefer it); `flash-attn-4`, megatron's own path over that
+    package. Only the engine's path reads it: training attends through its own core attention."""
+    generation = _GENERATION[attention]
+    for module in model.modules():
+        if hasattr(module, "_resolve_flash_version"):
+            module.flash_attention_version = generation
 
 
 def _full_window(window_size: tuple[int, int]) -> None:

@@ -3,6 +3,8 @@ recipe, checked by the shell's root recipe (so `validate` and `run` refuse alike
 
 from __future__ import annotations
 
+from importlib.metadata import PackageNotFoundError, version
+
 from backends.torch.section import ModelSection
 from pipeline.contracts.backend_input import Sampling
 
@@ -25,6 +27,11 @@ def check_engine(rollout: Sampling, *, backend: str, model: ModelSection, tensor
             raise ValueError(
                 "rollout.graphs: true turns on the CUDA graphs of rollout.engine megatron; the "
                 "torch engine always replays its decode steps from graphs on CUDA: leave it at false"
+            )
+        if rollout.attention != "adapter":
+            raise ValueError(
+                f"rollout.attention: {rollout.attention} picks the attention kernels of rollout.engine "
+                "megatron; the torch engine runs its own: leave it at adapter"
             )
         return
     if backend != "megatron":
@@ -50,6 +57,11 @@ def check_engine(rollout: Sampling, *, backend: str, model: ModelSection, tensor
             "(it would run one rank's shard of the model, whose forward needs every rank); set "
             "train.tensor_parallel: 1 or rollout.engine: torch"
         )
+    if rollout.attention == "flash-attn-4" and (found := flash_attn_4_version()) != "ok":
+        raise ValueError(
+            f"rollout.attention: flash-attn-4 needs the flash-attn-4 package, {MIN_FLASH_ATTN_4} or "
+            f"later ({found}); `pip install flash-attn-4`, or set rollout.attention: adapter"
+        )
     if rollout.partial and rollout.graphs:
         raise ValueError(
             "rollout.partial: true with rollout.engine megatron needs rollout.graphs: false (graphs "
@@ -57,3 +69,21 @@ def check_engine(rollout: Sampling, *, backend: str, model: ModelSection, tensor
             "the train step and continue over keys of the old weights; without graphs it is "
             "recomputed under the new ones); set rollout.graphs: false or rollout.partial: false"
         )
+
+
+# The first flash-attn-4 release megatron-core's attention takes (its own check, by the same name).
+MIN_FLASH_ATTN_4 = "4.0.0b20"
+
+
+def flash_attn_4_version() -> str:
+    """`ok` when flash-attn-4 is installed at `MIN_FLASH_ATTN_4` or later, else what was found."""
+    from packaging.version import InvalidVersion, Version  # megatron-core's own dependency
+
+    try:
+        found = version("flash-attn-4")
+    except PackageNotFoundError:
+        return "it is not installed"
+    try:
+        return "ok" if Version(found) >= Version(MIN_FLASH_ATTN_4) else f"{found} is installed"
+    except InvalidVersion:
+        return f"its version {found!r} is not one pip writes"

@@ -355,11 +355,14 @@ def dynamic_engine(
     device: torch.device,
     graphs: KVHandoff | None = None,
     sampler: Literal["race", "fused", "megatron"] = "race",
+    attention: str = "adapter",
 ) -> DynamicInferenceEngine:
     """megatron's engine over `model`; called on the engine's own thread. With `graphs` its
     decode steps are captured into CUDA graphs, over a cache in the handoff's pool; its
-    controller draws with `sampler` (`Serving`)."""
+    controller draws with `sampler` (`Serving`); its attention runs `attention`'s kernels
+    (`rollout.attention`, `flash_adapter.pin`)."""
     flash_adapter.install()
+    flash_adapter.pin(model, attention)
     install_suspend()
     torch.cuda.set_device(device)  # this thread's: megatron allocates on the current device
     if graphs is None:
@@ -402,7 +405,14 @@ def build_inference(
     handoff = KVHandoff(model, lambda: VirtualMemoryPool(device)) if rollout.graphs else None
     return MegatronInference(
         lambda: dynamic_engine(
-            model, inference, tokens=tokens, seed=seed, device=device, graphs=handoff, sampler=serving.sampler
+            model,
+            inference,
+            tokens=tokens,
+            seed=seed,
+            device=device,
+            graphs=handoff,
+            sampler=serving.sampler,
+            attention=rollout.attention,
         ),
         handoff=handoff,
         sampling=functools.partial(

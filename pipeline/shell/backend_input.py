@@ -32,6 +32,7 @@ def sampling_of(recipe: Recipe) -> Sampling:
         kv_cache_gb=rollout.kv_cache_gb,
         episode_kv_gb=rollout.episode_kv_gb,
         graphs=rollout.graphs,
+        attention=rollout.attention,
     )
 
 

@@ -28,7 +28,7 @@ from tests.backends.test_megatron_standdown import ModelEngine, _groups  # noqa:
 def _apart(monkeypatch: pytest.MonkeyPatch) -> tuple[Any, Any, ModelEngine]:
     made: list[ModelEngine] = []
 
-    def engine_on_cpu(model, inference, *, tokens, seed, device, graphs, sampler):
+    def engine_on_cpu(model, inference, *, tokens, seed, device, graphs, sampler, attention):
         InferenceMode.set_active()  # as megatron's engine does when built, on its own thread
         made.append(ModelEngine(model, length=2))
         return made[-1]

@@ -104,16 +104,18 @@ def _on_cpu(*overrides: str, **rollout):
 async def test_the_builder_hands_the_trainers_own_model_to_megatrons_engine(monkeypatch) -> None:
     made = []
 
-    def engine_on_cpu(model, inference, *, tokens, seed, device, graphs, sampler):
-        made.append((model, inference, tokens, seed, sampler))
+    def engine_on_cpu(model, inference, *, tokens, seed, device, graphs, sampler, attention):
+        made.append((model, inference, tokens, seed, sampler, attention))
         return FakeDynamicEngine(length=5, vocab=16)
 
     monkeypatch.setattr(serve, "dynamic_engine", engine_on_cpu)
-    engine, trainer = build_backend(_on_cpu("rollout.temperature=0.8"), vocab_size=16, stop_ids=[1])
+    on_cpu = _on_cpu("rollout.temperature=0.8", attention="flash-attn-4")
+    engine, trainer = build_backend(on_cpu, vocab_size=16, stop_ids=[1])
     try:
         assert isinstance(engine, MegatronInference)
         assert engine.blocks_training and engine.wake_carries_weights and engine.fingerprint() is None
-        ((model, inference, tokens, seed, sampler),) = made
+        ((model, inference, tokens, seed, sampler, attention),) = made
+        assert attention == "flash-attn-4"  # rollout.attention, as the engine is built with it
         assert model is trainer.model  # served in place: no copy to refresh
         assert (tokens.eod, seed, inference.max_requests) == (1, 1, 32 * 8 * 2)
         assert (inference.async_sched_mode, sampler) == (AsyncScheduleMode.ASYNC, "race")
@@ -132,7 +134,7 @@ def test_each_replica_draws_from_a_seed_of_its_own(monkeypatch) -> None:
     torch engine's replicas, so no two draw the same random numbers."""
     seeds = []
 
-    def engine_on_cpu(model, inference, *, tokens, seed, device, graphs, sampler):
+    def engine_on_cpu(model, inference, *, tokens, seed, device, graphs, sampler, attention):
         seeds.append(seed)
         return FakeDynamicEngine(length=5, vocab=16)
 
@@ -290,7 +292,7 @@ def test_megatrons_controller_draws_with_the_race_sampler(monkeypatch, sampler: 
     monkeypatch.setattr(serve, "TextGenerationController", Controller)
     monkeypatch.setattr(serve, "DynamicInferenceEngine", lambda controller, context: controller)
     monkeypatch.setattr(serve.torch.cuda, "set_device", lambda device: None)
-    model = SimpleNamespace(config=None)
+    model = SimpleNamespace(config=None, modules=lambda: [])  # no attention layers to pin
     tokens = serve._Tokens(1, 32)
     controller = serve.dynamic_engine(
         model, None, tokens=tokens, seed=7, device=torch.device("cpu"), sampler=sampler

@@ -102,7 +102,7 @@ def _backend(
 ) -> tuple[Any, Any, ServingEngine]:
     made: list[ServingEngine] = []
 
-    def engine_on_cpu(model, inference, *, tokens, seed, device, graphs, sampler):
+    def engine_on_cpu(model, inference, *, tokens, seed, device, graphs, sampler, attention):
         pool = None if graphs is None else graphs.pool
         made.append(ServingEngine(model, keeps_cache=keeps_cache, pool=pool))
         return made[-1]
@@ -180,7 +180,7 @@ async def test_partial_rollouts_freeze_a_request_through_the_step_and_continue_i
     weights, and its stretches map through the gate to versions 0 and 1."""
     made: list[ModelEngine] = []
 
-    def engine_on_cpu(model, inference, *, tokens, seed, device, graphs, sampler):
+    def engine_on_cpu(model, inference, *, tokens, seed, device, graphs, sampler, attention):
         assert inference.kv_cache_management_mode is KVCacheManagementMode.RECOMPUTE
         made.append(ModelEngine(model, length=2, hold_after_steps=1, recompute=True))
         return made[-1]

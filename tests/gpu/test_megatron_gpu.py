@@ -219,6 +219,28 @@ def test_megatron_inference_on_ray(tmp_path, monkeypatch, overrides: list[str]) 
         assert colocated or record["timing/refit_s"] >= 0, record
 
 
+@pytest.mark.parametrize("graphs", ["false", "true"])
+def test_megatron_inference_on_flash_attn_4(tmp_path, graphs: str) -> None:
+    """`rollout.attention: flash-attn-4` (where the package is installed): the quickstart at
+    L = 0 through megatron's own FlashAttention-4 path, eager and graphed, every step
+    on-policy."""
+    from backends.megatron.rules import flash_attn_4_version
+
+    if (found := flash_attn_4_version()) != "ok":
+        pytest.skip(f"flash-attn-4: {found}")
+    recipe = _megatron_quickstart(
+        tmp_path,
+        "run.steps=4",
+        "rollout.attention=flash-attn-4",
+        f"rollout.graphs={graphs}",
+        "async_rl.max_lookahead_versions=0",
+    )
+    summary = anyio.run(pipeline.run, recipe)
+    assert summary.steps_done == 4 and not summary.stopped
+    for record in _steps_hold(tmp_path, recipe, 4):
+        assert record["train/token_mult_prob_error"] < 1.05, record
+
+
 def test_megatron_inference_with_partial_rollouts_continues_frozen_requests(tmp_path) -> None:
     """The quickstart colocated at L = 1 with `rollout.partial`: the next batch's requests in
     flight at each stand-down are frozen (megatron's recompute suspend) and continue after the

@@ -328,6 +328,18 @@ VALID_RUN_FIELDS = "dir, steps, seed, stop_grace_s, progress, log_every_steps, p
             "new ones); set rollout.graphs: false or rollout.partial: false",
             id="megatron-engine-partial-graphs",
         ),
+        pytest.param(
+            "rollout:\n  attention: flash-attn-4\n",
+            "rollout.attention: flash-attn-4 picks the attention kernels of rollout.engine megatron; the "
+            "torch engine runs its own: leave it at adapter",
+            id="attention-for-the-torch-engine",
+        ),
+        pytest.param(
+            MEGATRON_ON_GPU.replace("engine: megatron", "engine: megatron\n  attention: flash-attn-4"),
+            "rollout.attention: flash-attn-4 needs the flash-attn-4 package, 4.0.0b20 or later (it is not "
+            "installed); `pip install flash-attn-4`, or set rollout.attention: adapter",
+            id="megatron-engine-flash-attn-4-missing",
+        ),
         pytest.param("train:\n  lr: .inf\n", "train.lr: Expected a finite number, got inf", id="lr-infinite"),
         pytest.param(
             "rollout:\n  temperature: .nan\n",
