@@ -420,7 +420,8 @@ class Sampler:
         loop's per-slot ``state`` tensors (new ones, ``width`` rows; the rest as never-filled
         slots: done, at position 0) and the slots' book."""
         dev = self.device
-        index = torch.tensor(live, device=dev)
+        # long: ``live`` is empty where a loop widens at the check its last rows ended.
+        index = torch.tensor(live, dtype=torch.long, device=dev)
         n = len(live)
         span = int(old.position[index].max()) + 1 if n else 0
         for layer in range(self.cache.layers):

@@ -570,6 +570,42 @@ def test_a_narrowed_loop_widens_for_requests_that_come_later() -> None:
         assert handed[admission.key].tokens == alone.tokens, admission.key
 
 
+def test_a_narrowed_loop_widens_at_the_check_where_its_last_row_ends() -> None:
+    """The tail's last row ends at the very check where more rows come than the narrow width
+    holds: the loop widens with no live row to move (an empty move, not a failure) and serves
+    the newcomers as alone. A loop opened 16 wide by rows of 1 and 3 tokens narrows to 8 at
+    the first check; at the third the long row ends and ten one-row requests arrive."""
+    from backends.torch.sampler import Admission
+
+    sampler = _samplers()[1]
+    first = [Admission(PROMPTS[0], [1], "short"), Admission(PROMPTS[1], [3], "long")]
+    later = [Admission(PROMPTS[i % len(PROMPTS)], [2], i) for i in range(10)]
+    offered: list[int] = []
+    handed: dict[Any, Completion] = {}
+
+    def source(rows: int | None, positions: int | None) -> list[Admission]:
+        if rows is None:
+            return first
+        offered.append(rows)
+        return later if len(offered) == 3 else []
+
+    def sink(back: list[tuple[Admission, list[Completion]]]) -> None:
+        for admission, out in back:
+            (handed[admission.key],) = out
+
+    sampler.serve(
+        source, sink, max_new_tokens=3, temperature=0.0, generator=torch.Generator().manual_seed(0), width=16
+    )
+    assert offered[:3] == [15, 15, 16]  # 8 wide at the third check, with no row live
+    # 16 wide for the first step, 8 for two, 16 for the ten's two steps.
+    assert sampler.slot_steps == 16 + 8 * 2 + 16 * 2
+    for admission in [*first, *later]:
+        ((alone,),) = _requests(
+            sampler, [(admission.prompt, 1)], temperature=0.0, max_new_tokens=admission.limits[0]
+        )
+        assert handed[admission.key].tokens == alone.tokens, admission.key
+
+
 def test_a_long_tail_s_last_rows_decode_in_a_narrower_step() -> None:
     """A bucketed loop of 12 rows (16 slots): ten end after 1-2 tokens, two run to 9. Once
     nothing waits and the live rows fit half the slots, the loop moves them (keys and values,
