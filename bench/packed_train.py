@@ -7,7 +7,7 @@ A Qwen2.5-1.5B-shaped model (random weights, bf16, float32 residual, as
 - `fixed`: every response 512 tokens, micro-batches of 32 samples (`bench-h200-colocated.yaml`);
 - `long_tail`: lengths drawn as `rollout.bench_lengths` draws them (lognormal, median 256,
   sigma 0.9, cut at 2048), micro-batches by `--micro-batch-tokens` (the long-tail recipe's);
-- `long_tail@TOKENS`: the same under a budget of TOKENS;
+- `long_tail@TOKENS`: the same under a budget of TOKENS (0: none);
 each over `--steps` timed steps after `--warmup` (a fresh draw each step for `long_tail`).
 Each variant reports trained tokens/s (the responses' own tokens), computed tokens, the median
 step, dynamo's compiles, the allocator's retries (`num_alloc_retries`: a cudaMalloc that failed
@@ -88,8 +88,8 @@ def _trainer(micro_batch_samples: int, micro_batch_tokens: int) -> TorchTrainer:
 def _variant(variant: str, args: argparse.Namespace) -> dict[str, Any]:
     from torch._dynamo.utils import counters
 
-    name, _, tokens = variant.partition("@")
-    budget = int(tokens) if tokens else 0
+    name, at, tokens = variant.partition("@")
+    budget = int(tokens) if at else args.micro_batch_tokens  # long_tail@0: no budget
 
     rng = random.Random(0)
     draw = LengthDraw(
@@ -104,7 +104,7 @@ def _variant(variant: str, args: argparse.Namespace) -> dict[str, Any]:
     if name == "fixed":
         trainer = _trainer(32, 0)
     else:
-        trainer = _trainer(256, budget or args.micro_batch_tokens)
+        trainer = _trainer(256, budget)
     batches = [_groups(lengths(), rng) for _ in range(args.warmup + args.steps + 1)]
     for groups in batches[: args.warmup]:
         trainer._train_step(groups)
@@ -171,10 +171,10 @@ def main() -> None:
         results[name] = _variant(name, args)
         shown = {k: v for k, v in results[name].items() if k != "profile_top"}
         print(name, json.dumps(shown), flush=True)
-    if "fixed" in results and "long_tail" in results:
-        ratio = results["long_tail"]["trained_tokens_per_s"] / results["fixed"]["trained_tokens_per_s"]
-        results["long_tail_over_fixed_trained_tokens_per_s"] = ratio
-        print("long_tail / fixed trained tokens/s:", round(ratio, 3), flush=True)
+    for name in [n for n in results if n.startswith("long_tail")] if "fixed" in results else []:
+        ratio = results[name]["trained_tokens_per_s"] / results["fixed"]["trained_tokens_per_s"]
+        results[f"{name}_over_fixed_trained_tokens_per_s"] = ratio
+        print(f"{name} / fixed trained tokens/s:", round(ratio, 3), flush=True)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)
