@@ -45,6 +45,23 @@ def _engine(model: Decoder, **options: Any) -> TorchEngine:
     )
 
 
+async def _crowd_behind(
+    engine: TorchEngine, started: threading.Event, go: threading.Event, *, rows: int, crowd: int
+) -> None:
+    """One request of `rows` rows opens the loop; once the loop holds (`started`), `crowd`
+    one-row requests queue behind it, then the loop goes on (`go`); returns once all are
+    answered."""
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(engine.generate, PROMPT, rows)
+        while not started.is_set():
+            await anyio.sleep(0.01)
+        for _ in range(crowd):
+            tg.start_soon(engine.generate, [5, 6, 7], 1)
+        while len(engine._queue) < crowd:
+            await anyio.sleep(0.01)
+        go.set()
+
+
 def _hold_draw(model: Decoder, number: int) -> tuple[threading.Event, threading.Event]:
     """Hold the compute thread at the model's ``number``-th draw (its lm_head call) until the
     second event is set; the first says it got there."""
@@ -221,15 +238,7 @@ async def test_a_narrow_loop_hands_a_crowd_of_waiting_requests_to_a_wider_one(
     started, go = _hold_draw(model, 1)
     try:
         with anyio.fail_after(60):
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(engine.generate, PROMPT, 1)
-                while not started.is_set():
-                    await anyio.sleep(0.01)
-                for _ in range(waiting):
-                    tg.start_soon(engine.generate, [5, 6, 7], 1)
-                while len(engine._queue) < waiting:
-                    await anyio.sleep(0.01)
-                go.set()
+            await _crowd_behind(engine, started, go, rows=1, crowd=waiting)
     finally:
         engine.close()
     assert (engine.calls, engine.statistics().slot_steps) == (loops, slot_steps)
@@ -276,15 +285,7 @@ async def test_at_max_rows_a_loop_opened_by_one_row_takes_a_crowd_at_once() -> N
     engine._finish = resolving  # type: ignore[method-assign]
     try:
         with anyio.fail_after(60):
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(engine.generate, PROMPT, 1)
-                while not started.is_set():
-                    await anyio.sleep(0.01)
-                for _ in range(3):
-                    tg.start_soon(engine.generate, [5, 6, 7], 1)
-                while len(engine._queue) < 3:
-                    await anyio.sleep(0.01)
-                go.set()
+            await _crowd_behind(engine, started, go, rows=1, crowd=3)
             await engine.compute.run(lambda: None)  # behind the loop: its sink calls are over
     finally:
         engine.close()
@@ -329,15 +330,7 @@ async def test_at_max_rows_a_tail_decodes_narrow_and_the_next_batch_widens_it() 
     engine._admit = holding  # type: ignore[method-assign]
     try:
         with anyio.fail_after(120):
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(engine.generate, PROMPT, 2)
-                while not started.is_set():
-                    await anyio.sleep(0.01)
-                for _ in range(10):
-                    tg.start_soon(engine.generate, [5, 6, 7], 1)
-                while len(engine._queue) < 10:
-                    await anyio.sleep(0.01)
-                go.set()
+            await _crowd_behind(engine, started, go, rows=2, crowd=10)
     finally:
         go.set()
         engine.close()
