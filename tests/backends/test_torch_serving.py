@@ -31,9 +31,10 @@ def _model() -> Decoder:
     return model
 
 
-def _engine(model: Decoder, **options: Any) -> TorchEngine:
+def _engine(model: Decoder, *, compiled: bool = False, **options: Any) -> TorchEngine:
+    """`compiled`: a bucketed sampler, as on a GPU (its loops narrow and widen)."""
     return TorchEngine(
-        Sampler(model),
+        Sampler(model, compiled=compiled),
         shared=True,
         source=model,
         max_new_tokens=8,
@@ -303,18 +304,7 @@ async def test_at_max_rows_a_tail_decodes_narrow_and_the_next_batch_widens_it() 
     all of them: the loop widens back to 16 for them, and they are answered while the long
     row still decodes, in the same loop."""
     model = _model()
-    engine = TorchEngine(
-        Sampler(model, compiled=True),
-        shared=True,
-        source=model,
-        max_new_tokens=8,
-        temperature=1.0,
-        top_p=1.0,
-        stop_token_ids=(),
-        seed=0,
-        lengths=_Scripted([1, 8], *[[2]] * 10),
-        max_rows=16,
-    )
+    engine = _engine(model, compiled=True, lengths=_Scripted([1, 8], *[[2]] * 10), max_rows=16)
     # Hold the loop at its second check (a hook on the model is not reliable under compile).
     started, go = threading.Event(), threading.Event()
     admit, checks = engine._admit, []
