@@ -31,7 +31,7 @@ def _model() -> Decoder:
     return model
 
 
-def _engine(model: Decoder, *, compiled: bool = False, **options: Any) -> TorchEngine:
+def _engine(model: Decoder, *, compiled: bool | None = None, **options: Any) -> TorchEngine:
     """`compiled`: a bucketed sampler, as on a GPU (its loops narrow and widen)."""
     return TorchEngine(
         Sampler(model, compiled=compiled),
