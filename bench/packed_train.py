@@ -164,6 +164,8 @@ def main() -> None:
     parser.add_argument("--profile-rows", type=int, default=25)
     parser.add_argument("--out", default="")
     args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench.packed_train needs a CUDA device (the 1.5B shape on one GPU)")
     results: dict[str, Any] = {"torch": torch.__version__, "command": "python -m bench.packed_train"}
     for name in args.variants.split(","):
         if name.partition("@")[0] not in ("fixed", "long_tail"):
