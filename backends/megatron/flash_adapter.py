@@ -72,7 +72,7 @@ def pin(model: Any, attention: str) -> None:
     package. Only the engine's path reads it: training attends through its own core attention."""
     generation = _GENERATION[attention]
     for module in model.modules():
-        if hasattr(module, "_resolve_flash_version"):
+        if hasattr(module, "flash_attention_version"):  # megatron's attention layers (its config's)
             module.flash_attention_version = generation
 
 

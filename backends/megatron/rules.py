@@ -57,10 +57,10 @@ def check_engine(rollout: Sampling, *, backend: str, model: ModelSection, tensor
             "(it would run one rank's shard of the model, whose forward needs every rank); set "
             "train.tensor_parallel: 1 or rollout.engine: torch"
         )
-    if rollout.attention == "flash-attn-4" and (found := flash_attn_4_version()) != "ok":
+    if rollout.attention == "flash-attn-4" and (missing := flash_attn_4_missing()):
         raise ValueError(
             f"rollout.attention: flash-attn-4 needs the flash-attn-4 package, {MIN_FLASH_ATTN_4} or "
-            f"later ({found}); `pip install flash-attn-4`, or set rollout.attention: adapter"
+            f"later ({missing}); `pip install flash-attn-4`, or set rollout.attention: adapter"
         )
     if rollout.partial and rollout.graphs:
         raise ValueError(
@@ -75,8 +75,8 @@ def check_engine(rollout: Sampling, *, backend: str, model: ModelSection, tensor
 MIN_FLASH_ATTN_4 = "4.0.0b20"
 
 
-def flash_attn_4_version() -> str:
-    """`ok` when flash-attn-4 is installed at `MIN_FLASH_ATTN_4` or later, else what was found."""
+def flash_attn_4_missing() -> str | None:
+    """Why flash-attn-4 cannot serve (not installed, older than `MIN_FLASH_ATTN_4`), or None."""
     from packaging.version import InvalidVersion, Version  # megatron-core's own dependency
 
     try:
@@ -84,6 +84,6 @@ def flash_attn_4_version() -> str:
     except PackageNotFoundError:
         return "it is not installed"
     try:
-        return "ok" if Version(found) >= Version(MIN_FLASH_ATTN_4) else f"{found} is installed"
+        return None if Version(found) >= Version(MIN_FLASH_ATTN_4) else f"{found} is installed"
     except InvalidVersion:
         return f"its version {found!r} is not one pip writes"

@@ -118,6 +118,17 @@ def data_parallel() -> DataParallel | None:
     )
 
 
+def by_groups(groups: list[TrainGroup], most: int) -> list[list[Row]]:
+    """`groups` in order, whole, cut into micro-batches of at most `most` rows (a group over it
+    alone makes a micro-batch of its own)."""
+    parts: list[list[Row]] = [[]]
+    for group in groups:
+        if parts[-1] and len(parts[-1]) + len(group.samples) > most:
+            parts.append([])
+        parts[-1].extend((group.prompt_tokens, s) for s in group.samples)
+    return parts
+
+
 def by_length(samples: list[Row], budget: int, most: int) -> list[list[Row]]:
     """`samples` cut into micro-batches of at most `most` rows whose padded tokens (rows times
     the longest prompt plus response among them) fit `budget`: longest first (equal lengths in
@@ -231,18 +242,11 @@ class MegatronTrainer:
         samples. With it: the minibatch's samples by length (`by_length`), so that a long-tailed
         minibatch pads its short samples to short neighbours, not to its longest (megatron's
         local attention takes no packed sequences)."""
-        samples = [(g.prompt_tokens, s) for g in groups for s in g.samples]
-        parts: list[list[Row]] = [[]]
         if self.micro_batch_tokens:
-            parts = by_length(samples, self.micro_batch_tokens, self.micro_batch_samples)
+            rows = [(g.prompt_tokens, s) for g in groups for s in g.samples]
+            parts = by_length(rows, self.micro_batch_tokens, self.micro_batch_samples)
         else:
-            rows = 0
-            for group in groups:
-                if parts[-1] and rows + len(group.samples) > self.micro_batch_samples:
-                    parts.append([])
-                    rows = 0
-                parts[-1].extend((group.prompt_tokens, s) for s in group.samples)
-                rows += len(group.samples)
+            parts = by_groups(groups, self.micro_batch_samples)
         chunks = [Chunk.of([s for _, s in part], _Inputs(part, self.device), self.device) for part in parts]
         self._computed_tokens += sum(chunk.inputs.ids.numel() for chunk in chunks)
         return chunks

@@ -47,7 +47,7 @@ class Sampling(msgspec.Struct, kw_only=True, frozen=True):
     kv_cache_gb: float
     episode_kv_gb: float  # rollout.episode_kv_gb: the torch engine's budget for episodes' kept KV
     graphs: bool  # rollout.graphs: megatron's engine replays its decode steps from CUDA graphs
-    attention: str = "adapter"  # rollout.attention: megatron's engine's attention kernels
+    attention: str  # rollout.attention: megatron's engine's attention kernels
 
 
 class Optimizer(msgspec.Struct, kw_only=True, frozen=True):

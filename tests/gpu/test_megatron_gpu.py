@@ -224,10 +224,10 @@ def test_megatron_inference_on_flash_attn_4(tmp_path, graphs: str) -> None:
     """`rollout.attention: flash-attn-4` (where the package is installed): the quickstart at
     L = 0 through megatron's own FlashAttention-4 path, eager and graphed, every step
     on-policy."""
-    from backends.megatron.rules import flash_attn_4_version
+    from backends.megatron.rules import flash_attn_4_missing
 
-    if (found := flash_attn_4_version()) != "ok":
-        pytest.skip(f"flash-attn-4: {found}")
+    if missing := flash_attn_4_missing():
+        pytest.skip(f"flash-attn-4: {missing}")
     recipe = _megatron_quickstart(
         tmp_path,
         "run.steps=4",
