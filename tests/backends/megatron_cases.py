@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from backends.torch.config import ModelConfig
@@ -39,20 +41,23 @@ CONFIGS = {
 }
 
 
-def groups(seed: int = 1, vocab: int = 32) -> list[TrainGroup]:
-    """Three groups of four samples: prompts and responses of different lengths, behaviour
-    logprobs off the model's (so the IS correction and the mismatch metrics have work)."""
+def groups(
+    seed: int = 1, vocab: int = 32, length: Callable[[int, int], int] = lambda g, s: 2 + (s * 3 + g) % 5
+) -> list[TrainGroup]:
+    """Three groups of four samples: prompts and responses of different lengths (sample s of
+    group g: `length(g, s)` tokens), behaviour logprobs off the model's (so the IS correction
+    and the mismatch metrics have work)."""
     g = torch.Generator().manual_seed(seed)
     out = []
     for gi in range(3):
         prompt = torch.randint(0, vocab, (4 + gi,), generator=g).tolist()
         samples = []
         for si in range(4):
-            length = 2 + (si * 3 + gi) % 5
+            n = length(gi, si)
             samples.append(
                 TrainSample(
-                    tokens=tuple(torch.randint(0, vocab, (length,), generator=g).tolist()),
-                    logprobs=tuple((-torch.rand(length, generator=g) * 3 - 2).tolist()),
+                    tokens=tuple(torch.randint(0, vocab, (n,), generator=g).tolist()),
+                    logprobs=tuple((-torch.rand(n, generator=g) * 3 - 2).tolist()),
                     reward=float(si % 2),
                     advantage=float(si) - 1.5,
                 )
