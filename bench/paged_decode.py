@@ -25,7 +25,8 @@ from typing import Any
 
 import torch
 
-from backends.megatron import flash_adapter, paged_decode
+from backends.megatron import flash_adapter
+from backends.torch import paged_decode
 
 BLOCK_TOKENS, KV_HEADS, HEADS, HEAD_DIM = 256, 2, 12, 128
 

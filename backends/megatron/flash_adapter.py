@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from backends.megatron import paged_decode
+from backends.torch import paged_decode
 
 # What megatron's version check reads (`is_fa_min_version("2.7.3")` for dynamic batching).
 _VERSION = "2.8.3"

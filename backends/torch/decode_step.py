@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from backends.torch import race
+from backends.torch import paged_decode, race
 from backends.torch.attention import attend
 from backends.torch.kv_cache import KVCache
 from backends.torch.model import Decoder, DecoderLayer, layer_finish, layer_project
@@ -86,6 +86,8 @@ class DecodeStep:
         self.kv_base = torch.cat((base, base + cache.rows * cache.kv_heads * length))
         self.cu_q = torch.arange(0, (sequences + 1) * group, group, dtype=torch.int32, device=device)
         self.cu_k = torch.arange(0, (sequences + 1) * length, length, dtype=torch.int32, device=device)
+        # `paged_decode`'s block table: each row's keys are one block of the cache's length.
+        self.table = torch.arange(rows, dtype=torch.int32, device=device).view(rows, 1)
 
 
 class DecodeSteps:
@@ -107,6 +109,9 @@ class DecodeSteps:
         self.device = next(model.parameters()).device
         self.graphs = graphs
         self.flash = flash
+        # Steps whose (row, KV head) pairs leave the device's SMs idle attend by `paged_decode`,
+        # each row's keys split over programs, instead of flash's one program a pair.
+        self.split_keys = paged_decode.triton is not None
         c = model.config
         self.group = c.num_attention_heads // c.num_key_value_heads
         parts: tuple[Any, ...] = (_prologue, _project, _finish, _draw, _scaled_logits, _head)
@@ -199,6 +204,12 @@ class _Decode:
         self.steps, self.step, self.write, self.used = steps, step, write, used
         self.cache, self.span = steps.cache, span
         self.mask = None
+        self.split = False
+        if steps.flash and steps.split_keys:
+            # Too few (row, KV head) pairs to fill the device: each row's keys split over programs.
+            pairs = step.rows * self.cache.kv_heads
+            self.split = paged_decode.splits(pairs, self.cache.length, used.device) > 1
+            self.seqlens = used.view(step.rows, -1)[:, 0].contiguous()
         if not steps.flash:  # `attend`'s: each row's first `used` keys of the `span` it reads
             mask = torch.arange(span, device=used.device) < used.view(step.rows, -1)[:, :1]
             self.mask = mask[:, None, None, :]
@@ -210,6 +221,17 @@ class _Decode:
         step, cache = self.step, self.cache
         rows, d = step.rows, cache.head_dim
         keys, values = cache.keys[layer][:rows], cache.values[layer][:rows]
+        if self.split:  # keys [rows, KV heads, length, D] as blocks [rows, length, KV heads, D]
+            out, _ = paged_decode.attend(
+                q.view(rows, 1, -1, d),
+                keys.transpose(1, 2),
+                values.transpose(1, 2),
+                step.table,
+                self.seqlens,
+                d**-0.5,
+                False,
+            )
+            return out.view(rows, -1)
         if self.mask is None:
             q, keys, values = q.view(-1, 1, d), keys.view(-1, 1, d), values.view(-1, 1, d)
             out = _flash_varlen(

@@ -1,5 +1,5 @@
 """Paged KV caches as megatron's dynamic engine lays them out, attention written out over them,
-and the CPU cases of `backends/megatron/paged_decode.py`'s kernels.
+and the CPU cases of `backends/torch/paged_decode.py`'s kernels.
 
 `python -m tests.backends.paged_decode_case` with TRITON_INTERPRET=1 (Triton's interpreter runs
 the kernels on CPU tensors; it must be on before Triton is first imported, so the test runs it
@@ -7,7 +7,7 @@ in a process of its own) prints one JSON object: for each case the largest diffe
 kernel's output and logsumexp from `reference`, and whether the two agree on the queries that
 see no key. The cases are float32: Triton 3.6's interpreter gets `tl.dot` of bf16 tiles wrong
 (products of order 1e10 from unit-scale inputs), so bf16 is tested on the GPU, by
-tests/gpu/test_megatron_paged_decode_gpu.py, which takes the caches and the reference from here.
+tests/gpu/test_paged_decode_gpu.py, which takes the caches and the reference from here.
 """
 
 from __future__ import annotations
@@ -92,7 +92,8 @@ def _compare(out: Tensor, lse: Tensor, want: tuple[Tensor, Tensor]) -> dict[str,
 
 
 def run() -> dict[str, Any]:
-    from backends.megatron import flash_adapter, paged_decode
+    from backends.megatron import flash_adapter
+    from backends.torch import paged_decode
 
     results: dict[str, Any] = {}
     for name, (lengths, block_tokens, kv_heads, heads, d, s, causal, splits) in CASES.items():

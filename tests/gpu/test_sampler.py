@@ -17,7 +17,9 @@ pytestmark = pytest.mark.gpu
 VOCAB = 1000
 
 
-def _model(dtype: torch.dtype, *, learned_positions: bool = False, qwen3: bool = False) -> Decoder:
+def _model(
+    dtype: torch.dtype, *, learned_positions: bool = False, qwen3: bool = False, positions: int = 128
+) -> Decoder:
     """A Qwen2-shaped model, or with `qwen3` a Qwen3-shaped one (q/k norms, no biases, head_dim
     other than hidden_size / heads)."""
     torch.manual_seed(0)
@@ -32,7 +34,7 @@ def _model(dtype: torch.dtype, *, learned_positions: bool = False, qwen3: bool =
         attention_bias=not qwen3,
         qk_norm=qwen3,
         tie_word_embeddings=True,
-        max_position_embeddings=128,
+        max_position_embeddings=positions,
         learned_position_embeddings=learned_positions,
     )
     model = Decoder(config)
@@ -292,3 +294,29 @@ def test_a_narrowed_loop_widens_again_under_graphs(temperature: float) -> None:
     else:
         lp, gen, mask = _recomputed(model, prompts, flat, temperature)
         torch.testing.assert_close(gen * mask, lp * mask, atol=2e-4, rtol=0)
+
+
+def test_a_narrow_step_over_many_keys_attends_by_split_keys(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Four rows over 700-token prompts: too few (row, KV head) pairs to fill the device, so the
+    step attends by `paged_decode` with each row's keys split over programs (a spy sees its
+    launches at the capture; none with `split_keys` off, flash's path), and the logprobs of
+    both paths match a full recomputation."""
+    from backends.torch import paged_decode
+
+    model = _model(torch.bfloat16, positions=1024)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, VOCAB, (700,), generator=g).tolist() for _ in range(4)]
+    calls: list[int] = []
+    attend = paged_decode.attend
+    monkeypatch.setattr(paged_decode, "attend", lambda *a, **k: calls.append(1) or attend(*a, **k))
+    for split in (True, False):
+        sampler = Sampler(model)
+        sampler.steps.split_keys = split
+        calls.clear()
+        kw = dict(max_new_tokens=40, temperature=1.0, generator=torch.Generator("cuda").manual_seed(0))
+        outs = _generate(sampler, prompts, **kw)
+        assert paged_decode.splits(8 * 2, sampler.cache.length, torch.device("cuda")) > 1
+        assert bool(calls) == split
+        metrics = mismatch_metrics(*_recomputed(model, prompts, outs, 1.0))
+        assert metrics["train/token_mult_prob_error"] < 1.01, (split, metrics)
+        assert metrics["train/gen_kl_error"] < 1e-3, (split, metrics)

@@ -1,4 +1,4 @@
-"""`backends/megatron/paged_decode.py`'s kernels against attention written out over the same
+"""`backends/torch/paged_decode.py`'s kernels against attention written out over the same
 paged cache, on the CPU through Triton's interpreter (one process for every case:
 tests/backends/paged_decode_case.py), and the choices it makes on the host."""
 
@@ -17,7 +17,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
 
-from backends.megatron import paged_decode  # noqa: E402
+from backends.torch import paged_decode  # noqa: E402
 from tests.backends.paged_decode_case import CASES, paged  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]

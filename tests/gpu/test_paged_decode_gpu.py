@@ -1,4 +1,4 @@
-"""`backends/megatron/paged_decode.py`'s kernels compiled for the GPU, in megatron's engine shape
+"""`backends/torch/paged_decode.py`'s kernels compiled for the GPU, in megatron's engine shape
 for the 1.5B model (12 query heads, 2 KV heads, head dim 128, 256-token blocks, bf16), against
 attention written out and against the flash adapter's gather, eager and replayed from a CUDA
 graph for lengths other than the captured ones."""
@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from backends.megatron import flash_adapter, paged_decode
+from backends.megatron import flash_adapter
+from backends.torch import paged_decode
 from tests.backends.paged_decode_case import paged, reference
 
 pytestmark = pytest.mark.gpu
