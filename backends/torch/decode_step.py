@@ -10,8 +10,14 @@ precision through flash attention's variable-length kernel with ``seqused_k``, s
 serves every step of a bucket (no KV-length buckets, no masks): each (row, KV head) is one
 sequence of its g query heads as g query positions (non-causal) over that head's keys, with
 one head, so each row's keys and values are read once per step rather than once per query
-head, and the queries (in the model's head order) need no reordering. Elsewhere `attend`
-with a length mask, over the keys written so far (``span``) when no graph fixes the shapes.
+head, and the queries (in the model's head order) need no reordering. Flash runs one program
+a (row, KV head) over all its keys: a step of a few rows (a long tail's last ones, a loop
+narrowed to them) leaves most of the device idle while each program walks thousands of keys.
+Such a step (`paged_decode.splits` > 1, which follows from the bucket and the cache's length,
+so the choice is fixed per captured graph) attends by `paged_decode`'s Triton kernels instead,
+each cache row one block of its keys, split over several programs whose partial sums are
+merged. Elsewhere `attend` with a length mask, over the keys written so far (``span``) when no
+graph fixes the shapes.
 
 Sampling in the step: with exponential noise E, ``argmax(softmax(logits / T) / E)``, computed
 as ``argmax(logits / T - log E)``, is a draw from softmax(logits / T), and with E = 1 it is the
