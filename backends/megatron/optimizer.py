@@ -13,7 +13,8 @@ learning rate for each update from the caller (the trainer owns the schedule).
     float32 buffers) and its distributed optimizer: bf16 weights stepped through float32
     masters, optimizer state sharded over data-parallel ranks. The data-parallel ranks'
     gradients are summed, not averaged: the update loop normalises the loss by the whole
-    step's counts already.
+    step's counts already. At one data-parallel rank its save state is views of the live
+    masters and moments (`param_state`), not megatron's gathered host copies.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+
+from backends.megatron import param_state
 
 
 class Step(Protocol):
@@ -176,12 +179,16 @@ class MegatronAdam:
     def sharded_state_dict(self, model_state: Any, *, loading: bool) -> Any:
         if loading:
             self._fresh_state()
+        elif param_state.applies(self.optimizer):
+            # One data-parallel rank: the same state as views of the live tensors, not gathered
+            # into host copies (see `param_state`).
+            return param_state.live(self.optimizer, model_state)
         # In parameter space (each parameter's moments whole, gathered on save): a checkpoint
         # that loads at any tensor-parallel or data-parallel size. 0.19's default,
         # "fully_sharded_model_space", refuses to save ("ShardedTensor.flattened_range is not
         # supported").
         return self.optimizer.sharded_state_dict(
-            model_state, is_loading=loading, metadata={"distrib_optim_sharding_type": "fully_reshardable"}
+            model_state, is_loading=loading, metadata={"distrib_optim_sharding_type": param_state.FORMAT}
         )
 
     def load_state_dict(self, state: Any) -> None:
@@ -196,16 +203,16 @@ class MegatronAdam:
         chained = self.optimizer.chained_optimizers
         parts = [state] if len(chained) == 1 else [part for _, part in sorted(state.items())]
         for inner, part in zip(chained, parts, strict=True):
-            param_state = part.pop("param_state", None)
+            saved = part.pop("param_state", None)
             assert part.pop("param_state_sharding_type", "fully_reshardable") == "fully_reshardable"
             inner.load_state_dict(part)
             adam = inner.optimizer.state
             steps = {p: s["step"] for p, s in adam.items() if "step" in s}
             try:
-                if param_state is not None:
+                if saved is not None:
                     for p, step in steps.items():
                         adam[p]["step"] = float(step)
-                    inner.load_parameter_state_from_fully_reshardable(param_state)
+                    inner.load_parameter_state_from_fully_reshardable(saved)
             finally:
                 for p, step in steps.items():
                     adam[p]["step"] = step.detach().clone()

@@ -1,8 +1,11 @@
-"""Shared by the megatron backend's tests: model shapes of every supported family, and groups."""
+"""Shared by the megatron backend's tests: model shapes of every supported family, groups, and a
+CPU build of megatron's distributed optimizer (`cuda_named`)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 
@@ -64,3 +67,26 @@ def groups(
             )
         out.append(TrainGroup(group_id=f"g{gi}", prompt_tokens=tuple(prompt), samples=tuple(samples)))
     return out
+
+
+@contextlib.contextmanager
+def cuda_named() -> Iterator[None]:
+    """Build megatron's distributed optimizer (`MegatronAdam`) on CPU: while it is built, CPU
+    tensors name themselves CUDA tensors (its constructor accepts only those) and a tensor asked
+    for on "cuda" lands on the CPU. Its state and checkpoint paths then run on CPU; its step
+    does not (megatron's DDP waits on CUDA streams)."""
+    tensor, named = torch.tensor, torch.Tensor.type
+
+    def on_cpu(*args: Any, device: Any = None, **kwargs: Any) -> torch.Tensor:
+        return tensor(*args, device="cpu" if device == "cuda" else device, **kwargs)
+
+    def cuda_type(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        if args or kwargs:
+            return named(self, *args, **kwargs)
+        return named(self).replace("torch.", "torch.cuda.", 1)
+
+    torch.tensor, torch.Tensor.type = on_cpu, cuda_type  # type: ignore[assignment,method-assign]
+    try:
+        yield
+    finally:
+        torch.tensor, torch.Tensor.type = tensor, named  # type: ignore[method-assign]

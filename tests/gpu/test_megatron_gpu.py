@@ -58,9 +58,12 @@ async def test_bf16_steps_through_float32_masters_and_the_engine_serves_them(col
         trainer.close()
 
 
-async def test_a_saved_step_loads_into_a_fresh_backend_and_trains_on_alike(tmp_path) -> None:
+@pytest.mark.parametrize("how", ["save", "snapshot"])
+async def test_a_saved_step_loads_into_a_fresh_backend_and_trains_on_alike(tmp_path, how: str) -> None:
     """The distributed optimizer's state goes through `dist_checkpointing` and back: the loaded
-    trainer publishes exactly the saved weights and its next step matches the original's."""
+    trainer publishes exactly the saved weights and its next step matches the original's. A
+    snapshot (its state views of the live tensors, copied to host) is written only after the
+    next step has changed them."""
     recipe = pipeline.load_recipe(
         "recipes/quickstart.yaml",
         ["run.progress=false", "model.device=cuda", "model.dtype=bfloat16", "colocated=false"],
@@ -68,9 +71,14 @@ async def test_a_saved_step_loads_into_a_fresh_backend_and_trains_on_alike(tmp_p
     engine, trainer = build_backend(backend_input(recipe), vocab_size=16, stop_ids=[1])
     try:
         await trainer.train_step(groups(vocab=16))
-        trainer.save(tmp_path)
+        if how == "save":
+            trainer.save(tmp_path)
+        else:
+            snapshot = await anyio.to_thread.run_sync(trainer.snapshot, tmp_path)
         saved = trainer.fingerprint()
         after = await trainer.train_step(groups(vocab=16))
+        if how == "snapshot":
+            await anyio.to_thread.run_sync(snapshot.write)
     finally:
         engine.close()
         trainer.close()
