@@ -62,8 +62,8 @@ def place_on_ray(spec: Input, *, vocab_size: int, stop_ids: Sequence[int]) -> Pl
     assert isinstance(section, RayPlacement)  # backends.place's choice
     owned = not ray.is_initialized()
     if owned:
-        # Ray runs its workers at niceness 15; here they do the run's compute: beside other busy
-        # processes the quickstart's step took 0.243 s niced, 0.195 s not (0.16 s in-process).
+        # Ray runs its workers at niceness 15; here they do the run's compute, which beside
+        # other busy processes then waits for the cores (slower steps).
         os.environ.setdefault("RAY_worker_niceness", "0")
         # "local": a runtime of its own even where another runs (Ray would join the newest).
         address = section.address or "local"
