@@ -116,8 +116,9 @@ class DecodeSteps:
         self.graphs = graphs
         self.flash = flash
         # Steps whose (row, KV head) pairs leave the device's SMs idle attend by `paged_decode`,
-        # each row's keys split over programs, instead of flash's one program a pair.
-        self.split_keys = paged_decode.triton is not None
+        # each row's keys split over programs, instead of flash's one program a pair (flash
+        # takes head dims its kernels do not: those stay with flash).
+        self.split_keys = paged_decode.triton is not None and paged_decode.takes_head_dim(cache.head_dim)
         c = model.config
         self.group = c.num_attention_heads // c.num_key_value_heads
         parts: tuple[Any, ...] = (_prologue, _project, _finish, _draw, _scaled_logits, _head)

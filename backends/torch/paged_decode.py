@@ -49,17 +49,21 @@ def supports(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor, c
     """Whether `attend` runs these inputs: Triton present, CUDA tensors (or Triton's
     interpreter on CPU ones), a power-of-two head dim from 16 to 256, query heads a multiple of
     the KV heads, each head's elements, each table row and the lengths contiguous."""
-    d = q.shape[-1]
     interpreted = triton is not None and triton.knobs.runtime.interpret
     return (
         triton is not None
         and (q.is_cuda or interpreted)
-        and 16 <= d <= 256
-        and d & (d - 1) == 0
+        and takes_head_dim(q.shape[-1])
         and q.shape[-2] % k_cache.shape[2] == 0
         and q.stride(-1) == k_cache.stride(-1) == v_cache.stride(-1) == 1
         and block_table.stride(-1) == cache_seqlens.stride(0) == 1
     )
+
+
+def takes_head_dim(d: int) -> bool:
+    """Whether the kernels take heads of `d` elements: a power of two from 16 to 256 (Triton's
+    ranges are powers of two, its dot products at least 16 deep)."""
+    return 16 <= d <= 256 and d & (d - 1) == 0
 
 
 def _cdiv(a: int, b: int) -> int:
