@@ -296,16 +296,19 @@ def test_a_narrowed_loop_widens_again_under_graphs(temperature: float) -> None:
         torch.testing.assert_close(gen * mask, lp * mask, atol=2e-4, rtol=0)
 
 
-def test_a_narrow_step_over_many_keys_attends_by_split_keys(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Four rows over 700-token prompts: too few (row, KV head) pairs to fill the device, so the
+@pytest.mark.parametrize("qwen3", [False, True])
+def test_a_narrow_step_over_many_keys_attends_by_split_keys(
+    monkeypatch: pytest.MonkeyPatch, qwen3: bool
+) -> None:
+    """Four rows over prompts of 520-900 tokens: too few (row, KV head) pairs to fill the device, so the
     step attends by `paged_decode` with each row's keys split over programs (a spy sees its
     launches at the capture; none with `split_keys` off, flash's path), and the logprobs of
     both paths match a full recomputation."""
     from backends.torch import paged_decode
 
-    model = _model(torch.bfloat16, positions=1024)
+    model = _model(torch.bfloat16, positions=1024, qwen3=qwen3)
     g = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(3, VOCAB, (700,), generator=g).tolist() for _ in range(4)]
+    prompts = [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (700, 520, 900, 610)]
     calls: list[int] = []
     attend = paged_decode.attend
     monkeypatch.setattr(paged_decode, "attend", lambda *a, **k: calls.append(1) or attend(*a, **k))
