@@ -83,6 +83,8 @@ def main() -> None:
     )
     parser.add_argument("--layers", type=int, default=QWEN_1_5B.num_hidden_layers)
     args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench.megatron_snapshot needs a CUDA device (the 1.5B shape on one GPU)")
     cuda = torch.device("cuda")
     parallel.initialise(device=cuda)
     config = msgspec.structs.replace(QWEN_1_5B, num_hidden_layers=args.layers)
