@@ -216,6 +216,7 @@ class _Decode:
             # Too few (row, KV head) pairs to fill the device: each row's keys split over programs.
             pairs = step.rows * self.cache.kv_heads
             self.split = paged_decode.splits(pairs, self.cache.length, used.device) > 1
+        if self.split:  # each row's key count (`used` is per (row, KV head))
             self.seqlens = used.view(step.rows, -1)[:, 0].contiguous()
         if not steps.flash:  # `attend`'s: each row's first `used` keys of the `span` it reads
             mask = torch.arange(span, device=used.device) < used.view(step.rows, -1)[:, :1]
