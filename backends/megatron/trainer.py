@@ -43,6 +43,7 @@ from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
 from backends.megatron import checkpoint, reshard
 from backends.megatron.optimizer import Step
+from backends.torch.compiles import compiled_graphs
 from backends.torch.compute import ComputeThread
 from backends.torch.config import ModelConfig
 from backends.torch.fingerprint import Fingerprinter, parameter_probes
@@ -280,6 +281,7 @@ class MegatronTrainer:
     def _train_step(self, groups: list[TrainGroup]) -> dict[str, float]:
         self.model.train()
         self._computed_tokens = 0
+        compiled = compiled_graphs()
         parallel = data_parallel()
         metrics, skipped = run_update(
             self, groups, algorithm=self.algorithm, updates_per_step=self.updates_per_step, parallel=parallel
@@ -291,6 +293,7 @@ class MegatronTrainer:
         if parallel is not None:
             parallel.all_sum(computed)
         metrics["train/computed_tokens"] = float(computed)
+        metrics["train/compiled_graphs"] = float(compiled_graphs() - compiled)  # this rank's
         self.skipped_steps += skipped
         metrics["train/skipped_steps"] = float(self.skipped_steps)
         self.completed_steps += 1

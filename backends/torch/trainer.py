@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from backends.torch.compiles import compiled_graphs
 from backends.torch.compute import ComputeThread
 from backends.torch.data_parallel import RankGroup, grad_norm, owners, share_owned, sum_gradients
 from backends.torch.fingerprint import Fingerprinter, parameter_probes
@@ -217,6 +218,7 @@ class TorchTrainer:
     def _train_step(self, groups: list[TrainGroup]) -> dict[str, float]:
         self.model.train()
         self._computed_tokens = 0
+        compiled = compiled_graphs()
         metrics, skipped = run_update(
             self,
             groups,
@@ -230,6 +232,7 @@ class TorchTrainer:
         if self.ranks is not None:  # the whole step's: every rank's micro-batches
             self.ranks.all_sum(computed)
         metrics["train/computed_tokens"] = float(computed)
+        metrics["train/compiled_graphs"] = float(compiled_graphs() - compiled)
         self.skipped_steps += skipped
         metrics["train/skipped_steps"] = float(self.skipped_steps)
         if self.parking is not None:

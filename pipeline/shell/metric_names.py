@@ -79,6 +79,7 @@ _TRAINER = (
     "train/applied_updates",
     "train/tokens",
     "train/computed_tokens",
+    "train/compiled_graphs",
     "train/kl_ref",
     "train/offloaded_gb",
     "timing/optimizer_reload_s",

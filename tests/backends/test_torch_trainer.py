@@ -173,3 +173,26 @@ def test_a_checkpoint_with_another_parameter_list_is_refused_in_one_line(tmp_pat
         "(checkpoints written before the fused q/k/v and gate/up projections do not resume; "
         "`python -m pipeline export` gives its model files for model.path)"
     )
+
+
+def test_a_step_that_compiles_says_how_many_graphs_it_compiled(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`train/compiled_graphs` is dynamo's count of the graphs compiled during the step: a step
+    whose forward meets a function not compiled before counts it; the next step, finding it
+    compiled, counts none. (A cheap compile, backend "eager", stands in for a layer's.)"""
+    trainer = _trainer(micro_batch_samples=256, updates_per_step=1)
+
+    def shifted(x: torch.Tensor) -> torch.Tensor:
+        return x + 1
+
+    compiled = torch.compile(shifted, backend="eager")
+    logprobs = trainer.logprobs
+
+    def compiling(chunk, *, reference: bool = False):  # type: ignore[no-untyped-def]
+        compiled(torch.zeros(3))
+        return logprobs(chunk, reference=reference)
+
+    monkeypatch.setattr(trainer, "logprobs", compiling)
+    first = trainer._train_step(_groups())
+    second = trainer._train_step(_groups())
+    assert first["train/compiled_graphs"] >= 1
+    assert second["train/compiled_graphs"] == 0
