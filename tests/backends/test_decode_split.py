@@ -4,12 +4,6 @@ through Triton's interpreter (tests/backends/decode_split_case.py, in a process 
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -22,8 +16,7 @@ from backends.torch.kv_cache import KVCache  # noqa: E402
 from backends.torch.kv_pool import PlainPool  # noqa: E402
 from backends.torch.model import Decoder  # noqa: E402
 from tests.backends.decode_split_case import SHAPES  # noqa: E402
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.backends.interpreted import run_interpreted  # noqa: E402
 
 
 def test_a_split_key_step_gives_the_masked_steps_logits() -> None:
@@ -31,17 +24,7 @@ def test_a_split_key_step_gives_the_masked_steps_logits() -> None:
     head_dim other than hidden / heads: the step's logits with split keys are the logits of
     the same step attending by `attend` over each row's first position + 1 keys, and every
     layer went through the kernel."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(
-        [sys.executable, "-W", "error", "-m", "tests.backends.decode_split_case"],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert done.returncode == 0, done.stderr
-    got = json.loads(done.stdout)
+    got = run_interpreted("tests.backends.decode_split_case")
     assert all(error < 1e-5 for error in got["errors"].values()), got
     assert got["calls"] == {name: 2 for name in SHAPES}, got  # each of the two layers
 

@@ -4,11 +4,6 @@ tests/backends/paged_decode_case.py), and the choices it makes on the host."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -18,24 +13,13 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
 
 from backends.torch import paged_decode  # noqa: E402
+from tests.backends.interpreted import run_interpreted  # noqa: E402
 from tests.backends.paged_decode_case import CASES, paged  # noqa: E402
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
 def interpreted() -> dict[str, Any]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(
-        [sys.executable, "-W", "error", "-m", "tests.backends.paged_decode_case"],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert done.returncode == 0, done.stderr
-    return json.loads(done.stdout)
+    return run_interpreted("tests.backends.paged_decode_case")  # type: ignore[no-any-return]
 
 
 @pytest.mark.parametrize("case", [*CASES, "adapter"])
