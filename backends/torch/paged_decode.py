@@ -1,5 +1,6 @@
-"""Decode attention straight over megatron's paged KV cache (two Triton kernels), for the flash
-adapter's `flash_attn_with_kvcache` on CUDA.
+"""Decode attention straight over a paged KV cache (two Triton kernels): megatron's, for the
+flash adapter's `flash_attn_with_kvcache` on CUDA, and the torch engine's, for its decode steps
+too narrow to fill the device (`decode_step.py`: each cache row one block of its keys).
 
 `attend(q, k_cache, v_cache, block_table, cache_seqlens, scale, causal)` takes flash-attn's
 decode arguments as megatron's dynamic engine passes them: queries [B, S, H, D] (S new tokens a
