@@ -9,11 +9,11 @@ step) counts in it too.
 
 from __future__ import annotations
 
+import sys
+
 
 def compiled_graphs() -> int:
     """Graphs dynamo has compiled in this process so far (0 where dynamo never ran)."""
-    import sys
-
     utils = sys.modules.get("torch._dynamo.utils")  # dynamo not imported: nothing compiled
     if utils is None:
         return 0
