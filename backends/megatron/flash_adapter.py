@@ -65,15 +65,27 @@ def install() -> None:
 _GENERATION = {"adapter": 2, "flash-attn-4": 4}
 
 
-def pin(model: Any, attention: str) -> None:
+def pin(model: Any, attention: str, *, one_split: bool = False) -> None:
     """Pin the inference attention of `model`'s layers to `attention` (`rollout.attention`):
     `adapter`, these functions (megatron's flash-attn 2 calls), even where flash-attn-4 is
     installed (megatron would prefer it); `flash-attn-4`, megatron's own path over that
-    package. Only the engine's path reads it: training attends through its own core attention."""
+    package. Only the engine's path reads it: training attends through its own core attention.
+
+    `one_split` (`single_split(device)`): flash-attn-4's SM 9.0 kernels take no split of the keys
+    ("SplitKV not supported on SM 9.0"), and megatron asks its split heuristic (`num_splits` 0),
+    which splits narrow decode steps, unless the layer's `batch_invariant_mode` is set; megatron
+    reads that flag there only for `num_splits` (and to refuse flash-attn 2, which the adapter's
+    generation never reaches with it off)."""
     generation = _GENERATION[attention]
     for module in model.modules():
         if hasattr(module, "flash_attention_version"):  # megatron's attention layers (its config's)
             module.flash_attention_version = generation
+            module.batch_invariant_mode = generation == 4 and one_split
+
+
+def single_split(device: Any) -> bool:
+    """Whether flash-attn-4 must attend with one split of the keys on `device` (Hopper)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
 
 
 def _full_window(window_size: tuple[int, int]) -> None:

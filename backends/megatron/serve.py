@@ -15,7 +15,7 @@ a `TextGenerationController` (with a stand-in tokenizer: the pipeline passes tok
 `DynamicInferenceEngine`. Attention inside it calls flash-attn's functions, answered by torch's
 flash kernels and a Triton decode kernel where flash-attn is missing (`flash_adapter`).
 
-- CUDA graphs (`rollout.graphs`, off by default until the GPU tests have run it; `KVHandoff`):
+- CUDA graphs (`rollout.graphs`, off by default, the fast path on a GPU; `KVHandoff`):
   megatron captures its decoder block (all layers) once per decode batch size, a power of two
   rows up to `max_requests`
   (`num_cuda_graphs` -1), when the engine is built, and replays them for decode-only steps;
@@ -362,7 +362,7 @@ def dynamic_engine(
     controller draws with `sampler` (`Serving`); its attention runs `attention`'s kernels
     (`rollout.attention`, `flash_adapter.pin`)."""
     flash_adapter.install()
-    flash_adapter.pin(model, attention)
+    flash_adapter.pin(model, attention, one_split=flash_adapter.single_split(device))
     install_suspend()
     torch.cuda.set_device(device)  # this thread's: megatron allocates on the current device
     if graphs is None:

@@ -58,9 +58,28 @@ def test_the_engine_pins_every_attention_layer_to_the_generation_asked_for(
     monkeypatch.setattr(serve, "TextGenerationController", Controller)
     monkeypatch.setattr(serve, "DynamicInferenceEngine", lambda controller, context: controller)
     monkeypatch.setattr(serve.torch.cuda, "set_device", lambda device: None)
+    monkeypatch.setattr(flash_adapter, "single_split", lambda device: True)  # as on an H200
     serve.dynamic_engine(
         model, None, tokens=serve._Tokens(1, 32), seed=0, device=CPU, sampler="megatron", attention=attention
     )
     assert [layer.flash_attention_version for layer in layers] == [generation] * len(layers)
+    # flash-attn-4 on SM 9.0: megatron passes num_splits 1 where the layer's flag is set
+    assert [layer.batch_invariant_mode for layer in layers] == [generation == 4] * len(layers)
     if attention == "adapter":  # megatron's flash-attn 2 calls: the adapter's functions
         assert layers[0]._resolve_flash_version() == (False, False)
+
+
+@pytest.mark.parametrize(
+    ("device", "capability", "one"),
+    [
+        ("cpu", None, False),
+        ("cuda", (9, 0), True),
+        ("cuda", (10, 0), False),
+        ("cuda", (8, 0), False),
+    ],
+)
+def test_flash_attn_4_attends_with_one_split_on_hopper_only(monkeypatch, device, capability, one) -> None:
+    """flash-attn-4's SM 9.0 forward refuses a split of the keys, so there (and only there) the
+    layers ask megatron for one split."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: capability)
+    assert flash_adapter.single_split(torch.device(device)) is one
