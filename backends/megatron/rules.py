@@ -76,7 +76,9 @@ MIN_FLASH_ATTN_4 = "4.0.0b20"
 
 
 def flash_attn_4_missing() -> str | None:
-    """Why flash-attn-4 cannot serve (not installed, older than `MIN_FLASH_ATTN_4`), or None."""
+    """Why flash-attn-4 cannot serve (not installed, older than `MIN_FLASH_ATTN_4`, or installed
+    but its kernels' module does not import, which megatron takes for not installed and fails
+    the run's first forward on), or None."""
     from packaging.version import InvalidVersion, Version  # megatron-core's own dependency
 
     try:
@@ -84,6 +86,12 @@ def flash_attn_4_missing() -> str | None:
     except PackageNotFoundError:
         return "it is not installed"
     try:
-        return None if Version(found) >= Version(MIN_FLASH_ATTN_4) else f"{found} is installed"
+        if Version(found) < Version(MIN_FLASH_ATTN_4):
+            return f"{found} is installed"
     except InvalidVersion:
         return f"its version {found!r} is not one pip writes"
+    try:
+        from flash_attn.cute import flash_attn_varlen_func  # noqa: F401  megatron's own import of it
+    except ImportError as error:
+        return f"{found} is installed but does not import: {error}"
+    return None

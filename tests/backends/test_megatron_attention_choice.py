@@ -83,3 +83,24 @@ def test_flash_attn_4_attends_with_one_split_on_hopper_only(monkeypatch, device,
     layers ask megatron for one split."""
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: capability)
     assert flash_adapter.single_split(torch.device(device)) is one
+
+
+@pytest.mark.parametrize("imports", [True, False])
+def test_flash_attn_4_that_does_not_import_is_refused_with_its_import_error(monkeypatch, imports) -> None:
+    """An installed flash-attn-4 whose kernels' module fails to import (its cutlass missing from
+    the path, say) is what megatron takes for "not installed": `validate` says so, with why."""
+    from backends.megatron import rules
+
+    monkeypatch.setattr(rules, "version", lambda name: "4.0.0b36")
+    namespace = types.ModuleType("flash_attn")
+    namespace.__path__ = []  # a package, as flash-attn-4 installs it
+    monkeypatch.setitem(sys.modules, "flash_attn", namespace)
+    if imports:
+        cute = types.ModuleType("flash_attn.cute")
+        cute.flash_attn_varlen_func = lambda *args, **kwargs: None  # type: ignore[attr-defined]
+        monkeypatch.setitem(sys.modules, "flash_attn.cute", cute)
+        assert rules.flash_attn_4_missing() is None
+    else:
+        monkeypatch.setitem(sys.modules, "flash_attn.cute", None)  # its import raises ImportError
+        missing = rules.flash_attn_4_missing()
+        assert missing is not None and missing.startswith("4.0.0b36 is installed but does not import: ")
