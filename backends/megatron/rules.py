@@ -92,6 +92,6 @@ def flash_attn_4_missing() -> str | None:
         return f"its version {found!r} is not one pip writes"
     try:
         from flash_attn.cute import flash_attn_varlen_func  # noqa: F401  megatron's own import of it
-    except ImportError as error:
+    except (ImportError, OSError) as error:  # a module or a shared library it loads missing
         return f"{found} is installed but does not import: {error}"
     return None
