@@ -85,22 +85,32 @@ def test_flash_attn_4_attends_with_one_split_on_hopper_only(monkeypatch, device,
     assert flash_adapter.single_split(torch.device(device)) is one
 
 
-@pytest.mark.parametrize("imports", [True, False])
-def test_flash_attn_4_that_does_not_import_is_refused_with_its_import_error(monkeypatch, imports) -> None:
-    """An installed flash-attn-4 whose kernels' module fails to import (its cutlass missing from
-    the path, say) is what megatron takes for "not installed": `validate` says so, with why."""
+@pytest.mark.parametrize(
+    ("body", "refused"),
+    [
+        ("def flash_attn_varlen_func(*args, **kwargs): ...\n", None),
+        ("import cutlass  # not on the path\n", "No module named 'cutlass'"),
+        ("raise OSError('libcuda.so.1: cannot open shared object file')\n", "libcuda.so.1"),
+    ],
+    ids=["imports", "a-module-missing", "a-library-missing"],
+)
+def test_flash_attn_4_that_does_not_import_is_refused_with_its_import_error(
+    monkeypatch, tmp_path, body: str, refused: str | None
+) -> None:
+    """An installed flash-attn-4 whose kernels' module fails to import (its cutlass off the path,
+    a shared library it cannot load) is what megatron takes for "not installed": `validate` says
+    so, with why. The package here is real files on the path, as pip lays it out."""
     from backends.megatron import rules
 
+    (tmp_path / "flash_attn" / "cute").mkdir(parents=True)  # flash_attn: a namespace package
+    (tmp_path / "flash_attn" / "cute" / "__init__.py").write_text(body)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name in ("flash_attn", "flash_attn.cute", "cutlass"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
     monkeypatch.setattr(rules, "version", lambda name: "4.0.0b36")
-    namespace = types.ModuleType("flash_attn")
-    namespace.__path__ = []  # a package, as flash-attn-4 installs it
-    monkeypatch.setitem(sys.modules, "flash_attn", namespace)
-    if imports:
-        cute = types.ModuleType("flash_attn.cute")
-        cute.flash_attn_varlen_func = lambda *args, **kwargs: None  # type: ignore[attr-defined]
-        monkeypatch.setitem(sys.modules, "flash_attn.cute", cute)
-        assert rules.flash_attn_4_missing() is None
+    missing = rules.flash_attn_4_missing()
+    if refused is None:
+        assert missing is None
     else:
-        monkeypatch.setitem(sys.modules, "flash_attn.cute", None)  # its import raises ImportError
-        missing = rules.flash_attn_4_missing()
         assert missing is not None and missing.startswith("4.0.0b36 is installed but does not import: ")
+        assert refused in missing, missing
