@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 from pipeline.algorithms.presets import algorithm_of
 from pipeline.channel import Channel
 from pipeline.contracts.messages import Batch, Dropped, Group
-from pipeline.contracts.protocols import Engine, Fingerprinted, SlotStatistics, Trainer
+from pipeline.contracts.protocols import Engine, Fingerprinted, SlotStatistics, SlotStats, Trainer
 from pipeline.environments import EnvironmentFactory
 from pipeline.gate import EngineGate
 from pipeline.rewards.scoring import RewardFn
@@ -81,7 +81,9 @@ class Pipeline:
         self.checkpoints = checkpoints
         self.saves = CheckpointWriter(checkpoints, now=context.clock.source.now, trace=context.trace)
         self.backend_engine = engine  # checkpoints hold its state; the fault wrapper has none
-        self._slots_before = (0, 0)  # the engine's slot steps and busy slot steps at the last step
+        self._slots_before = SlotStats(
+            slot_steps=0, busy_slot_steps=0, frozen_rows=0, reprefilled_tokens=0, frozen_now=0
+        )
         if recipe.faults.enabled:
             engine = FaultyEngine(engine, recipe.faults, time=context.clock.source, seed=recipe.run.seed)
         trace = context.trace
@@ -208,15 +210,32 @@ class Pipeline:
         return {"gate": self.gate.state.value, "queues": self.depths()}
 
     def idle_slots(self) -> dict[str, float]:
-        """The fraction of the engine's slots (row x decode step) with no row generating since
-        the last step (finished rows waiting for a refill), from an engine with `statistics()`."""
+        """Since the last step, from an engine with `statistics()`: the fraction of its slots
+        (row x decode step) with no row generating (finished rows waiting for a refill), and
+        where its decode loops' time went: their decode steps and mean width (slots a step),
+        the milliseconds a decode step took, their prefills and their checks (the device idle
+        while the host hands rows over and admits more)."""
         if not isinstance(self.backend_engine, SlotStatistics):
             return {}
-        stats = self.backend_engine.statistics()
-        slots = stats.slot_steps - self._slots_before[0]
-        busy = stats.busy_slot_steps - self._slots_before[1]
-        self._slots_before = (stats.slot_steps, stats.busy_slot_steps)
-        return {"rollout/idle_slot_fraction": 1 - busy / slots} if slots else {}
+        now, before = self.backend_engine.statistics(), self._slots_before
+        self._slots_before = now
+        slots = now.slot_steps - before.slot_steps
+        if not slots:
+            return {}
+        figures = {"rollout/idle_slot_fraction": 1 - (now.busy_slot_steps - before.busy_slot_steps) / slots}
+        if steps := now.decode_steps - before.decode_steps:
+            loop = now.loop_s - before.loop_s
+            check = now.loop_check_s - before.loop_check_s
+            prefill = now.loop_prefill_s - before.loop_prefill_s
+            figures |= {
+                "rollout/decode_steps": steps,
+                "rollout/decode_width": slots / steps,
+                "timing/decode_step_ms": 1000 * max(0.0, loop - check - prefill) / steps,
+                "timing/loop_s": loop,
+                "timing/loop_prefill_s": prefill,
+                "timing/loop_check_s": check,
+            }
+        return figures
 
     def counters(self) -> dict[str, float]:
         rollout, reward = self.rollout.counts, self.reward.counts

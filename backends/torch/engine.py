@@ -410,12 +410,17 @@ class TorchEngine:
             request.woken.set()
 
     def statistics(self) -> SlotStats:
+        times = self.sampler.times
         return SlotStats(
             slot_steps=self.sampler.slot_steps,
             busy_slot_steps=self._busy_slot_steps,
             frozen_rows=self._frozen_rows,
             reprefilled_tokens=self._reprefilled,
             frozen_now=self._frozen_now(),
+            decode_steps=times.decode_steps,
+            loop_s=times.serve_s,
+            loop_check_s=times.check_s,
+            loop_prefill_s=times.prefill_s,
         )
 
     def _frozen_now(self) -> int:

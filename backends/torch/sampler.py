@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import functools
 import threading
+import time
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any, NamedTuple
 
@@ -52,6 +53,7 @@ from backends.torch.decode_step import DecodeStep, DecodeSteps, flash_works
 from backends.torch.kv_cache import KVCache
 from backends.torch.kv_keep import KeptKV, KVKeep, never_given_up
 from backends.torch.kv_pool import KVPool, make_pool
+from backends.torch.loop_times import LoopTimes
 from backends.torch.model import PLAIN_PARTS, Decoder, compiled_layer_parts
 from backends.torch.sampling import check_arguments, completions, draw
 from pipeline.contracts.messages import Completion
@@ -135,6 +137,7 @@ class Sampler:
         self._bucketed = graphs or self.compiled
         self._down = False
         self.slot_steps = 0  # slots x decode steps of every loop so far, counted at each check
+        self.times = LoopTimes(self.device)  # decode steps, and where the loops' time went
 
     @property
     def captures(self) -> int:
@@ -299,6 +302,45 @@ class Sampler:
         first = list(source(None, None))
         if not first:
             return
+        began = time.perf_counter()
+        try:
+            self._serve(
+                first,
+                source,
+                sink,
+                max_new_tokens=max_new_tokens,
+                temperature=temperature,
+                top_p=top_p,
+                stop_token_ids=stop_token_ids,
+                generator=generator,
+                freeze=freeze,
+                dropped=dropped,
+                width=width,
+                narrow=narrow,
+                kept=kept,
+            )
+        finally:
+            self.times.check_ends()  # a loop ends at a check
+            self.times.serve_s += time.perf_counter() - began
+
+    def _serve(
+        self,
+        first: list[Admission],
+        source: Source,
+        sink: Sink,
+        *,
+        max_new_tokens: int,
+        temperature: float,
+        top_p: float,
+        stop_token_ids: Sequence[int],
+        generator: torch.Generator,
+        freeze: threading.Event | None,
+        dropped: Callable[[Admission], bool] | None,
+        width: int,
+        narrow: bool,
+        kept: KVKeep | None,
+    ) -> None:
+        """`serve`'s loop, from its first admissions ``first``."""
         dev = self.device
         rows = self.width_for(max(width, sum(len(a.limits) for a in first)))
         # Room for every row up to max_new_tokens, so later admissions of such prompts fit.
@@ -327,6 +369,7 @@ class Sampler:
         count = checked = 0
         while True:
             if pending:
+                began_prefill = self.times.prefill_begins()
                 slots = loop.admit(pending, count)
                 index = torch.tensor(slots, device=dev)
                 step.position[index] = torch.tensor(
@@ -339,6 +382,7 @@ class Sampler:
                     pending, slots, step, temperature, top_p, generator
                 )
                 token[index], logprob[index] = first_token, first_logprob
+                self.times.prefill_ends(began_prefill)
             tokens.scatter_(1, generated.unsqueeze(1), token.unsqueeze(1))
             logprobs.scatter_(1, generated.unsqueeze(1), logprob.unsqueeze(1))
             generated += ~done
@@ -350,10 +394,12 @@ class Sampler:
             pending = []
             if frozen or count % self.check_every == 0 or count >= loop.last:
                 self.slot_steps += rows * (count - checked)
+                self.times.decode_steps += count - checked
                 checked = count
                 if dropped is not None and (freed := loop.drop(dropped)):
                     done[torch.tensor(freed, device=dev)] = True  # no longer generating
-                done_list = done.tolist()
+                done_list = done.tolist()  # waits for the device
+                self.times.check_begins()
                 self._hand_over(
                     loop, done_list, generated, tokens, logprobs, stop_token_ids, sink, frozen, kept, dropped
                 )
@@ -389,6 +435,7 @@ class Sampler:
                     rows = resized
                     if greedy and step.draws and not step.race:
                         step.noise.fill_(1.0)
+                self.times.check_ends()
             if token is not step.token:
                 step.token.copy_(token)
             if step.draws and not greedy:

@@ -145,6 +145,11 @@ class SlotStats(msgspec.Struct, frozen=True, kw_only=True):
     frozen_rows: int  # rows frozen at a stand-down, in all
     reprefilled_tokens: int  # tokens prefilled again to continue frozen rows (shared: once)
     frozen_now: int  # rows frozen and not yet continued
+    # Where the decode loops' wall time went (0 from an engine that does not time them):
+    decode_steps: int = 0
+    loop_s: float = 0.0  # wall time inside decode loops
+    loop_check_s: float = 0.0  # the host's work at the loops' checks, the device idle
+    loop_prefill_s: float = 0.0  # prefilling admissions (and continued frozen rows)
 
 
 @runtime_checkable

@@ -69,6 +69,13 @@ _COUNTERS = (
     "metrics/recovered",
     "eval/skipped",  # evaluations skipped so far: a count on train steps, not an evaluation's figure
     "rollout/idle_slot_fraction",  # since the last step, from an engine with `statistics()`
+    # and its decode loops' time since the last step (stages/wiring.py's idle_slots)
+    "rollout/decode_steps",
+    "rollout/decode_width",
+    "timing/decode_step_ms",
+    "timing/loop_s",
+    "timing/loop_prefill_s",
+    "timing/loop_check_s",
 )
 # backends/torch/trainer.py's train_step (the mismatch figures are required keys); kl_ref with
 # train.kl_coef > 0, the offload figures with train.offload_optimizer.

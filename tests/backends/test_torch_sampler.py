@@ -635,3 +635,54 @@ def test_a_long_tail_s_last_rows_decode_in_a_narrower_step() -> None:
         ((alone,),) = _requests(sampler, [(prompt, 1)], temperature=0.0, max_new_tokens=n)
         assert handed[i].tokens == alone.tokens and len(alone.tokens) == n, i
         assert handed[i].logprobs == pytest.approx(alone.logprobs, abs=1e-5), i
+
+
+def test_a_loop_s_time_is_split_into_its_checks_its_prefills_and_its_decode_steps(monkeypatch) -> None:
+    """`Sampler.times`: A (2 tokens) and B (9) open a loop, C enters when A is back. The loop
+    counts its 9 steps; the host's work at its checks (a source that sleeps 20 ms each time it
+    is asked) and the prefills (each held 30 ms longer: two of them, the opening one and C's) are
+    counted apart, and each within the loop's own time, which a second loop adds to."""
+    import time
+
+    from backends.torch.sampler import Admission
+
+    sampler = _sampler()
+    a, b, c = (
+        Admission(PROMPTS[1], [2], "A"),
+        Admission(PROMPTS[2], [9], "B"),
+        Admission(PROMPTS[0], [3], "C"),
+    )
+    handed: list[str] = []
+    asked = []
+    prefill = sampler._prefill_admissions
+
+    def slow_prefill(*args: Any) -> Any:
+        time.sleep(0.03)
+        return prefill(*args)
+
+    monkeypatch.setattr(sampler, "_prefill_admissions", slow_prefill)
+
+    def source(rows: int | None, positions: int | None) -> list[Admission]:
+        if rows is None:
+            return [a, b]
+        asked.append(rows)
+        time.sleep(0.02)
+        return [c] if handed == ["A"] and c.key not in handed else []
+
+    def sink(back: list[tuple[Admission, list[Completion]]]) -> None:
+        handed.extend(admission.key for admission, _ in back)
+
+    began = time.perf_counter()
+    sampler.serve(source, sink, max_new_tokens=9, temperature=0.0, generator=torch.Generator().manual_seed(0))
+    wall = time.perf_counter() - began
+    times = sampler.times
+    assert handed == ["A", "C", "B"]
+    assert times.decode_steps == 9
+    assert len(asked) >= 5  # at the checks with a free slot
+    assert times.check_s >= len(asked) * 0.02
+    assert times.prefill_s >= 2 * 0.03
+    assert times.check_s + times.prefill_s <= times.serve_s <= wall
+    first = times.serve_s
+    _generate(sampler, [PROMPTS[0]], max_new_tokens=4)
+    assert times.decode_steps == 9 + 4
+    assert times.serve_s > first

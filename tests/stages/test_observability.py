@@ -158,6 +158,21 @@ def test_trace_counts_each_steps_idle_decode_slots_and_trainer_tokens(
 
 
 @pytest.mark.parametrize("colocated", [True, False], ids=["colocated", "separate"])
+def test_each_step_logs_where_its_decode_loops_time_went(runs: dict[bool, Path], colocated: bool) -> None:
+    """Beside the idle slots, each step's line splits the engine's decode loops' time since
+    the step before: their steps and mean width, the prefills, the checks, and the rest as
+    milliseconds a decode step."""
+    lines = [r for r in strict_lines(runs[colocated] / "metrics.jsonl") if "rollout/idle_slot_fraction" in r]
+    assert lines and lines[0]["step"] == 1
+    for r in lines:
+        steps, loop = r["rollout/decode_steps"], r["timing/loop_s"]
+        prefill, check = r["timing/loop_prefill_s"], r["timing/loop_check_s"]
+        assert steps >= 1 and r["rollout/decode_width"] >= 1
+        assert prefill > 0 and check > 0 and loop > prefill + check
+        assert r["timing/decode_step_ms"] == pytest.approx(1000 * (loop - prefill - check) / steps)
+
+
+@pytest.mark.parametrize("colocated", [True, False], ids=["colocated", "separate"])
 def test_gate_spans_match_the_recorded_transitions(runs: dict[bool, Path], colocated: bool) -> None:
     train = spans_by_track(json.loads((runs[colocated] / "trace.json").read_text()))["train"]
     lines = {line["step"]: line for line in read(runs[colocated] / "metrics.jsonl")}

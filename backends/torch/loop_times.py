@@ -1,0 +1,59 @@
+"""Where a sampler's decode loops spend their time: running totals since the sampler was built.
+
+A loop (`Sampler.serve`) queues work on the device and waits for it only at its checks, so
+the wall time between two checks is the device's work queued between them. `LoopTimes` splits
+a loop's wall time (`serve_s`) into what the device did and what it waited for:
+
+- ``check_s``: the host's work at the checks once the device has caught up (handing finished
+  rows over, asking the source, laying out the admitted rows): the device idles meanwhile;
+- ``prefill_s``: the device time of admissions' prefills (and each row's first draw), timed
+  by CUDA events read at the next check (no extra wait); on a CPU, the prefill's own time;
+- the rest, ``serve_s - check_s - prefill_s``: decode steps (``decode_steps`` of them).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+
+class LoopTimes:
+    def __init__(self, device: torch.device) -> None:
+        self._cuda = device.type == "cuda"
+        self.decode_steps = 0
+        self.serve_s = 0.0
+        self.check_s = 0.0
+        self.prefill_s = 0.0
+        self._pending: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self._check_began: float | None = None
+
+    def prefill_begins(self) -> object:
+        if self._cuda:
+            start = torch.cuda.Event(enable_timing=True)
+            start.record()
+            return start
+        return time.perf_counter()
+
+    def prefill_ends(self, mark: object) -> None:
+        if isinstance(mark, torch.cuda.Event):
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self._pending.append((mark, end))
+        else:
+            assert isinstance(mark, float)
+            self.prefill_s += time.perf_counter() - mark
+
+    def check_begins(self) -> None:
+        """The device has caught up (a check): the prefills queued so far are done, and the
+        host's work from here on leaves it idle."""
+        for start, end in self._pending:
+            self.prefill_s += start.elapsed_time(end) / 1000
+        self._pending.clear()
+        self._check_began = time.perf_counter()
+
+    def check_ends(self) -> None:
+        """The check's work is done (nothing if none began since the last call)."""
+        if self._check_began is not None:
+            self.check_s += time.perf_counter() - self._check_began
+            self._check_began = None
