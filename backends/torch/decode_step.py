@@ -5,8 +5,7 @@ A `DecodeStep` holds one batch-size bucket's static buffers (token, position, no
 and its captured graph; `DecodeSteps` makes them, captures and replays them, and forgets them
 all when the cache is laid out anew (`drop`).
 
-Attention (`_Decode`): one query per row over its first ``position + 1`` keys (a finished
-row, whose step the loop wastes until its slot is refilled, over one key). On CUDA in half
+Attention (`_Decode`): one query per row over its first ``position + 1`` keys. On CUDA in half
 precision through flash attention's variable-length kernel with ``seqused_k``, so one graph
 serves every step of a bucket (no KV-length buckets, no masks): each (row, KV head) is one
 sequence of its g query heads as g query positions (non-causal) over that head's keys, with
@@ -77,9 +76,6 @@ class DecodeStep:
         self.draws = draws
         self.token = torch.zeros(rows, dtype=torch.long, device=device)
         self.position = torch.zeros(rows, dtype=torch.long, device=device)
-        # Rows still generating: a finished row's (wasted) step attends over one key, not the
-        # thousands it may have written (the loop sets it before each step; all by default).
-        self.live = torch.ones(rows, dtype=torch.bool, device=device)
         shape = (rows, vocab)
         self.race = draws and race.available(device)
         self.noise = torch.ones(shape if draws and not self.race else (), dtype=torch.float32, device=device)
@@ -191,7 +187,7 @@ class DecodeSteps:
     def _decode(self, step: DecodeStep, span: int) -> None:
         m = self.model
         x, cos, sin, write, used = self._prologue(
-            m, step.token, step.position, step.live, step.kv_base, self.cache.kv_heads
+            m, step.token, step.position, step.kv_base, self.cache.kv_heads
         )
         attention = _Decode(self, step, write, used, span)
         x = m.run_layers(x, cos, sin, attention, (self._project, self._finish))
@@ -269,17 +265,15 @@ def _flash_varlen(
 
 
 def _prologue(
-    model: Decoder, token: Tensor, position: Tensor, live: Tensor, kv_base: Tensor, kv_heads: int
+    model: Decoder, token: Tensor, position: Tensor, kv_base: Tensor, kv_heads: int
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """A step's inputs to every layer: embeddings, rotary cos/sin [rows, 1, D], where each
     (row, KV head)'s new key and value go in a layer's `KVCache.flat` (``kv_base`` + position,
-    keys then values), and how many keys each (row, KV head) attends over (int32): a ``live``
-    row its first position + 1, any other one key."""
+    keys then values), and how many keys each (row, KV head) attends over (int32)."""
     cos, sin = model.rotary(position)
     per_head = position.unsqueeze(1).expand(-1, kv_heads).reshape(-1)
     write = kv_base + torch.cat((per_head, per_head))
-    keys = torch.where(live, position + 1, 1).unsqueeze(1).expand(-1, kv_heads).reshape(-1)
-    return model.embed(token, position), cos, sin, write, keys.to(torch.int32)
+    return model.embed(token, position), cos, sin, write, (per_head + 1).to(torch.int32)
 
 
 # The layer's parts in code objects of their own, so that torch.compile's versions of them for

@@ -443,7 +443,6 @@ class Sampler:
                     step.seed.random_(generator=generator)
                 else:
                     step.noise.exponential_(generator=generator)
-            torch.logical_not(done, out=step.live)  # a finished row's wasted step reads one key
             self.steps.run(step, min(loop.reach + count, positions))
             # A finished row's position stays put, inside its prompt plus its own limit.
             step.position += ~done

@@ -686,29 +686,3 @@ def test_a_loop_s_time_is_split_into_its_checks_its_prefills_and_its_decode_step
     _generate(sampler, [PROMPTS[0]], max_new_tokens=4)
     assert times.decode_steps == 9 + 4
     assert times.serve_s > first
-
-
-def test_a_finished_row_s_wasted_steps_attend_over_one_key(monkeypatch) -> None:
-    """A (2 tokens) and B (7) share a loop: from the step after A's last token, A's slot still
-    computes a row until the loop ends, but over one key instead of every position it wrote;
-    B's keys grow a step at a time, and B's tokens are those of its call alone."""
-    from backends.torch import decode_step
-
-    sampler = _sampler()
-    keys: list[list[int]] = []
-    init = decode_step._Decode.__init__
-
-    def recording(self, steps, step, write, used, span) -> None:
-        keys.append(used.view(step.rows, -1)[:, 0].tolist())
-        init(self, steps, step, write, used, span)
-
-    monkeypatch.setattr(decode_step._Decode, "__init__", recording)
-    a, b = PROMPTS[1], PROMPTS[2]
-    (got_a,), (got_b,) = _requests(
-        sampler, [(a, 1), (b, 1)], temperature=0.0, limits=[2, 7], max_new_tokens=7
-    )
-    assert len(got_a.tokens) == 2 and len(got_b.tokens) == 7
-    assert keys == [[len(a) + 1, len(b) + 1]] + [[1, len(b) + i] for i in range(2, 7)]
-    monkeypatch.undo()
-    ((alone,),) = _requests(sampler, [(b, 1)], temperature=0.0, max_new_tokens=7)
-    assert got_b.tokens == alone.tokens
