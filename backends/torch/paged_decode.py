@@ -16,11 +16,10 @@ Each program of `_partials` takes one query row and one KV head with the GROUP q
 that share it (GQA: the keys are read once for the group), and walks that row's own blocks in
 tiles of TILE keys with an online softmax: only the keys a row holds are read, whatever the
 table's width. When the rows are too few to fill the device, each row's keys are split over
-SPLITS programs (flash-decoding), whose partial sums `_combine` merges: splits of a few tiles
-each, over the width a row can hold, so that a row's own keys, however few, are spread over
-programs; the splits past them end at once. SPLITS follows from the shapes and the device alone
-(`splits`), never from the lengths: a launch syncs nothing with the device, allocates only what
-the shapes fix, and so can be captured in a CUDA graph and replayed for other lengths.
+SPLITS programs (flash-decoding), whose partial sums `_combine` merges. SPLITS follows from
+the shapes and the device alone (`splits`), never from the lengths: a launch syncs nothing with
+the device, allocates only what the shapes fix, and so can be captured in a CUDA graph and
+replayed for other lengths.
 
 Compiled, the tiles are walked by a `for` loop, which Triton pipelines (the next tiles' loads
 overlap the current tile's math). Triton's interpreter, which runs the kernels on CPU tensors
@@ -42,9 +41,9 @@ except ImportError:  # CPU-only installs: the flash adapter gathers the blocks t
     triton = None
 
 TILE = 64  # keys a program reads at once
-MAX_SPLITS = 64
-# The fewest keys a split of its own holds (each split adds a partial output to merge).
-MIN_SPLIT_KEYS = TILE
+MAX_SPLITS = 16
+# The fewest keys worth a split of their own (each split adds a partial output to merge).
+MIN_SPLIT_KEYS = 256
 
 
 def supports(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor, cache_seqlens: Tensor) -> bool:
@@ -73,18 +72,14 @@ def _cdiv(a: int, b: int) -> int:
 
 
 def splits(programs: int, width: int, device: torch.device) -> int:
-    """Programs each (query row, KV head) pair's keys are split over, when `programs` pairs
-    leave the device's SMs idle (fewer than two an SM): the `width` keys a row can hold (the
-    block table's width) cut in splits of at least MIN_SPLIT_KEYS, at most MAX_SPLITS of them.
-    A row walks only the splits its keys reach, each a few tiles, so its keys are spread
-    over programs whatever its length; the splits past them end at once."""
+    """Programs each (query row, KV head) pair's keys are split over: enough for two programs
+    an SM when `programs` pairs leave SMs idle, a power of two, with each split at least
+    MIN_SPLIT_KEYS of the `width` keys a row can hold (the block table's width)."""
     if device.type != "cuda":
         return 1
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    if programs >= 2 * sms:
-        return 1
-    chunk = max(MIN_SPLIT_KEYS, _cdiv(_cdiv(width, MAX_SPLITS), TILE) * TILE)
-    return _cdiv(width, chunk)
+    want = min(_cdiv(2 * sms, programs), width // MIN_SPLIT_KEYS, MAX_SPLITS)
+    return 1 if want <= 1 else 1 << (want.bit_length() - 1)
 
 
 def attend(
@@ -97,8 +92,8 @@ def attend(
     causal: bool,
     num_splits: int | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """Attention of q over each request's cached keys (module docstring); `num_splits`
-    overrides `splits` (tests)."""
+    """Attention of q over each request's cached keys (module docstring); `num_splits`, a power
+    of two, overrides `splits` (tests)."""
     b, s, h, d = q.shape
     block_tokens, kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = h // kv_heads
@@ -145,9 +140,7 @@ def attend(
         STEPPED=triton.knobs.runtime.interpret,
     )
     if n > 1:
-        _combine[(b * s, h)](
-            part_out, part_max, part_sum, out, lse, D=d, SPLITS=n, SPLITS_PAD=triton.next_power_of_2(n)
-        )
+        _combine[(b * s, h)](part_out, part_max, part_sum, out, lse, D=d, SPLITS=n)
     return out.view(b, s, h, d), lse.view(b, s, h).transpose(1, 2)
 
 
@@ -285,39 +278,21 @@ if triton is not None:
             tl.store(lse + at, _logsumexp(top, total), mask=in_group)
         else:
             at = (row * GROUP * tl.num_programs(1) + heads) * SPLITS + split
-            # A split past the row's keys leaves only its (max -inf, total 0): `_combine` reads
-            # no sum of it.
-            tl.store(part_out + at[:, None] * D + dims[None, :], acc, mask=in_group[:, None] & (start < keys))
+            tl.store(part_out + at[:, None] * D + dims[None, :], acc, mask=in_group[:, None])
             tl.store(part_max + at, top, mask=in_group)
             tl.store(part_sum + at, total, mask=in_group)
 
     @triton.jit
-    def _combine(
-        part_out,
-        part_max,
-        part_sum,
-        out,
-        lse,
-        D: tl.constexpr,
-        SPLITS: tl.constexpr,
-        SPLITS_PAD: tl.constexpr,
-    ):
-        """One query row's head: its splits' partial sums merged into the output and logsumexp
-        (the splits that held keys: the others' max is -inf)."""
+    def _combine(part_out, part_max, part_sum, out, lse, D: tl.constexpr, SPLITS: tl.constexpr):
+        """One query row's head: its splits' partial sums merged into the output and logsumexp."""
         at = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
-        lane = tl.arange(0, SPLITS_PAD)
-        part = at * SPLITS + lane
-        tops = tl.load(part_max + part, mask=lane < SPLITS, other=float("-inf"))
+        part = at * SPLITS + tl.arange(0, SPLITS)
+        tops = tl.load(part_max + part)
         top = tl.max(tops, axis=0)
         ref = tl.where(top == float("-inf"), 0.0, top)  # a row with no keys: every split empty
-        held = tops > float("-inf")
-        weight = tl.where(held, tl.exp2(tops - ref), 0.0)
-        total = tl.sum(tl.load(part_sum + part, mask=held, other=0.0) * weight, axis=0)
+        weight = tl.exp2(tops - ref)
+        total = tl.sum(tl.load(part_sum + part) * weight, axis=0)
         dims = tl.arange(0, D)
-        acc = tl.sum(
-            tl.load(part_out + part[:, None] * D + dims[None, :], mask=held[:, None], other=0.0)
-            * weight[:, None],
-            axis=0,
-        )
+        acc = tl.sum(tl.load(part_out + part[:, None] * D + dims[None, :]) * weight[:, None], axis=0)
         tl.store(out + at * D + dims, (acc / tl.where(total > 0, total, 1.0)).to(out.dtype.element_ty))
         tl.store(lse + at, _logsumexp(ref, total))

@@ -48,19 +48,15 @@ def test_a_decode_batch_that_fills_the_device_is_not_split(monkeypatch: pytest.M
     assert paged_decode.splits(256 * 2, 1024, _h200(monkeypatch)) == 1
 
 
-def test_few_rows_split_the_tables_width_in_splits_of_a_few_tiles(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Fewer programs than two an SM: the width a row can hold in splits of at least
-    MIN_SPLIT_KEYS (one tile) and at most MAX_SPLITS of them, so a row's own keys, however
-    few, are spread over programs: 128 rows x 2 KV heads of the long-tail recipe's 2,176
-    positions, 34 splits of 64 keys (a row of 500 keys walks 8 of them, one tile each); a
-    table of one split's width is not split."""
+def test_few_long_rows_split_their_keys_by_the_tables_width(monkeypatch: pytest.MonkeyPatch) -> None:
+    """2 programs leave SMs idle: their keys are split in a power of two, each split at least
+    MIN_SPLIT_KEYS of the width a row can hold, at most MAX_SPLITS; a table narrower than two
+    splits is not split."""
     device = _h200(monkeypatch)
-    assert paged_decode.MIN_SPLIT_KEYS == paged_decode.TILE
-    assert paged_decode.splits(128 * 2, 2176, device) == 34
-    assert paged_decode.splits(2, 1024, device) == 16
-    assert paged_decode.splits(2, 1000, device) == 16  # rounded up to a whole tile's split
-    assert paged_decode.splits(2, 65536, device) == paged_decode.MAX_SPLITS == 64
-    assert paged_decode.splits(2, 64, device) == 1
+    assert paged_decode.splits(2, 1024, device) == 4
+    assert paged_decode.splits(2, 1536, device) == 4  # 6 splits' worth: rounded down
+    assert paged_decode.splits(2, 65536, device) == paged_decode.MAX_SPLITS
+    assert paged_decode.splits(2, 256, device) == 1
 
 
 def test_cpu_tensors_take_the_gather_without_the_interpreter() -> None:
