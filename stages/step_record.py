@@ -155,9 +155,19 @@ class StepRecorder:
         trace.counters("queues", queue_depths)
         trace.counters("lag", {"mean": record["rollout/mean_lag"], "max": record["rollout/max_lag"]})
         # Where a long tail's time goes: the decode loop's slots left idle since the last step,
-        # and what the trainer's passes computed beside the responses' own tokens.
+        # its steps, their mean width and time, and what the trainer's passes computed beside
+        # the responses' own tokens.
         if "rollout/idle_slot_fraction" in record:
             trace.counters("decode slots", {"idle fraction": record["rollout/idle_slot_fraction"]})
+        if "rollout/decode_steps" in record:
+            trace.counters(
+                "decode steps",
+                {
+                    "steps": record["rollout/decode_steps"],
+                    "mean width": record["rollout/decode_width"],
+                    "ms a step": record["timing/decode_step_ms"],
+                },
+            )
         if "train/computed_tokens" in record:
             trace.counters(
                 "train tokens",

@@ -143,8 +143,9 @@ def test_trace_is_valid_chrome_json_whose_spans_nest(runs: dict[bool, Path], col
 def test_trace_counts_each_steps_idle_decode_slots_and_trainer_tokens(
     runs: dict[bool, Path], colocated: bool
 ) -> None:
-    """The trace's counters show where a step's time goes: the decode loop's idle slots and
-    the tokens the trainer computed beside those it trained, one sample a step, as logged."""
+    """The trace's counters show where a step's time goes: the decode loop's idle slots, its
+    steps, mean width and time a step, and the tokens the trainer computed beside those it
+    trained, one sample a step, as logged."""
     trace = json.loads((runs[colocated] / "trace.json").read_text())
     lines = strict_lines(runs[colocated] / "metrics.jsonl")
 
@@ -152,6 +153,14 @@ def test_trace_counts_each_steps_idle_decode_slots_and_trainer_tokens(
         return [e["args"] for e in trace["traceEvents"] if e["ph"] == "C" and e["name"] == name]
 
     assert samples("decode slots") == [{"idle fraction": r["rollout/idle_slot_fraction"]} for r in lines]
+    assert samples("decode steps") == [
+        {
+            "steps": r["rollout/decode_steps"],
+            "mean width": r["rollout/decode_width"],
+            "ms a step": r["timing/decode_step_ms"],
+        }
+        for r in lines
+    ]
     assert samples("train tokens") == [
         {"trained": r["train/tokens"], "computed": r["train/computed_tokens"]} for r in lines
     ]
