@@ -6,8 +6,9 @@ traceback (or, for a module that calls `sys.exit`, a silent exit with its code).
 from __future__ import annotations
 
 import importlib
+import sysconfig
 import traceback
-from types import ModuleType
+from types import ModuleType, TracebackType
 
 from pipeline.contracts.errors import RecipeError
 
@@ -22,6 +23,18 @@ def import_named(field: str, module_name: str) -> ModuleType:
     except ImportError as error:
         problem = str(error)
     except (Exception, SystemExit) as error:  # the module's own code failed as it ran
-        last = traceback.extract_tb(error.__traceback__)[-1]
-        problem = f"{type(error).__name__}: {error} ({last.filename}, line {last.lineno})"
+        frame = _own_frame(error.__traceback__)
+        problem = f"{type(error).__name__}: {error} ({frame.filename}, line {frame.lineno})"
     raise RecipeError(f"{field}: cannot import module {module_name!r}: {problem}")
+
+
+def _own_frame(trace: TracebackType | None) -> traceback.FrameSummary:
+    """Where the user's code failed: the innermost frame outside the standard library, the
+    installed packages and importlib's machinery (not inside a library the module called, nor
+    inside a hook a library put on `sys.exit`, as wandb does); the innermost frame if every
+    one is there (a user's module installed as a package)."""
+    frames = traceback.extract_tb(trace)
+    paths = sysconfig.get_paths()
+    libraries = tuple({paths[name] for name in ("stdlib", "platstdlib", "purelib", "platlib")})
+    own = [f for f in frames if not f.filename.startswith(("<", *libraries))]
+    return (own or frames)[-1]

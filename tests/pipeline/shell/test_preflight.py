@@ -145,6 +145,29 @@ def test_a_reward_module_that_fails_as_it_imports(tmp_path: Path, monkeypatch: p
     )
 
 
+def test_where_a_reward_module_failed_is_its_own_line_not_a_library_s(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The line named is the module's own: not the standard library's where its call raised,
+    nor wandb's, whose exit hooks (installed by a wandb run earlier in the process, as in an
+    embedding host) wrap `sys.exit`."""
+    from wandb.sdk.lib.exit_hooks import ExitHooks
+
+    (tmp_path / "parsing_reward.py").write_text('import json\n\nTABLE = json.loads("{")\n')
+    (tmp_path / "exiting_reward.py").write_text("import sys\nsys.exit(3)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(sys, "exit", sys.exit)  # restored after the test, as is the excepthook
+    monkeypatch.setattr(sys, "excepthook", sys.excepthook)
+    ExitHooks().hook()
+    assert check(QUICKSTART, "reward.function=parsing_reward:score").endswith(
+        f"({tmp_path / 'parsing_reward.py'}, line 3)"
+    )
+    assert check(QUICKSTART, "reward.function=exiting_reward:score") == (
+        "reward.function: cannot import module 'exiting_reward': SystemExit: 3 "
+        f"({tmp_path / 'exiting_reward.py'}, line 2)"
+    )
+
+
 def test_a_data_file_that_is_not_utf8(tmp_path: Path) -> None:
     data = tmp_path / "rows.jsonl"
     data.write_bytes(b'{"prompt": "1+1=", "answer": "2"}\n{"prompt": "caf\xe9", "answer": "3"}\n')
