@@ -209,7 +209,7 @@ class Pipeline:
     def snapshot(self) -> dict[str, Any]:
         return {"gate": self.gate.state.value, "queues": self.depths()}
 
-    def idle_slots(self) -> dict[str, float]:
+    def decode_figures(self) -> dict[str, float]:
         """Since the last step, from an engine with `statistics()`: the fraction of its slots
         (row x decode step) with no row generating (finished rows waiting for a refill), and
         where its decode loops' time went: their decode steps and mean width (slots a step),
@@ -240,7 +240,7 @@ class Pipeline:
     def counters(self) -> dict[str, float]:
         rollout, reward = self.rollout.counts, self.reward.counts
         return {
-            **self.idle_slots(),
+            **self.decode_figures(),
             "rollout/timeouts": rollout["timeouts"],
             "rollout/retries": rollout["retries"],
             "rollout/engine_errors": rollout["engine_errors"],

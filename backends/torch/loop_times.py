@@ -14,6 +14,8 @@ a loop's wall time (`serve_s`) into what the device did and what it waited for:
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -25,24 +27,36 @@ class LoopTimes:
         self.serve_s = 0.0
         self.check_s = 0.0
         self.prefill_s = 0.0
+        self._prefill_began: torch.cuda.Event | float | None = None
         self._pending: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self._check_began: float | None = None
 
-    def prefill_begins(self) -> object:
-        if self._cuda:
-            start = torch.cuda.Event(enable_timing=True)
-            start.record()
-            return start
-        return time.perf_counter()
+    @contextmanager
+    def loop(self) -> Iterator[None]:
+        """One decode loop's wall time; a loop ends at a check, which ends with it."""
+        began = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.check_ends()
+            self.serve_s += time.perf_counter() - began
 
-    def prefill_ends(self, mark: object) -> None:
-        if isinstance(mark, torch.cuda.Event):
+    def prefill_begins(self) -> None:
+        if self._cuda:
+            self._prefill_began = torch.cuda.Event(enable_timing=True)
+            self._prefill_began.record()
+        else:
+            self._prefill_began = time.perf_counter()
+
+    def prefill_ends(self) -> None:
+        began, self._prefill_began = self._prefill_began, None
+        if isinstance(began, torch.cuda.Event):
             end = torch.cuda.Event(enable_timing=True)
             end.record()
-            self._pending.append((mark, end))
+            self._pending.append((began, end))
         else:
-            assert isinstance(mark, float)
-            self.prefill_s += time.perf_counter() - mark
+            assert began is not None, "a prefill ends after it begins"
+            self.prefill_s += time.perf_counter() - began
 
     def check_begins(self) -> None:
         """The device has caught up (a check): the prefills queued so far are done, and the

@@ -40,9 +40,8 @@ from __future__ import annotations
 
 import functools
 import threading
-import time
 from collections.abc import Callable, Hashable, Sequence
-from typing import Any, NamedTuple
+from typing import Any, Concatenate, NamedTuple, ParamSpec
 
 import torch
 from torch import Tensor
@@ -59,6 +58,7 @@ from backends.torch.sampling import check_arguments, completions, draw
 from pipeline.contracts.messages import Completion
 
 _BUCKETS = (8, 16, 32, 64, 128, 256, 512, 1024, 2048)
+_P = ParamSpec("_P")
 # Tokens of the prefill forward at once (bounds prefill activation memory).
 _PREFILL_TOKENS = 32768
 
@@ -91,6 +91,17 @@ class Admission(NamedTuple):
 # one check in one call.
 Source = Callable[[int | None, int | None], Sequence[Admission]]
 Sink = Callable[[list[tuple[Admission, list[Completion]]]], None]
+
+
+def _timed(serve: Callable[Concatenate[Sampler, _P], None]) -> Callable[Concatenate[Sampler, _P], None]:
+    """`Sampler.serve` inside its `LoopTimes.loop()`: the loop's time, and its last check's."""
+
+    @functools.wraps(serve)
+    def timed(sampler: Sampler, *args: _P.args, **kwargs: _P.kwargs) -> None:
+        with sampler.times.loop():
+            serve(sampler, *args, **kwargs)
+
+    return timed
 
 
 class Sampler:
@@ -240,6 +251,7 @@ class Sampler:
         return out
 
     @torch.inference_mode()
+    @_timed
     def serve(
         self,
         source: Source,
@@ -302,45 +314,6 @@ class Sampler:
         first = list(source(None, None))
         if not first:
             return
-        began = time.perf_counter()
-        try:
-            self._serve(
-                first,
-                source,
-                sink,
-                max_new_tokens=max_new_tokens,
-                temperature=temperature,
-                top_p=top_p,
-                stop_token_ids=stop_token_ids,
-                generator=generator,
-                freeze=freeze,
-                dropped=dropped,
-                width=width,
-                narrow=narrow,
-                kept=kept,
-            )
-        finally:
-            self.times.check_ends()  # a loop ends at a check
-            self.times.serve_s += time.perf_counter() - began
-
-    def _serve(
-        self,
-        first: list[Admission],
-        source: Source,
-        sink: Sink,
-        *,
-        max_new_tokens: int,
-        temperature: float,
-        top_p: float,
-        stop_token_ids: Sequence[int],
-        generator: torch.Generator,
-        freeze: threading.Event | None,
-        dropped: Callable[[Admission], bool] | None,
-        width: int,
-        narrow: bool,
-        kept: KVKeep | None,
-    ) -> None:
-        """`serve`'s loop, from its first admissions ``first``."""
         dev = self.device
         rows = self.width_for(max(width, sum(len(a.limits) for a in first)))
         # Room for every row up to max_new_tokens, so later admissions of such prompts fit.
@@ -369,7 +342,7 @@ class Sampler:
         count = checked = 0
         while True:
             if pending:
-                began_prefill = self.times.prefill_begins()
+                self.times.prefill_begins()
                 slots = loop.admit(pending, count)
                 index = torch.tensor(slots, device=dev)
                 step.position[index] = torch.tensor(
@@ -382,7 +355,7 @@ class Sampler:
                     pending, slots, step, temperature, top_p, generator
                 )
                 token[index], logprob[index] = first_token, first_logprob
-                self.times.prefill_ends(began_prefill)
+                self.times.prefill_ends()
             tokens.scatter_(1, generated.unsqueeze(1), token.unsqueeze(1))
             logprobs.scatter_(1, generated.unsqueeze(1), logprob.unsqueeze(1))
             generated += ~done

@@ -6,6 +6,7 @@ traceback (or, for a module that calls `sys.exit`, a silent exit with its code).
 from __future__ import annotations
 
 import importlib
+import os
 import sysconfig
 import traceback
 from types import ModuleType, TracebackType
@@ -35,6 +36,6 @@ def _own_frame(trace: TracebackType | None) -> traceback.FrameSummary:
     one is there (a user's module installed as a package)."""
     frames = traceback.extract_tb(trace)
     paths = sysconfig.get_paths()
-    libraries = tuple({paths[name] for name in ("stdlib", "platstdlib", "purelib", "platlib")})
+    libraries = tuple({paths[name] + os.sep for name in ("stdlib", "platstdlib", "purelib", "platlib")})
     own = [f for f in frames if not f.filename.startswith(("<", *libraries))]
     return (own or frames)[-1]

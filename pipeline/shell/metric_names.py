@@ -69,7 +69,7 @@ _COUNTERS = (
     "metrics/recovered",
     "eval/skipped",  # evaluations skipped so far: a count on train steps, not an evaluation's figure
     "rollout/idle_slot_fraction",  # since the last step, from an engine with `statistics()`
-    # and its decode loops' time since the last step (stages/wiring.py's idle_slots)
+    # and its decode loops' time since the last step (stages/wiring.py's decode_figures)
     "rollout/decode_steps",
     "rollout/decode_width",
     "timing/decode_step_ms",
