@@ -5,19 +5,17 @@ A `DecodeStep` holds one batch-size bucket's static buffers (token, position, no
 and its captured graph; `DecodeSteps` makes them, captures and replays them, and forgets them
 all when the cache is laid out anew (`drop`).
 
-Attention (`_Decode`): one query per row over its first ``position + 1`` keys. On CUDA in half
-precision through flash attention's variable-length kernel with ``seqused_k``, so one graph
-serves every step of a bucket (no KV-length buckets, no masks): each (row, KV head) is one
-sequence of its g query heads as g query positions (non-causal) over that head's keys, with
-one head, so each row's keys and values are read once per step rather than once per query
-head, and the queries (in the model's head order) need no reordering. Flash runs one program
-a (row, KV head) over all its keys: a step of a few rows (a long tail's last ones, a loop
-narrowed to them) leaves most of the device idle while each program walks thousands of keys.
-Such a step (`paged_decode.splits` > 1, which follows from the bucket and the cache's length,
-so the choice is fixed per captured graph) attends by `paged_decode`'s Triton kernels instead,
-each cache row one block of its keys, split over several programs whose partial sums are
-merged. Elsewhere `attend` with a length mask, over the keys written so far (``span``) when no
-graph fixes the shapes.
+Attention (`_Decode`): one query per row over its first ``position + 1`` keys. On CUDA with
+Triton, by `paged_decode`'s kernels, each cache row one block of its keys: one program a (row,
+KV head, split) reads the row's keys once for the g query heads that share them, each row's keys
+split in equal shares over a number of programs that follows from the bucket and the cache's
+length alone (`paged_decode.splits`), so one captured graph serves every step of a bucket (no
+KV-length buckets, no masks) and rows of unequal lengths still spread over the device. Head dims
+those kernels do not take (and CUDA without Triton) attend by flash attention's variable-length
+kernel with ``seqused_k``: each (row, KV head) one sequence of its g query heads as g query
+positions (non-causal) over that head's keys. On an H200 the Triton kernels ran faster at every
+width from 8 to 256 rows (bench/results-h200.json: ``decode_attention``). Elsewhere `attend` with
+a length mask, over the keys written so far (``span``) when no graph fixes the shapes.
 
 Sampling in the step: with exponential noise E, ``argmax(softmax(logits / T) / E)``, computed
 as ``argmax(logits / T - log E)``, is a draw from softmax(logits / T), and with E = 1 it is the
@@ -115,9 +113,8 @@ class DecodeSteps:
         self.device = next(model.parameters()).device
         self.graphs = graphs
         self.flash = flash
-        # Steps whose (row, KV head) pairs leave the device's SMs idle attend by `paged_decode`,
-        # each row's keys split over programs, instead of flash's one program a pair (flash
-        # takes head dims its kernels do not: those stay with flash).
+        # Steps attend by `paged_decode`, each row's keys split over programs, where its kernels
+        # take the head dim; flash takes the others.
         self.split_keys = paged_decode.triton is not None and paged_decode.takes_head_dim(cache.head_dim)
         c = model.config
         self.group = c.num_attention_heads // c.num_key_value_heads
@@ -211,11 +208,7 @@ class _Decode:
         self.steps, self.step, self.write, self.used = steps, step, write, used
         self.cache, self.span = steps.cache, span
         self.mask = None
-        self.split = False
-        if steps.flash and steps.split_keys:
-            # Too few (row, KV head) pairs to fill the device: each row's keys split over programs.
-            pairs = step.rows * self.cache.kv_heads
-            self.split = paged_decode.splits(pairs, self.cache.length, used.device) > 1
+        self.split = steps.flash and steps.split_keys
         if self.split:  # each row's key count (`used` is per (row, KV head))
             self.seqlens = used.view(step.rows, -1)[:, 0].contiguous()
         if not steps.flash:  # `attend`'s: each row's first `used` keys of the `span` it reads

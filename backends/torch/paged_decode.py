@@ -15,11 +15,11 @@ bottom-right alignment); without it every query sees all seqlen keys. It returns
 Each program of `_partials` takes one query row and one KV head with the GROUP query heads
 that share it (GQA: the keys are read once for the group), and walks that row's own blocks in
 tiles of TILE keys with an online softmax: only the keys a row holds are read, whatever the
-table's width. When the rows are too few to fill the device, each row's keys are split over
-SPLITS programs (flash-decoding), whose partial sums `_combine` merges. SPLITS follows from
-the shapes and the device alone (`splits`), never from the lengths: a launch syncs nothing with
-the device, allocates only what the shapes fix, and so can be captured in a CUDA graph and
-replayed for other lengths.
+table's width. Each row's keys are split in SPLITS equal shares of whole tiles, one program
+each (flash-decoding), whose partial sums `_combine` merges: a row's share follows from its own
+length inside the kernel, while SPLITS follows from the shapes and the device alone (`splits`),
+never from the lengths: a launch syncs nothing with the device, allocates only what the shapes
+fix, and so can be captured in a CUDA graph and replayed for other lengths.
 
 Compiled, the tiles are walked by a `for` loop, which Triton pipelines (the next tiles' loads
 overlap the current tile's math). Triton's interpreter, which runs the kernels on CPU tensors
@@ -41,6 +41,7 @@ except ImportError:  # CPU-only installs: the flash adapter gathers the blocks t
     triton = None
 
 TILE = 64  # keys a program reads at once
+WARPS, STAGES = 4, 2  # `_partials`' launch: warps a program, pipeline stages (H200 sweep)
 MAX_SPLITS = 16
 # The fewest keys worth a split of their own (each split adds a partial output to merge).
 MIN_SPLIT_KEYS = 256
@@ -72,13 +73,16 @@ def _cdiv(a: int, b: int) -> int:
 
 
 def splits(programs: int, width: int, device: torch.device) -> int:
-    """Programs each (query row, KV head) pair's keys are split over: enough for two programs
-    an SM when `programs` pairs leave SMs idle, a power of two, with each split at least
-    MIN_SPLIT_KEYS of the `width` keys a row can hold (the block table's width)."""
+    """Programs each (query row, KV head) pair's keys are split over: a power of two, enough for
+    eight programs an SM over the `programs` pairs (rounded down), each split at least
+    MIN_SPLIT_KEYS of the `width` keys a row can hold (the block table's width), at most
+    MAX_SPLITS. Rows of unequal lengths leave a program a row idle while the longest finish;
+    equal shares of each row over several programs keep the SMs busy (an H200 sweep of the
+    split count against widths and length mixes: bench/results-h200.json, ``decode_attention``)."""
     if device.type != "cuda":
         return 1
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    want = min(_cdiv(2 * sms, programs), width // MIN_SPLIT_KEYS, MAX_SPLITS)
+    want = min(_cdiv(8 * sms, programs), width // MIN_SPLIT_KEYS, MAX_SPLITS)
     return 1 if want <= 1 else 1 << (want.bit_length() - 1)
 
 
@@ -100,7 +104,6 @@ def attend(
     rows = q.reshape(b * s, h, d)
     width = block_table.shape[1] * block_tokens
     n = num_splits or splits(b * s * kv_heads, width, q.device)
-    chunk = _cdiv(_cdiv(width, n), TILE) * TILE
     out = torch.empty(b * s, h, d, dtype=q.dtype, device=q.device)
     lse = torch.empty(b * s, h, dtype=torch.float32, device=q.device)
     parts = (b * s, h, n)
@@ -130,7 +133,6 @@ def attend(
         scale * math.log2(math.e),
         s,
         block_tokens,
-        chunk,
         CAUSAL=causal,
         GROUP=group,
         GROUP_PAD=max(16, triton.next_power_of_2(group)),
@@ -138,6 +140,8 @@ def attend(
         TILE=TILE,
         SPLITS=n,
         STEPPED=triton.knobs.runtime.interpret,
+        num_warps=WARPS,
+        num_stages=STAGES,
     )
     if n > 1:
         _combine[(b * s, h)](part_out, part_max, part_sum, out, lse, D=d, SPLITS=n)
@@ -216,7 +220,6 @@ if triton is not None:
         scale_log2,
         queries,
         block_tokens,
-        chunk,
         CAUSAL: tl.constexpr,
         GROUP: tl.constexpr,
         GROUP_PAD: tl.constexpr,
@@ -235,8 +238,10 @@ if triton is not None:
         keys = tl.load(seqlens + request)
         if CAUSAL:
             keys -= queries - 1 - row % queries
-        start = split * chunk
-        end = tl.minimum(start + chunk, keys)
+        # Each split an equal share of this row's own keys (whole tiles), not of the table's width.
+        share = tl.cdiv(tl.cdiv(keys, SPLITS), TILE) * TILE
+        start = split * share
+        end = tl.minimum(start + share, keys)
         lane = tl.arange(0, GROUP_PAD)
         heads = kv_head * GROUP + lane
         in_group = lane < GROUP

@@ -114,7 +114,35 @@ def run() -> dict[str, Any]:
         q, k, v, cache_seqlens=seqlens, causal=True, block_table=table, return_softmax_lse=True, num_splits=0
     )
     results["adapter"] = _compare(out, lse, reference(q, k, v, table, lengths, 32**-0.5, True))
+    results["busy_splits"] = _busy_splits(paged_decode)
     return results
+
+
+def _busy_splits(paged_decode: Any) -> list[int]:
+    """Four splits over a table 640 keys wide, rows of 130, 10, 0 and 600 keys: how many of
+    each row's splits (first query head) summed any key, read off what `_combine` merges."""
+    lengths = [130, 10, 0, 600]
+    torch.manual_seed(2)
+    k, v, table = paged(lengths, block_tokens=16, kv_heads=2, d=16)
+    q = torch.randn(len(lengths), 1, 4, 16)
+    merged: list[Tensor] = []
+    combine = paged_decode._combine
+
+    class Spy:
+        def __getitem__(self, grid: tuple[int, int]) -> Any:
+            def launch(part_out: Tensor, part_max: Tensor, part_sum: Tensor, *rest: Any, **kw: Any) -> Any:
+                merged.append(part_sum.clone())
+                return combine[grid](part_out, part_max, part_sum, *rest, **kw)
+
+            return launch
+
+    paged_decode._combine = Spy()
+    try:
+        seqlens = torch.tensor(lengths, dtype=torch.int32)
+        paged_decode.attend(q, k, v, table, seqlens, 0.25, False, num_splits=4)
+    finally:
+        paged_decode._combine = combine
+    return (merged[0][:, 0, :] > 0).sum(-1).tolist()  # type: ignore[no-any-return]
 
 
 if __name__ == "__main__":

@@ -36,6 +36,13 @@ def test_the_kernel_gives_softmax_attention_over_each_rows_own_blocks(
     assert got["unseen_agree"], got
 
 
+def test_each_split_takes_an_equal_share_of_its_rows_own_keys(interpreted: dict[str, Any]) -> None:
+    """Four splits over a table 640 keys wide: a 130-key row's keys spread over three splits of
+    one 64-key tile each (a quarter of 130, in whole tiles), not all in the first split's quarter
+    of the table's width; a 600-key row over all four; a 10-key row in one; an empty row in none."""
+    assert interpreted["busy_splits"] == [3, 1, 0, 4]
+
+
 def _h200(monkeypatch: pytest.MonkeyPatch) -> torch.device:
     monkeypatch.setattr(
         torch.cuda, "get_device_properties", lambda device: SimpleNamespace(multi_processor_count=132)
@@ -43,13 +50,17 @@ def _h200(monkeypatch: pytest.MonkeyPatch) -> torch.device:
     return torch.device("cuda")
 
 
-def test_a_decode_batch_that_fills_the_device_is_not_split(monkeypatch: pytest.MonkeyPatch) -> None:
-    """256 rows x 2 KV heads are 512 programs for 132 SMs: each walks its row whole."""
-    assert paged_decode.splits(256 * 2, 1024, _h200(monkeypatch)) == 1
+def test_a_batch_splits_its_keys_until_eight_programs_an_sm(monkeypatch: pytest.MonkeyPatch) -> None:
+    """132 SMs want 1,056 programs: 256 rows x 2 KV heads (512 pairs) split their keys in two
+    (three rounded down to a power of two), 96 rows (192 pairs) in four, 1,024 rows in one."""
+    device = _h200(monkeypatch)
+    assert paged_decode.splits(256 * 2, 1024, device) == 2
+    assert paged_decode.splits(96 * 2, 1024, device) == 4
+    assert paged_decode.splits(1024 * 2, 1024, device) == 1
 
 
 def test_few_long_rows_split_their_keys_by_the_tables_width(monkeypatch: pytest.MonkeyPatch) -> None:
-    """2 programs leave SMs idle: their keys are split in a power of two, each split at least
+    """2 pairs leave SMs idle: their keys are split in a power of two, each split at least
     MIN_SPLIT_KEYS of the width a row can hold, at most MAX_SPLITS; a table narrower than two
     splits is not split."""
     device = _h200(monkeypatch)
