@@ -27,6 +27,7 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from backends.megatron.attention import SdpaAttention
+from backends.torch.compiles import training_options
 from backends.torch.config import ModelConfig
 from backends.torch.model import rope_inv_freq
 
@@ -106,7 +107,7 @@ def compile_layers(model: GPTModel) -> None:
     around its SDPA core) for training. Called by megatron's inference engine (with an inference
     context: paged KV cache, flash-attention calls, host-side bookkeeping) a layer runs eagerly."""
     for layer in model.decoder.layers:
-        layer.compile()
+        layer.compile(options=training_options())
         layer._compiled_call_impl = _CompiledForTraining(layer._compiled_call_impl, layer._call_impl)
 
 

@@ -29,6 +29,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from backends.torch.attention import CausalAttention, LayerAttention
+from backends.torch.compiles import training_options
 from backends.torch.config import ModelConfig
 from backends.torch.logprobs import picked_logprobs
 
@@ -213,7 +214,7 @@ def compiled_layer_parts() -> LayerParts:
         # Dynamo reads the .grad of every tensor it traces, and the residual stream between
         # layers is not a leaf: torch warns of that access at each compile, needlessly.
         warnings.filterwarnings("ignore", "The .grad attribute of a Tensor that is not a leaf", UserWarning)
-        _COMPILED_PARTS.extend(torch.compile(f) for f in PLAIN_PARTS)
+        _COMPILED_PARTS.extend(torch.compile(f, options=training_options()) for f in PLAIN_PARTS)
     return _COMPILED_PARTS[0], _COMPILED_PARTS[1]
 
 

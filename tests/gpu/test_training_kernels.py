@@ -8,10 +8,11 @@ from typing import NamedTuple
 import pytest
 import torch
 
+from backends.torch.compiles import compiled_graphs
 from backends.torch.config import ModelConfig
 from backends.torch.grouped import response_logprobs
 from backends.torch.logprobs import picked_logprobs
-from backends.torch.model import Decoder
+from backends.torch.model import Decoder, compiled_layer_parts
 
 pytestmark = pytest.mark.gpu
 
@@ -107,3 +108,34 @@ def test_responses_flash_attention_matches_the_masked_path_in_bf16(
     assert calls, "the responses' attention did not run through flash"
     monkeypatch.setattr(grouped, "_flash_usable", lambda *a: False)
     _assert_bf16_close(flash, batch.run())
+
+
+def test_compiled_layer_parts_take_fewer_tokens_without_compiling_again() -> None:
+    """`train.compile`'s layer parts, forward and backward in bf16 over 6,000 then 7,000 tokens
+    (the second compiles them for any token count), then 1,000 tokens: nothing compiles for the
+    third (inductor's mix-order reduction, on, guards the parts on at least 4,096 tokens)."""
+    torch._dynamo.reset()  # the parts' first compiles here, whatever compiled them before
+    torch.manual_seed(0)
+    config = ModelConfig(
+        vocab_size=64,
+        hidden_size=1536,
+        intermediate_size=2048,
+        num_hidden_layers=1,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+    )
+    model = Decoder(config).to("cuda", torch.bfloat16)
+    layer = model.model.layers[0]
+    project, finish = compiled_layer_parts()
+
+    def step(tokens: int) -> None:
+        x = torch.randn(tokens, config.hidden_size, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        cos, sin = model.rotary(torch.arange(tokens, device="cuda"))
+        q, _, _ = project(layer, x, cos, sin)
+        finish(layer, x, q.flatten(-2)).float().square().mean().backward()
+
+    step(6000)
+    step(7000)
+    compiled = compiled_graphs()
+    step(1000)
+    assert compiled_graphs() == compiled
