@@ -21,7 +21,13 @@ root); whether it got them is written beside its figures. Written: the worst sta
 the worst and the count above 50 ms, of the held part and of the whole gap (section `host_loop`
 of bench/results-cpu.json; the file's other sections are kept).
 
-    python -m bench.host_loop [--rounds 3] [--steps 8] [--baseline DIR] [key.path=value ...]
+    python -m bench.host_loop [--rounds 3] [--steps 8] [--baseline DIR] [--cold] [--section NAME]
+        [key.path=value ...]
+
+`--cold` empties the kernel's page cache before each run (root on Linux: `sync` and
+/proc/sys/vm/drop_caches), as after a boot or after other work pushed the libraries out: a
+library opened under the interpreter lock then holds it while its pages come from disk.
+`--section` names the results' section (default `host_loop`).
 
 `--baseline DIR` (a checkout of other code, e.g. `git worktree add /tmp/before COMMIT`) runs the
 same hosts from DIR too, in turn with this checkout's in each round, for a before/after figure
@@ -125,11 +131,14 @@ HOSTS = ("torch-first", "pipeline-only")
 PACKAGES = ("pipeline", "stages", "backends")
 
 
-def one_run(host: str, overrides: list[str], checkout: Path) -> dict[str, Any]:
+def one_run(host: str, overrides: list[str], checkout: Path, cold: bool) -> dict[str, Any]:
     # A fresh clone's first run, as a user's interpreter runs it: no bytecode cached for the
     # checkout's own modules, and writing it allowed.
     for cache in (p for package in PACKAGES for p in (checkout / package).rglob("__pycache__")):
         shutil.rmtree(cache)
+    if cold:
+        os.sync()
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
     env = {name: value for name, value in os.environ.items() if name != "PYTHONDONTWRITEBYTECODE"}
     with tempfile.TemporaryDirectory() as tmp:
         command = [sys.executable, "-c", HOST, str(Path(tmp) / "run"), host, RECIPE, json.dumps(overrides)]
@@ -162,9 +171,13 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--baseline", type=Path, help="another checkout, run in turn with this one")
+    parser.add_argument("--cold", action="store_true", help="empty the page cache before each run (root)")
+    parser.add_argument("--section", default="host_loop", help="the section of --out written")
     parser.add_argument("--out", default="bench/results-cpu.json")
     parser.add_argument("overrides", nargs="*", help="recipe overrides applied to every run")
     args = parser.parse_args()
+    if args.cold and not os.access("/proc/sys/vm/drop_caches", os.W_OK):
+        parser.error("--cold empties the page cache through /proc/sys/vm/drop_caches: run as root on Linux")
     overrides = [
         f"run.steps={args.steps}", "eval.every_steps=4", "eval.num_prompts=64", "checkpoint.every_steps=4",
         "run.plot=true", *args.overrides,
@@ -178,7 +191,7 @@ def main() -> None:
         result = {}
         for key in order:
             host, _, name = key.partition("@")
-            result[key] = one_run(host, overrides, checkouts[name])
+            result[key] = one_run(host, overrides, checkouts[name], args.cold)
         print(f"round {index + 1}", json.dumps(result), flush=True)
         rounds.append(result)
     runs = [r[key] for r in rounds for key in hosts]
@@ -199,11 +212,12 @@ def main() -> None:
             key: sum(r[key]["gaps_over_50_ms"] > 0 for r in rounds) for key in hosts
         },
         "runs": args.rounds,
+        "cold": args.cold,
         "load_range": [min(r["load"] for r in runs), max(r["load"] for r in runs)],
     }
     out = Path(args.out)
     results = json.loads(out.read_text()) if out.exists() else {}
-    results["host_loop"] = summary
+    results[args.section] = summary
     out.write_text(json.dumps(results, indent=2) + "\n")
     print(json.dumps({k: v for k, v in summary.items() if k != "rounds"}, indent=2))
 

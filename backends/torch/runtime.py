@@ -18,6 +18,12 @@ the pipeline does so on a worker thread).
   dependencies `RTLD_GLOBAL`, libtorch_cpu and libtorch_python (which `torch._C` links) local.
   torch's own import then finds them loaded; what is left under the GIL is `torch._C`'s
   initialisation itself.
+- Loading Triton's library without the GIL. torch imports Triton where it is installed, a CPU
+  run included (building an optimizer imports dynamo, which imports Triton), and
+  `triton._C.libtriton` (400 MB, LLVM inside) held the GIL 87-97 ms through its `dlopen` from
+  a cold disk cache (60-500 ms stalls of an embedding host's event loop as a run began). It is
+  opened the same way first (local, as Python's import opens it): the import then holds the GIL
+  7-8 ms for it. This is done also where the host imported torch itself.
 """
 
 from __future__ import annotations
@@ -38,37 +44,46 @@ _loaded_here = False  # whether `load` brought torch up (else the host did, befo
 
 
 def load() -> None:
-    """Set how long OpenMP's threads spin, open libtorch without the GIL, then import torch.
+    """Set how long OpenMP's threads spin, open libtorch without the GIL, then import torch;
+    then open Triton's library without the GIL, where Triton is installed and not yet imported.
 
-    With torch already imported (by the host application, or an earlier call) it does nothing."""
+    With torch already imported (by the host application, or an earlier call) only the last."""
     global _loaded_here
-    if "torch" in sys.modules:
-        return
-    _loaded_here = True
-    _say("loading torch")
-    if "OMP_WAIT_POLICY" not in os.environ:
-        os.environ.setdefault("GOMP_SPINCOUNT", "1000")
-    if sys.platform.startswith("linux"):
-        _open_libraries()
-    import torch  # noqa: F401
+    linux = sys.platform.startswith("linux")
+    if "torch" not in sys.modules:
+        _loaded_here = True
+        _say("loading torch")
+        if "OMP_WAIT_POLICY" not in os.environ:
+            os.environ.setdefault("GOMP_SPINCOUNT", "1000")
+        if linux:
+            _open_libraries("torch", TORCH_LIBRARIES)
+        import torch  # noqa: F401
+    if linux and "triton" not in sys.modules:
+        _open_libraries("triton", TRITON_LIBRARIES)
 
 
-def _open_libraries() -> None:
-    spec = importlib.util.find_spec("torch")
+# Each package's libraries, by their paths in it, with the flags its own import opens them with.
+TORCH_LIBRARIES = (
+    ("lib/libtorch_global_deps.so", os.RTLD_NOW | os.RTLD_GLOBAL),
+    ("lib/libtorch_cpu.so", os.RTLD_NOW | os.RTLD_LOCAL),
+    ("lib/libtorch_python.so", os.RTLD_NOW | os.RTLD_LOCAL),  # torch._C's own library, beside it
+)
+TRITON_LIBRARIES = (("_C/libtriton.so", os.RTLD_NOW | os.RTLD_LOCAL),)
+
+
+def _open_libraries(package: str, libraries: tuple[tuple[str, int], ...]) -> None:
+    """Open ``package``'s ``libraries`` by a foreign call, which releases the GIL."""
+    spec = importlib.util.find_spec(package)
     dlopen = getattr(ctypes.CDLL(None), "dlopen", None)
     if spec is None or not spec.submodule_search_locations or dlopen is None:
-        return  # torch's own import reports a missing torch; without dlopen it loads as usual
-    lib = Path(spec.submodule_search_locations[0]) / "lib"
+        return  # a missing package is its own import's to report; without dlopen it loads as usual
+    root = Path(spec.submodule_search_locations[0])
     dlopen.restype = ctypes.c_void_p
     dlopen.argtypes = [ctypes.c_char_p, ctypes.c_int]
-    for name, flags in (
-        ("libtorch_global_deps.so", os.RTLD_NOW | os.RTLD_GLOBAL),
-        ("libtorch_cpu.so", os.RTLD_NOW | os.RTLD_LOCAL),
-        ("libtorch_python.so", os.RTLD_NOW | os.RTLD_LOCAL),  # torch._C's own library, beside it
-    ):
-        # A library that does not open here (another layout) is left to torch's own import.
-        if (lib / name).is_file():
-            dlopen(str(lib / name).encode(), flags)
+    for name, flags in libraries:
+        # A library that does not open here (another layout) is left to the package's import.
+        if (root / name).is_file():
+            dlopen(str(root / name).encode(), flags)
 
 
 def spins_by_default() -> bool:

@@ -81,3 +81,23 @@ def test_a_host_that_imported_torch_with_default_spinning_is_told_how_to_fix_it(
         "processes its 2 threads can make steps many times slower; set GOMP_SPINCOUNT=1000 in the "
         "environment before importing torch (or model.threads: 1)"
     ]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the libraries are opened on Linux")
+@pytest.mark.parametrize("host_imported_torch", [False, True])
+def test_tritons_library_is_opened_without_the_gil_before_anything_imports_triton(
+    host_imported_torch: bool,
+) -> None:
+    """torch imports Triton where it is installed (building an optimizer does, on CPU too), and
+    Python's import opens `libtriton.so` holding the GIL (87-97 ms from a cold disk cache): `load`
+    opens it first by a foreign call, also where the host imported torch itself."""
+    pytest.importorskip("triton")
+    program = (
+        f"import sys; {'import torch; ' if host_imported_torch else ''}"
+        "from backends.torch import runtime; runtime.load(); "
+        "print('libtriton.so' in open('/proc/self/maps').read(), 'triton' in sys.modules)"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", program], cwd=ROOT, capture_output=True, text=True, check=True
+    )
+    assert done.stdout.split() == ["True", "False"], done.stderr
