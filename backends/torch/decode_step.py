@@ -14,7 +14,7 @@ KV-length buckets, no masks) and rows of unequal lengths still spread over the d
 those kernels do not take (and CUDA without Triton) attend by flash attention's variable-length
 kernel with ``seqused_k``: each (row, KV head) one sequence of its g query heads as g query
 positions (non-causal) over that head's keys. On an H200 the Triton kernels ran faster at every
-width from 8 to 256 rows (bench/results-h200.json: ``decode_attention``). Elsewhere `attend` with
+width from 8 to 256 rows (bench/results-h200.json, session_2026-12-04). Elsewhere `attend` with
 a length mask, over the keys written so far (``span``) when no graph fixes the shapes.
 
 Sampling in the step: with exponential noise E, ``argmax(softmax(logits / T) / E)``, computed

@@ -78,7 +78,7 @@ def splits(programs: int, width: int, device: torch.device) -> int:
     MIN_SPLIT_KEYS of the `width` keys a row can hold (the block table's width), at most
     MAX_SPLITS. Rows of unequal lengths leave a program a row idle while the longest finish;
     equal shares of each row over several programs keep the SMs busy (an H200 sweep of the
-    split count against widths and length mixes: bench/results-h200.json, ``decode_attention``)."""
+    split count against widths and length mixes: bench/results-h200.json, session_2026-12-04)."""
     if device.type != "cuda":
         return 1
     sms = torch.cuda.get_device_properties(device).multi_processor_count
