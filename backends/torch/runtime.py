@@ -20,10 +20,10 @@ the pipeline does so on a worker thread).
   initialisation itself.
 - Loading Triton's library without the GIL. torch imports Triton where it is installed, a CPU
   run included (building an optimizer imports dynamo, which imports Triton), and
-  `triton._C.libtriton` (400 MB, LLVM inside) held the GIL 87-97 ms through its `dlopen` from
-  a cold disk cache (60-95 ms stalls of an embedding host's event loop as a run began). It is
-  opened the same way first (local, as Python's import opens it): the import then holds the GIL
-  7-8 ms for it. This is done also where the host imported torch itself.
+  `triton._C.libtriton` (LLVM inside) held the GIL through its `dlopen`, long enough from a
+  cold disk cache to stall an embedding host's event loop past 50 ms as a run began
+  (bench/results-cpu.json, sections host_loop_cold*_2026-12-04). It is opened the same way
+  first (local, as Python's import opens it), also where the host imported torch itself.
 """
 
 from __future__ import annotations
