@@ -1,8 +1,8 @@
 """How many graphs torch.compile has compiled in this process: read before and after a train
 step, the difference is the step's `train/compiled_graphs`, so a step slowed by compiling (a
 batch of a shape not seen before, the first steps of a run) says so in its record. And the
-inductor options of parts compiled for training (`training_options`), which keep them from
-compiling again for micro-batches of other token counts.
+inductor options of parts compiled for training (`training_options`), without which the first
+micro-batch under 4,096 tokens compiled them again.
 
 The count is dynamo's own (`torch._dynamo.utils.counters`), process-wide: an engine in the same
 process that compiles while the trainer steps (not colocated; colocated, it stands down for the

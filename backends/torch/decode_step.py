@@ -5,12 +5,13 @@ A `DecodeStep` holds one batch-size bucket's static buffers (token, position, no
 and its captured graph; `DecodeSteps` makes them, captures and replays them, and forgets them
 all when the cache is laid out anew (`drop`).
 
-Attention (`_Decode`): one query per row over its first ``position + 1`` keys. On CUDA with
-Triton, by `paged_decode`'s kernels, each cache row one block of its keys: one program a (row,
-KV head, split) reads the row's keys once for the g query heads that share them, each row's keys
-split in equal shares over a number of programs that follows from the bucket and the cache's
-length alone (`paged_decode.splits`), so one captured graph serves every step of a bucket (no
-KV-length buckets, no masks) and rows of unequal lengths still spread over the device. Head dims
+Attention (`_Decode`): one query per row over its first ``position + 1`` keys. On CUDA in half
+precision (where flash attention works, ``flash``) with Triton, by `paged_decode`'s kernels,
+each cache row one block of its keys: one program a (row, KV head, split) reads the row's keys
+once for the g query heads that share them, each row's keys split in equal shares over a number
+of programs that follows from the bucket and the cache's length alone (`paged_decode.splits`),
+so one captured graph serves every step of a bucket (no KV-length buckets, no masks) and rows
+of unequal lengths still spread over the device. Head dims
 those kernels do not take (and CUDA without Triton) attend by flash attention's variable-length
 kernel with ``seqused_k``: each (row, KV head) one sequence of its g query heads as g query
 positions (non-causal) over that head's keys. On an H200 the Triton kernels ran faster at every

@@ -1,6 +1,6 @@
 """Decode attention straight over a paged KV cache (two Triton kernels): megatron's, for the
 flash adapter's `flash_attn_with_kvcache` on CUDA, and the torch engine's, for its decode steps
-too narrow to fill the device (`decode_step.py`: each cache row one block of its keys).
+(`decode_step.py`: each cache row one block of its keys).
 
 `attend(q, k_cache, v_cache, block_table, cache_seqlens, scale, causal)` takes flash-attn's
 decode arguments as megatron's dynamic engine passes them: queries [B, S, H, D] (S new tokens a
@@ -43,7 +43,8 @@ except ImportError:  # CPU-only installs: the flash adapter gathers the blocks t
 TILE = 64  # keys a program reads at once
 WARPS, STAGES = 4, 2  # `_partials`' launch: warps a program, pipeline stages (H200 sweep)
 MAX_SPLITS = 16
-# The fewest keys worth a split of their own (each split adds a partial output to merge).
+# At most one split for each MIN_SPLIT_KEYS keys a row can hold (the table's width): each split
+# adds a partial output to merge, and a short row's splits past its keys have none to read.
 MIN_SPLIT_KEYS = 256
 
 

@@ -41,13 +41,15 @@ _say = logging.getLogger("pipeline.startup").info
 
 
 _loaded_here = False  # whether `load` brought torch up (else the host did, before it)
+_opened: set[str] = set()  # the packages whose libraries `load` opened
 
 
 def load() -> None:
     """Set how long OpenMP's threads spin, open libtorch without the GIL, then import torch;
     then open Triton's library without the GIL, where Triton is installed and not yet imported.
 
-    With torch already imported (by the host application, or an earlier call) only the last."""
+    With torch already imported (by the host application, or an earlier call) only the last,
+    once a process."""
     global _loaded_here
     linux = sys.platform.startswith("linux")
     if "torch" not in sys.modules:
@@ -56,23 +58,28 @@ def load() -> None:
         if "OMP_WAIT_POLICY" not in os.environ:
             os.environ.setdefault("GOMP_SPINCOUNT", "1000")
         if linux:
-            _open_libraries("torch", TORCH_LIBRARIES)
+            _open_libraries("torch")
         import torch  # noqa: F401
-    if linux and "triton" not in sys.modules:
-        _open_libraries("triton", TRITON_LIBRARIES)
+    if linux and "triton" not in sys.modules and "triton" not in _opened:
+        _open_libraries("triton")
 
 
-# Each package's libraries, by their paths in it, with the flags its own import opens them with.
-TORCH_LIBRARIES = (
-    ("lib/libtorch_global_deps.so", os.RTLD_NOW | os.RTLD_GLOBAL),
-    ("lib/libtorch_cpu.so", os.RTLD_NOW | os.RTLD_LOCAL),
-    ("lib/libtorch_python.so", os.RTLD_NOW | os.RTLD_LOCAL),  # torch._C's own library, beside it
-)
-TRITON_LIBRARIES = (("_C/libtriton.so", os.RTLD_NOW | os.RTLD_LOCAL),)
+# Each package's libraries, by their paths in it, and whether its own import opens them global
+# (else local; all at once, `RTLD_NOW`, as Python opens extension modules).
+LIBRARIES = {
+    "torch": (
+        ("lib/libtorch_global_deps.so", True),
+        ("lib/libtorch_cpu.so", False),
+        ("lib/libtorch_python.so", False),  # torch._C's own library, beside it
+    ),
+    "triton": (("_C/libtriton.so", False),),
+}
 
 
-def _open_libraries(package: str, libraries: tuple[tuple[str, int], ...]) -> None:
-    """Open ``package``'s ``libraries`` by a foreign call, which releases the GIL."""
+def _open_libraries(package: str) -> None:
+    """Open ``package``'s `LIBRARIES` by a foreign call, which releases the GIL (Linux only:
+    the flags are POSIX's)."""
+    _opened.add(package)
     spec = importlib.util.find_spec(package)
     dlopen = getattr(ctypes.CDLL(None), "dlopen", None)
     if spec is None or not spec.submodule_search_locations or dlopen is None:
@@ -80,10 +87,10 @@ def _open_libraries(package: str, libraries: tuple[tuple[str, int], ...]) -> Non
     root = Path(spec.submodule_search_locations[0])
     dlopen.restype = ctypes.c_void_p
     dlopen.argtypes = [ctypes.c_char_p, ctypes.c_int]
-    for name, flags in libraries:
+    for name, shared in LIBRARIES[package]:
         # A library that does not open here (another layout) is left to the package's import.
         if (root / name).is_file():
-            dlopen(str(root / name).encode(), flags)
+            dlopen(str(root / name).encode(), os.RTLD_NOW | (os.RTLD_GLOBAL if shared else os.RTLD_LOCAL))
 
 
 def spins_by_default() -> bool:

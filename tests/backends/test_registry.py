@@ -101,3 +101,17 @@ def test_tritons_library_is_opened_without_the_gil_before_anything_imports_trito
         [sys.executable, "-c", program], cwd=ROOT, capture_output=True, text=True, check=True
     )
     assert done.stdout.split() == ["True", "False"], done.stderr
+
+
+def test_the_runtime_module_imports_where_os_has_no_dlopen_flags() -> None:
+    """`os.RTLD_*` are POSIX's (Windows has none): the module reads them only where it opens
+    libraries, on Linux, so importing it (the CLI, the registry and preflight do) works anywhere."""
+    program = (
+        "import os\n"
+        "for name in ('RTLD_NOW', 'RTLD_GLOBAL', 'RTLD_LOCAL'):\n"
+        "    delattr(os, name)\n"
+        "import backends.torch.runtime\n"
+        "print('imported')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", program], cwd=ROOT, capture_output=True, text=True)
+    assert done.stdout.split() == ["imported"], done.stderr

@@ -70,8 +70,9 @@ def test_the_gather_gives_the_logsumexp_as_flash_attn_lays_it_out(s: int, causal
 
 @pytest.mark.parametrize("rows", [2, 1024])
 def test_a_captured_launch_replays_for_other_lengths(rows: int) -> None:
-    """Captured once (keys split for 2 rows, whole for 1,024) at one key a row, replayed after
-    the rows grew: the replay attends over each row's keys as they are then."""
+    """Captured once (keys split for 2 rows, whole for 1,024: 2,048 pairs are past eight programs
+    an SM on the H200's 132 SMs) at one key a row, replayed after the rows grew: the replay
+    attends over each row's keys as they are then."""
     grown = [(37 * i) % 1000 + 1 for i in range(rows)]
     q, k, v, table, seqlens = _inputs(grown, 128)
     assert (paged_decode.splits(rows * KV_HEADS, table.shape[1] * BLOCK, q.device) > 1) == (rows == 2)

@@ -300,10 +300,9 @@ def test_a_narrowed_loop_widens_again_under_graphs(temperature: float) -> None:
 def test_a_narrow_step_over_many_keys_attends_by_split_keys(
     monkeypatch: pytest.MonkeyPatch, qwen3: bool
 ) -> None:
-    """Four rows over prompts of 520-900 tokens: too few (row, KV head) pairs to fill the device, so the
-    step attends by `paged_decode` with each row's keys split over programs (a spy sees its
-    launches at the capture; none with `split_keys` off, flash's path), and the logprobs of
-    both paths match a full recomputation."""
+    """Four rows over prompts of 520-900 tokens: the step attends by `paged_decode` with each
+    row's keys split over programs (a spy sees its launches at the capture; none with
+    `split_keys` off, flash's path), and the logprobs of both paths match a full recomputation."""
     from backends.torch import paged_decode
 
     model = _model(torch.bfloat16, positions=1024, qwen3=qwen3)
