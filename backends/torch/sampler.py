@@ -721,7 +721,7 @@ class _Extend:
         keys = torch.arange(self.end, device=dev)
         self.mask = (keys <= positions.unsqueeze(-1)).unsqueeze(1)  # [A, 1, T, end]
         # Cache positions past a row's tokens are masked, yet enter attention's products: fresh
-        # memory there may hold NaN (flash decode leaves it unzeroed), which a mask does not cancel.
+        # memory there may hold NaN (the decode step leaves it unzeroed), which a mask does not cancel.
         ends = torch.tensor([k + n for k, n in zip(known, lengths, strict=True)], device=dev)
         self.beyond = (keys >= ends.unsqueeze(-1))[:, None, :, None]  # [A, 1, end, 1]
 

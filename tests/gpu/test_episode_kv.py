@@ -1,5 +1,5 @@
 """Episodes' keys and values kept between turns (backends/torch/kv_keep.py) on a GPU: the real
-engine under CUDA graphs, flash decode and compiled parts, with more episodes than slots so
+engine under CUDA graphs, its decode attention and compiled parts, with more episodes than slots so
 turns enter the loop in slots freed mid-loop, restored there between two graph replays."""
 
 from __future__ import annotations

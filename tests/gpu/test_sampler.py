@@ -1,4 +1,4 @@
-"""The sampler on a GPU (graphs, flash decode, compiled parts): logprobs against full
+"""The sampler on a GPU (graphs, decode attention, compiled parts): logprobs against full
 recomputation, (prompt, n) requests, and graphs across stand-down/wake."""
 
 from __future__ import annotations
