@@ -8,7 +8,7 @@ one block of its keys. For each width (rows in the step) and each mix of key cou
 and ``c1536`` (every row alike, as in a fixed-length batch), ``mix`` (uniform over
 128..2,176) and ``long_tail`` (a decode loop over lognormal lengths, median 256, sigma 0.9,
 capped at 2,048: rows drawn in proportion to their length, each at a uniform point of it, after
-its 128-token prompt). Each path is replayed from a CUDA graph of 20 calls; the best of five
+its 128-token prompt). Each path is replayed from a CUDA graph of 20 calls; the median of ten
 replays, in microseconds a call. ``--against FILE`` times a second copy of `paged_decode.py`
 (another commit's) beside this one, in the same process. Prints one JSON object.
 
@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from backends.torch import paged_decode
+from bench.paged_decode import graphed, timed_ms
 
 ROWS, KV_HEADS, LENGTH, HEAD_DIM, HEADS = 256, 2, 2176, 128, 12
 WIDTHS = (8, 16, 32, 64, 96, 128, 160, 192, 256)
@@ -45,25 +46,9 @@ def _key_counts(mix: str, rows: int, g: torch.Generator) -> torch.Tensor:
 
 
 def _replayed_us(call: Callable[[], Any], calls: int = 20) -> float:
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-ups (compilation) off the capture
-        for _ in range(3):
-            call()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            call()
-    times = []
-    for _ in range(6):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / calls)
-    return min(times[1:])
+    """Microseconds a call, ``calls`` of them captured in one graph (a replay's own cost spread
+    over them), the median of ten replays."""
+    return timed_ms(graphed(lambda: [call() for _ in range(calls)]), 10) * 1000 / calls
 
 
 def _paged(

@@ -45,7 +45,7 @@ def _step_inputs(args: argparse.Namespace) -> tuple[torch.Tensor, list[tuple[tor
     return q, layers
 
 
-def _timed(step: Callable[[], Any], repeats: int) -> float:
+def timed_ms(step: Callable[[], Any], repeats: int) -> float:
     """Milliseconds of `step`, the median of `repeats` calls after two warm-ups."""
     for _ in range(2):
         step()
@@ -60,7 +60,8 @@ def _timed(step: Callable[[], Any], repeats: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def _graphed(step: Callable[[], Any]) -> Callable[[], Any]:
+def graphed(step: Callable[[], Any]) -> Callable[[], Any]:
+    """`step` captured in a CUDA graph (after one call off the capture): its replay."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):  # compile and warm up off the capture
@@ -108,8 +109,8 @@ def main() -> None:
         def step(attend: Callable[..., torch.Tensor] = attend) -> list[torch.Tensor]:
             return [attend(*layer) for layer in layers]
 
-        result[f"{name}_eager_ms"] = _timed(step, args.repeats)
-        result[f"{name}_graph_ms"] = _timed(_graphed(step), args.repeats)
+        result[f"{name}_eager_ms"] = timed_ms(step, args.repeats)
+        result[f"{name}_graph_ms"] = timed_ms(graphed(step), args.repeats)
     result["speedup_eager"] = result["gather_eager_ms"] / result["kernel_eager_ms"]
     result["speedup_graph"] = result["gather_graph_ms"] / result["kernel_graph_ms"]
     first = layers[0]

@@ -41,7 +41,7 @@ _say = logging.getLogger("pipeline.startup").info
 
 
 _loaded_here = False  # whether `load` brought torch up (else the host did, before it)
-_opened: set[str] = set()  # the packages whose libraries `load` opened
+_opened: set[str] = set()  # the packages whose libraries `load` opened (or tried to)
 
 
 def load() -> None:

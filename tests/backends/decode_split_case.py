@@ -2,17 +2,19 @@
 by `paged_decode` over the `KVCache` seen as blocks): `python -m tests.backends.decode_split_case`
 with TRITON_INTERPRET=1 (it must be on before Triton is first imported, so the test runs it in a
 process of its own) prints one JSON object: for each model shape the largest difference of a
-step's logits with split keys from the same step attending by `attend` with a length mask,
-and how many of its layers went through the kernel.
+step's logits by `paged_decode` from the same step attending by `attend` with a length mask,
+and how many of its layers went through the kernel: with each row's keys split in 4 (as a GPU
+splits them; `paged_decode.splits` is made to answer 4) and unsplit (its answer off CUDA, 1, as
+for a batch wide enough to fill a GPU alone: such a step attends by the kernel too).
 
-Float32 (Triton's interpreter gets `tl.dot` of bf16 tiles wrong). `paged_decode.splits` is made
-to answer 4, as a GPU would for a narrow step: off CUDA it answers 1 and the step would never
-take the path. Rows at different positions (one at 0, as a bucket's padding rows are), more
-keys than one split's share, GQA, and a Qwen3 shape (head_dim other than hidden / heads).
+Float32 (Triton's interpreter gets `tl.dot` of bf16 tiles wrong). Rows at different positions
+(one at 0, as a bucket's padding rows are), more keys than one split's share, GQA, and a Qwen3
+shape (head_dim other than hidden / heads).
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import torch
@@ -44,8 +46,7 @@ def _logits(model: Decoder, cache: KVCache, flash: bool, saved: torch.Tensor) ->
 
 
 def main() -> dict[str, dict[str, float]]:
-    paged_decode.splits = lambda programs, width, device: 4  # type: ignore[assignment]
-    attend, calls = paged_decode.attend, []
+    splits, attend, calls = paged_decode.splits, paged_decode.attend, []
 
     def counted(*args, **kwargs):  # type: ignore[no-untyped-def]
         calls.append(1)
@@ -53,7 +54,9 @@ def main() -> dict[str, dict[str, float]]:
 
     paged_decode.attend = counted  # type: ignore[assignment]
     out: dict[str, dict[str, float]] = {"errors": {}, "calls": {}}
-    for name, (heads, kv_heads, head_dim, qk_norm) in SHAPES.items():
+    for (name, (heads, kv_heads, head_dim, qk_norm)), split in itertools.product(SHAPES.items(), (4, 1)):
+        paged_decode.splits = lambda programs, width, device, n=split: n  # type: ignore[misc]
+        key = f"{name}_splits_{split}"
         calls.clear()
         torch.manual_seed(0)
         config = ModelConfig(
@@ -76,8 +79,9 @@ def main() -> dict[str, dict[str, float]]:
         with torch.no_grad():
             split = _logits(model, cache, True, saved)
             masked = _logits(model, cache, False, saved)
-        out["errors"][name] = float((split - masked).abs().max() / masked.abs().max())
-        out["calls"][name] = len(calls)
+        out["errors"][key] = float((split - masked).abs().max() / masked.abs().max())
+        out["calls"][key] = len(calls)
+    paged_decode.splits = splits  # type: ignore[assignment]
     return out
 
 

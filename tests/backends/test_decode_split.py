@@ -21,12 +21,14 @@ from tests.backends.interpreted import run_interpreted  # noqa: E402
 
 def test_a_split_key_step_gives_the_masked_steps_logits() -> None:
     """Rows at different positions (one at 0, as padding rows), GQA groups of 2 and 3, a
-    head_dim other than hidden / heads: the step's logits with split keys are the logits of
-    the same step attending by `attend` over each row's first position + 1 keys, and every
-    layer went through the kernel."""
+    head_dim other than hidden / heads: the step's logits by `paged_decode`, each row's keys
+    split in 4 or unsplit (a batch wide enough to fill a GPU alone), are the logits of the same
+    step attending by `attend` over each row's first position + 1 keys, and every layer went
+    through the kernel at either width."""
     got = run_interpreted("tests.backends.decode_split_case")
     assert all(error < 1e-5 for error in got["errors"].values()), got
-    assert got["calls"] == {name: 2 for name in SHAPES}, got  # each of the two layers
+    want = {f"{name}_splits_{n}": 2 for name in SHAPES for n in (4, 1)}  # each of the two layers
+    assert got["calls"] == want, got
 
 
 @pytest.mark.parametrize(("head_dim", "split"), [(24, False), (80, False), (8, False), (64, True)])

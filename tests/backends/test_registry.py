@@ -89,7 +89,7 @@ def test_tritons_library_is_opened_without_the_gil_before_anything_imports_trito
     host_imported_torch: bool,
 ) -> None:
     """torch imports Triton where it is installed (building an optimizer does, on CPU too), and
-    Python's import opens `libtriton.so` holding the GIL (87-97 ms from a cold disk cache): `load`
+    Python's import opens `libtriton.so` holding the GIL (long, from a cold disk cache): `load`
     opens it first by a foreign call, also where the host imported torch itself."""
     pytest.importorskip("triton")
     program = (
