@@ -1,5 +1,6 @@
 """The sampler's decode step: one new token for every row of a batch, through the model's own
-layers (`Decoder.run_layers`) over the `KVCache`, replayed from a CUDA graph on a GPU.
+layer parts (`layer_project`, `layer_finish`) over the `KVCache`, replayed from a CUDA graph on a
+GPU.
 
 A `DecodeStep` holds one batch-size bucket's static buffers (token, position, noise, logits)
 and its captured graph; `DecodeSteps` makes them, captures and replays them, and forgets them
@@ -26,11 +27,13 @@ drawn. A step that does not draw (top-p) leaves logits / T for the caller.
 
 Kernels. With ``compiled`` the parts around attention (norms, projections, rotations with the
 cache write of the new keys and values, residual adds, SwiGLU, the head and the draw) run as
-torch.compile'd kernels, captured into the graphs like any other kernel. ``eager_rounding``
-compiles them with `emulate_precision_casts`, for a trainer whose kernels round as eager ops
-do. Graphs read the model's parameters and the cache in place: the trainer must update the
-parameters in place (optimizers do), and the cache must keep its addresses (`KVPool.stable`)
-or its graphs be dropped.
+torch.compile'd kernels, captured into the graphs like any other kernel. Between two layers'
+attentions one compiled part runs (`_between`: the first layer's finish and the next one's
+projection), so that a layer's last residual add and the next one's input norm are one kernel.
+``eager_rounding`` compiles them with `emulate_precision_casts`, for a trainer whose kernels
+round as eager ops do. Graphs read the model's parameters and the cache in place: the trainer
+must update the parameters in place (optimizers do), and the cache must keep its addresses
+(`KVPool.stable`) or its graphs be dropped.
 """
 
 from __future__ import annotations
@@ -119,14 +122,22 @@ class DecodeSteps:
         self.split_keys = paged_decode.triton is not None and paged_decode.takes_head_dim(cache.head_dim)
         c = model.config
         self.group = c.num_attention_heads // c.num_key_value_heads
-        parts: tuple[Any, ...] = (_prologue, _project, _finish, _draw, _scaled_logits, _head)
+        parts: tuple[Any, ...] = (_prologue, _project, _finish, _between, _draw, _scaled_logits, _head)
         if compiled:
             # The first batch-size bucket gets kernels for its shapes, a second one kernels for
             # any number of rows (dynamo's automatic dynamic shapes), so buckets never exhaust
             # its recompile limit; past that limit (other dtypes, models) a part runs uncompiled.
             options: dict[str, Any] = {"emulate_precision_casts": True} if eager_rounding else {}
             parts = tuple(torch.compile(f, options=options) for f in parts)
-        self._prologue, self._project, self._finish, self._draw, self._scaled_logits, self._head = parts
+        (
+            self._prologue,
+            self._project,
+            self._finish,
+            self._between,
+            self._draw,
+            self._scaled_logits,
+            self._head,
+        ) = parts
         self._steps: dict[tuple[int, bool], DecodeStep] = {}
         self._graph_pool = torch.cuda.graph_pool_handle() if graphs else None
         self.captures = 0
@@ -188,7 +199,13 @@ class DecodeSteps:
             m, step.token, step.position, step.kv_base, self.cache.kv_heads
         )
         attention = _Decode(self, step, write, used, span)
-        x = m.run_layers(x, cos, sin, attention, (self._project, self._finish))
+        layers = m.model.layers
+        q, k, v = self._project(layers[0], x, cos, sin, attention.writes(0))
+        for index, layer in enumerate(layers[:-1]):
+            out = attention(index, q, k, v)
+            writes = attention.writes(index + 1)
+            x, q, k, v = self._between(layer, layers[index + 1], x, out, cos, sin, writes)
+        x = self._finish(layers[-1], x, attention(len(layers) - 1, q, k, v))
         if step.race:
             race.race_draw(
                 self._head(m, x), step.inv_temperature, step.seed, step.noisy, out=(step.token, step.logprob)
@@ -283,6 +300,21 @@ def _project(
 
 def _finish(layer: DecoderLayer, x: Tensor, out: Tensor) -> Tensor:
     return layer_finish(layer, x, out)
+
+
+def _between(
+    layer: DecoderLayer,
+    following: DecoderLayer,
+    x: Tensor,
+    out: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    writes: tuple[Tensor, Tensor],
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``layer``'s finish over its attention's ``out``, then ``following``'s projection: the
+    residual stream after ``layer`` and the next layer's queries, keys and values."""
+    x = layer_finish(layer, x, out)
+    return (x, *layer_project(following, x, cos, sin, writes))
 
 
 def _draw(model: Decoder, x: Tensor, inv_temperature: Tensor, noise: Tensor) -> tuple[Tensor, Tensor]:

@@ -17,9 +17,12 @@ that share it (GQA: the keys are read once for the group), and walks that row's 
 tiles of TILE keys with an online softmax: only the keys a row holds are read, whatever the
 table's width. Each row's keys are split in SPLITS equal shares of whole tiles, one program
 each (flash-decoding), whose partial sums `_combine` merges: a row's share follows from its own
-length inside the kernel, while SPLITS follows from the shapes and the device alone (`splits`),
-never from the lengths: a launch syncs nothing with the device, allocates only what the shapes
-fix, and so can be captured in a CUDA graph and replayed for other lengths.
+length inside the kernel, while TILE and SPLITS follow from the shapes and the device alone
+(`launch`), never from the lengths: a launch syncs nothing with the device, allocates only what
+the shapes fix, and so can be captured in a CUDA graph and replayed for other lengths. Where the
+blocks hold whole tiles (the torch engine's rows of a cache length that is a multiple of TILE;
+megatron's 256-token blocks), a tile's keys lie in one block, and its block number is read once
+a tile rather than once a key.
 
 Compiled, the tiles are walked by a `for` loop, which Triton pipelines (the next tiles' loads
 overlap the current tile's math). Triton's interpreter, which runs the kernels on CPU tensors
@@ -40,8 +43,12 @@ try:
 except ImportError:  # CPU-only installs: the flash adapter gathers the blocks there
     triton = None
 
-TILE = 64  # keys a program reads at once
+# Keys a program reads at once: WIDE_TILE from WIDE_PAIRS (query row, KV head) pairs up, whose
+# programs then split to fill only half the SMs' programs; an H200 sweep over widths and length
+# mixes (bench/results-h200.json, session_2026-12-04b).
+TILE, WIDE_TILE, WIDE_PAIRS = 64, 128, 192
 WARPS, STAGES = 4, 2  # `_partials`' launch: warps a program, pipeline stages (H200 sweep)
+PROGRAMS_AN_SM = {TILE: 8, WIDE_TILE: 4}  # what `splits` fills the SMs to, by tile
 MAX_SPLITS = 16
 # At most one split for each MIN_SPLIT_KEYS keys a row can hold (the table's width): each split
 # adds a partial output to merge, and a short row's splits past its keys have none to read.
@@ -73,17 +80,22 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def tile(programs: int) -> int:
+    """Keys a program reads at once over `programs` (query row, KV head) pairs."""
+    return WIDE_TILE if programs >= WIDE_PAIRS else TILE
+
+
 def splits(programs: int, width: int, device: torch.device) -> int:
     """Programs each (query row, KV head) pair's keys are split over: a power of two, enough for
-    eight programs an SM over the `programs` pairs (rounded down), each split at least
-    MIN_SPLIT_KEYS of the `width` keys a row can hold (the block table's width), at most
+    `PROGRAMS_AN_SM` of the pairs' tile over the `programs` pairs (rounded down), each split at
+    least MIN_SPLIT_KEYS of the `width` keys a row can hold (the block table's width), at most
     MAX_SPLITS. Rows of unequal lengths leave a program a row idle while the longest finish;
     equal shares of each row over several programs keep the SMs busy (an H200 sweep of the
     split count against widths and length mixes: bench/results-h200.json, session_2026-12-04)."""
     if device.type != "cuda":
         return 1
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    want = min(_cdiv(8 * sms, programs), width // MIN_SPLIT_KEYS, MAX_SPLITS)
+    want = min(_cdiv(PROGRAMS_AN_SM[tile(programs)] * sms, programs), width // MIN_SPLIT_KEYS, MAX_SPLITS)
     return 1 if want <= 1 else 1 << (want.bit_length() - 1)
 
 
@@ -96,15 +108,17 @@ def attend(
     scale: float,
     causal: bool,
     num_splits: int | None = None,
+    keys_a_tile: int | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Attention of q over each request's cached keys (module docstring); `num_splits`, a power
-    of two, overrides `splits` (tests)."""
+    of two, overrides `splits`, and `keys_a_tile` `tile` (tests)."""
     b, s, h, d = q.shape
     block_tokens, kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = h // kv_heads
     rows = q.reshape(b * s, h, d)
     width = block_table.shape[1] * block_tokens
     n = num_splits or splits(b * s * kv_heads, width, q.device)
+    tile_keys = keys_a_tile or tile(b * s * kv_heads)
     out = torch.empty(b * s, h, d, dtype=q.dtype, device=q.device)
     lse = torch.empty(b * s, h, dtype=torch.float32, device=q.device)
     parts = (b * s, h, n)
@@ -138,9 +152,10 @@ def attend(
         GROUP=group,
         GROUP_PAD=max(16, triton.next_power_of_2(group)),
         D=d,
-        TILE=TILE,
+        TILE=tile_keys,
         SPLITS=n,
         STEPPED=triton.knobs.runtime.interpret,
+        WHOLE=block_tokens % tile_keys == 0,
         num_warps=WARPS,
         num_stages=STAGES,
     )
@@ -177,14 +192,19 @@ if triton is not None:
         acc,
         D: tl.constexpr,
         TILE: tl.constexpr,
+        WHOLE: tl.constexpr,
     ):
         """The online softmax's running (max, total, sum) after the keys first..first + TILE
         (those below `end`) of one row, read through its row of the block table from one KV
-        head's caches (`k_head`, `v_head`)."""
+        head's caches (`k_head`, `v_head`); `WHOLE`: blocks hold whole tiles."""
         token = first + tl.arange(0, TILE)
         held = token < end
-        block = tl.load(row_table + token // block_tokens, mask=held, other=0).to(tl.int64)
-        slot = token % block_tokens
+        if WHOLE:  # the tile lies in one block (`first` is a multiple of TILE)
+            block = tl.load(row_table + first // block_tokens).to(tl.int64)
+            slot = first % block_tokens + tl.arange(0, TILE)
+        else:
+            block = tl.load(row_table + token // block_tokens, mask=held, other=0).to(tl.int64)
+            slot = token % block_tokens
         dims = tl.arange(0, D)
         at_k = block * stride_kb + slot * stride_kt
         key = tl.load(k_head + at_k[:, None] + dims[None, :], mask=held[:, None], other=0.0)
@@ -228,6 +248,7 @@ if triton is not None:
         TILE: tl.constexpr,
         SPLITS: tl.constexpr,
         STEPPED: tl.constexpr,
+        WHOLE: tl.constexpr,
     ):
         """One query row's heads of one KV head over one split of its keys: with SPLITS 1 the
         normalised output and logsumexp, else the split's unnormalised sum, max and total
@@ -265,14 +286,14 @@ if triton is not None:
             while first < end:
                 top, total, acc = _tile(
                     query, k_head, v_head, row_table, first, end, block_tokens, stride_kb, stride_kt,
-                    stride_vb, stride_vt, scale_log2, top, total, acc, D, TILE,
+                    stride_vb, stride_vt, scale_log2, top, total, acc, D, TILE, WHOLE,
                 )  # fmt: skip
                 first += TILE
         else:
             for first in range(start, end, TILE):
                 top, total, acc = _tile(
                     query, k_head, v_head, row_table, first, end, block_tokens, stride_kb, stride_kt,
-                    stride_vb, stride_vt, scale_log2, top, total, acc, D, TILE,
+                    stride_vb, stride_vt, scale_log2, top, total, acc, D, TILE, WHOLE,
                 )  # fmt: skip
         if SPLITS == 1:
             at = row * GROUP * tl.num_programs(1) + heads

@@ -69,15 +69,22 @@ def reference(
     return out, lse
 
 
-# name: (lengths, block_tokens, kv_heads, query heads, head dim, queries a request, causal, splits)
-CASES: dict[str, tuple[list[int], int, int, int, int, int, bool, int]] = {
+# name: (lengths, block_tokens, kv_heads, query heads, head dim, queries a request, causal, splits,
+# keys a tile)
+CASES: dict[str, tuple[list[int], int, int, int, int, int, bool, int, int]] = {
     # GQA 3 query heads a KV head; lengths of 1 key, within a block, ending mid-block, exactly
     # one block, none (a padded row), several tiles of keys across blocks.
-    "mixed_lengths_gqa": ([1, 37, 16, 0, 150], 16, 2, 6, 32, 1, True, 1),
-    "split_keys": ([1, 37, 16, 0, 150], 16, 2, 6, 32, 1, True, 4),
-    "two_queries_causal": ([2, 37, 1, 90], 16, 2, 4, 16, 2, True, 2),
-    "two_queries_full": ([2, 37, 1, 90], 16, 2, 4, 16, 2, False, 1),
-    "one_query_head_a_kv_head_dim_64": ([5, 70], 32, 2, 2, 64, 1, True, 1),
+    "mixed_lengths_gqa": ([1, 37, 16, 0, 150], 16, 2, 6, 32, 1, True, 1, 64),
+    "split_keys": ([1, 37, 16, 0, 150], 16, 2, 6, 32, 1, True, 4, 64),
+    "two_queries_causal": ([2, 37, 1, 90], 16, 2, 4, 16, 2, True, 2, 64),
+    "two_queries_full": ([2, 37, 1, 90], 16, 2, 4, 16, 2, False, 1, 64),
+    "one_query_head_a_kv_head_dim_64": ([5, 70], 32, 2, 2, 64, 1, True, 1, 64),
+    # Blocks of whole tiles (a tile's block read once): 64-key tiles in 128-key blocks, split
+    # and not; 128-key tiles; one block a row, as the torch engine's cache rows are.
+    "whole_tiles": ([1, 70, 0, 300, 128], 128, 2, 6, 32, 1, True, 2, 64),
+    "whole_tiles_unsplit_causal_pair": ([2, 70, 1, 300], 128, 2, 4, 16, 2, True, 1, 64),
+    "wide_tiles": ([1, 130, 0, 300, 256], 128, 2, 6, 32, 1, True, 2, 128),
+    "one_block_a_row": ([3, 200, 0, 383, 64], 384, 2, 6, 32, 1, False, 4, 128),
 }
 
 
@@ -96,12 +103,14 @@ def run() -> dict[str, Any]:
     from backends.torch import paged_decode
 
     results: dict[str, Any] = {}
-    for name, (lengths, block_tokens, kv_heads, heads, d, s, causal, splits) in CASES.items():
+    for name, (lengths, block_tokens, kv_heads, heads, d, s, causal, splits, tile) in CASES.items():
         torch.manual_seed(0)
         k, v, table = paged(lengths, block_tokens=block_tokens, kv_heads=kv_heads, d=d)
         q = torch.randn(len(lengths), s, heads, d)
         seqlens = torch.tensor(lengths, dtype=torch.int32)
-        out, lse = paged_decode.attend(q, k, v, table, seqlens, d**-0.5, causal, num_splits=splits)
+        out, lse = paged_decode.attend(
+            q, k, v, table, seqlens, d**-0.5, causal, num_splits=splits, keys_a_tile=tile
+        )
         results[name] = _compare(out, lse, reference(q, k, v, table, lengths, d**-0.5, causal))
     # megatron's call: the adapter takes the kernel (the gather's torch flash kernel has no CPU
     # implementation), its default scale 1/sqrt(D).

@@ -50,12 +50,17 @@ def _h200(monkeypatch: pytest.MonkeyPatch) -> torch.device:
     return torch.device("cuda")
 
 
-def test_a_batch_splits_its_keys_until_eight_programs_an_sm(monkeypatch: pytest.MonkeyPatch) -> None:
-    """132 SMs want 1,056 programs: 256 rows x 2 KV heads (512 pairs) split their keys in two
-    (three rounded down to a power of two), 96 rows (192 pairs) in four, 1,024 rows in one."""
+def test_a_batch_splits_its_keys_until_the_sms_are_full_for_its_tile(monkeypatch: pytest.MonkeyPatch) -> None:
+    """132 SMs: below WIDE_PAIRS (query row, KV head) pairs a program reads 64-key tiles and
+    the keys split until 1,056 programs (eight an SM): 64 rows x 2 KV heads (128 pairs) in
+    eight; from WIDE_PAIRS up 128-key tiles, until 528 programs (four an SM): 96 rows (192
+    pairs) in two (2.75 rounded down to a power of two), 256 rows (512 pairs) in two, 1,024
+    rows in one."""
     device = _h200(monkeypatch)
+    assert [paged_decode.tile(pairs) for pairs in (2, 128, 190, 192, 2048)] == [64, 64, 64, 128, 128]
+    assert paged_decode.splits(64 * 2, 2048, device) == 8
+    assert paged_decode.splits(96 * 2, 1024, device) == 2
     assert paged_decode.splits(256 * 2, 1024, device) == 2
-    assert paged_decode.splits(96 * 2, 1024, device) == 4
     assert paged_decode.splits(1024 * 2, 1024, device) == 1
 
 
@@ -99,9 +104,15 @@ def test_inputs_the_kernel_cannot_take_go_to_the_gather(
     assert paged_decode.supports(q, k, v, table, torch.tensor([5], dtype=torch.int32)) == runs
 
 
-def test_the_kernel_compiles_for_the_h200_with_pipelined_vector_loads() -> None:
+@pytest.mark.parametrize(
+    ("tile", "whole"),
+    [(64, True), (128, True), (64, False)],
+    ids=["tile-64", "tile-128", "keys-across-blocks"],
+)
+def test_the_kernel_compiles_for_the_h200_with_pipelined_vector_loads(tile: int, whole: bool) -> None:
     """What the interpreter cannot show: `_partials` compiles for sm_90 (megatron's engine shape:
-    6 query heads a KV head, head dim 128, bf16), and with the cache's pointers and strides
+    6 query heads a KV head, head dim 128, bf16), at each tile and with the block read a tile or
+    a key, and with the cache's pointers and strides
     multiples of 16 (as a launch over megatron's cache specialises them) its key and value
     tiles are read by asynchronous copies (`cp.async`: loads of later tiles overlap the
     current tile's math) in 16-byte vectors."""
@@ -110,8 +121,8 @@ def test_the_kernel_compiles_for_the_h200_with_pipelined_vector_loads() -> None:
     from triton.compiler import ASTSource
 
     kernel = paged_decode._partials
-    constants = {"CAUSAL": True, "GROUP": 6, "GROUP_PAD": 16, "D": 128, "TILE": paged_decode.TILE}
-    constants |= {"SPLITS": 1, "STEPPED": False}
+    constants = {"CAUSAL": True, "GROUP": 6, "GROUP_PAD": 16, "D": 128, "TILE": tile}
+    constants |= {"SPLITS": 1, "STEPPED": False, "WHOLE": whole}
     pointers = {"q": "*bf16", "k_cache": "*bf16", "v_cache": "*bf16", "out": "*bf16", "part_out": "*bf16"}
     pointers |= {"table": "*i32", "seqlens": "*i32", "lse": "*fp32", "part_max": "*fp32", "part_sum": "*fp32"}
     names = kernel.arg_names
