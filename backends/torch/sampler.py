@@ -109,7 +109,9 @@ class Sampler:
     for decode (CUDA in half precision only; otherwise `attend` with a length mask).
     ``compiled`` (default: when capturing graphs): torch.compile'd parts around attention, for
     decode and prefill. ``check_every``: decode steps between a loop's checks for finished rows
-    and free slots (each check waits for the device; default 32 on CUDA, 1 elsewhere)."""
+    and free slots (each check waits for the device; default 32 on CUDA, 1 elsewhere).
+    ``admit_lead``: decode steps a loop launches for its live rows between a check that takes
+    admissions and their prefill (default a quarter of ``check_every``)."""
 
     def __init__(
         self,
@@ -121,6 +123,7 @@ class Sampler:
         eager_rounding: bool = False,
         pool: KVPool | None = None,
         check_every: int | None = None,
+        admit_lead: int | None = None,
     ) -> None:
         param = next(model.parameters())
         self.model = model
@@ -131,6 +134,8 @@ class Sampler:
         self.compiled = graphs if compiled is None else compiled
         self.eager_rounding = eager_rounding
         self.check_every = check_every or (32 if cuda else 1)
+        self.admit_lead = self.check_every // 4 if admit_lead is None else admit_lead
+        assert 0 <= self.admit_lead < self.check_every, "admissions must go in before the next check"
         self.cache = KVCache(
             model.config,
             param.dtype,
@@ -285,7 +290,10 @@ class Sampler:
         ``positions`` (the cache's length) and each limit at most ``max_new_tokens``. An
         admission's prompt is prefilled once into exactly its slots (the lowest free ones,
         in order), its rows' positions, limits and first tokens set; a finished row's slot
-        computes a wasted row until it is refilled. Admissions of a refill are drawn and
+        computes a wasted row until it is refilled. While rows are live, a check's admissions
+        are prefilled `admit_lead` steps after it: the prefill's host work (hundreds of kernel
+        launches) then runs while the device decodes those steps, instead of the device
+        waiting for it after the check's wait. Admissions of a refill are drawn and
         decoded after the rows already live, in the order given, so equal generator state,
         inputs and admission order give equal outputs.
 
@@ -294,10 +302,10 @@ class Sampler:
         Asked again as a finished row's keys and values are kept (``kept``): one given up since
         the check keeps nothing.
 
-        ``freeze``: a host flag read at each step boundary; once set, the loop hands every live
-        admission to ``sink`` at once, the rows that had not finished with finish_reason
-        "frozen" and their tokens so far (partial rollouts), and returns without asking the
-        source again.
+        ``freeze``: a host flag read at each step boundary; once set (and the admissions a check
+        took are in), the loop hands every live admission to ``sink`` at once, the rows that
+        had not finished with finish_reason "frozen" and their tokens so far (partial
+        rollouts), and returns without asking the source again.
 
         ``narrow`` (bucketed loops): at a check where the source gave nothing and the live rows
         fit half the slots, the loop moves them (their cache rows, tokens so far and state) to
@@ -339,9 +347,9 @@ class Sampler:
         loop = _Slots(rows)
         full = rows  # the cache's rows for this loop: a narrowed loop widens back up to them
         pending = first
-        count = checked = 0
+        count = checked = admit_at = 0
         while True:
-            if pending:
+            if pending and count >= admit_at:
                 self.times.prefill_begins()
                 slots = loop.admit(pending, count)
                 index = torch.tensor(slots, device=dev)
@@ -355,6 +363,7 @@ class Sampler:
                     pending, slots, step, temperature, top_p, generator
                 )
                 token[index], logprob[index] = first_token, first_logprob
+                pending = []
                 self.times.prefill_ends()
             tokens.scatter_(1, generated.unsqueeze(1), token.unsqueeze(1))
             logprobs.scatter_(1, generated.unsqueeze(1), logprob.unsqueeze(1))
@@ -364,7 +373,8 @@ class Sampler:
             done |= generated >= limit
             count += 1
             frozen = freeze is not None and freeze.is_set()  # a host flag: no device sync
-            pending = []
+            if frozen and pending:  # the admissions taken go in first, and come back frozen
+                frozen, admit_at = False, count
             if frozen or count % self.check_every == 0 or count >= loop.last:
                 self.slot_steps += rows * (count - checked)
                 self.times.decode_steps += count - checked
@@ -379,14 +389,18 @@ class Sampler:
                 if frozen:
                     break
                 # A narrowed loop offers the slots it had at its start: it widens for what comes.
-                if room := len(loop.free) + full - rows:
+                # Admissions taken but not yet in (`admit_lead`) hold free slots: none asked then.
+                if not pending and (room := len(loop.free) + full - rows):
                     pending = list(source(room, positions))
+                    admit_at = count + self.admit_lead
                     assert all(
                         len(a.prompt) + max(a.limits) <= positions and max(a.limits) <= max_new_tokens
                         for a in pending
                     ), "the source broke its bounds"
-                if not loop.live and not pending:
-                    break
+                if not loop.live:
+                    if not pending:
+                        break
+                    admit_at = count  # no step to overlap the prefill with
                 resized = rows
                 if (wanted := sum(len(a.limits) for a in pending)) > len(loop.free):
                     resized = self.width_for(rows - len(loop.free) + wanted)

@@ -476,6 +476,107 @@ def test_a_freeze_hands_back_every_live_row_including_those_admitted_mid_loop() 
         assert got.logprobs == pytest.approx(alone.logprobs[: len(got.tokens)], abs=1e-5)
 
 
+def _led(
+    source_after: dict[str, Any], freeze: Any = None, limits: tuple[int, int] = (2, 9)
+) -> tuple[Sampler, dict[str, Completion], list[tuple[str, int]]]:
+    """A loop of A (``limits[0]`` tokens) and B (``limits[1]``; none with 0) checked every 4
+    steps with an `admit_lead` of 2; the source gives ``source_after[key]`` once ``key`` is back
+    (and raises ``freeze`` with it); returns the sampler, what came back, and (admission,
+    decode steps launched before its prefill) for each prefill."""
+    from backends.torch.sampler import Admission
+
+    sampler = Sampler(_samplers()[0].model, check_every=4, admit_lead=2)
+    opening = [Admission(PROMPTS[1], [limits[0]], "A")] + (
+        [Admission(PROMPTS[2], [limits[1]], "B")] if limits[1] else []
+    )
+    handed: dict[str, Completion] = {}
+    prefills: list[tuple[str, int]] = []
+    runs = [0]
+    run, first_tokens = sampler.steps.run, sampler._first_tokens
+
+    def counted_run(*args: Any) -> None:
+        runs[0] += 1
+        run(*args)
+
+    def noted_first_tokens(admissions: list[Admission], *args: Any) -> Any:
+        prefills.extend((a.key, runs[0]) for a in admissions)
+        return first_tokens(admissions, *args)
+
+    sampler.steps.run = counted_run  # type: ignore[method-assign]
+    sampler._first_tokens = noted_first_tokens  # type: ignore[method-assign]
+
+    def source(rows: int | None, positions: int | None) -> list[Admission]:
+        if rows is None:
+            return opening
+        ready = [source_after.pop(key) for key in list(source_after) if key in handed]
+        if ready and freeze is not None:
+            freeze.set()
+        return ready
+
+    def sink(back: list[tuple[Admission, list[Completion]]]) -> None:
+        for admission, out in back:
+            (handed[admission.key],) = out
+
+    generator = torch.Generator().manual_seed(0)
+    sampler.serve(source, sink, max_new_tokens=9, temperature=0.0, freeze=freeze, generator=generator)
+    return sampler, handed, prefills
+
+
+def test_a_checks_admissions_are_prefilled_admit_lead_steps_after_it_while_rows_decode() -> None:
+    """A ends at step 2; the check at step 4 takes C, whose prefill goes in 2 steps later (6
+    steps launched), so its kernel launches overlap B's steps on a device; greedy, C and B get
+    the tokens and logprobs of their calls alone."""
+    from backends.torch.sampler import Admission
+
+    c = Admission(PROMPTS[0], [3], "C")
+    sampler, handed, prefills = _led({"A": c})
+    assert prefills == [("A", 0), ("B", 0), ("C", 6)]
+    assert list(handed) == ["A", "B", "C"]
+    for key, prompt, limit in (("B", PROMPTS[2], 9), ("C", c.prompt, 3)):
+        ((alone,),) = _requests(sampler, [(prompt, 1)], temperature=0.0, max_new_tokens=limit)
+        assert handed[key].tokens == alone.tokens, key
+        assert handed[key].logprobs == pytest.approx(alone.logprobs, abs=1e-5), key
+
+
+def test_a_loop_with_no_live_row_prefills_a_checks_admissions_at_once() -> None:
+    """A alone ends at step 2, its last, where a check takes C: no step is left to overlap
+    C's prefill with, so it goes in at once (2 steps launched, not 4)."""
+    from backends.torch.sampler import Admission
+
+    _, handed, prefills = _led({"A": Admission(PROMPTS[0], [3], "C")}, limits=(2, 0))
+    assert prefills == [("A", 0), ("C", 2)]
+    assert [(key, len(o.tokens)) for key, o in handed.items()] == [("A", 2), ("C", 3)]
+
+
+def test_admissions_waiting_for_their_lead_survive_a_check_that_empties_the_loop() -> None:
+    """C, taken at step 4, waits for step 6; B's last step, 5, is checked first: B comes back,
+    the source is not asked again while C holds its slot, and C goes in at once (the loop is
+    empty), none lost."""
+    from backends.torch.sampler import Admission
+
+    _, handed, prefills = _led({"A": Admission(PROMPTS[0], [3], "C")}, limits=(2, 5))
+    assert prefills == [("A", 0), ("B", 0), ("C", 5)]
+    assert [(key, len(o.tokens)) for key, o in handed.items()] == [("A", 2), ("B", 5), ("C", 3)]
+
+
+def test_a_freeze_while_admissions_wait_for_their_lead_prefills_them_and_hands_them_back() -> None:
+    """The freeze goes up with C at the check of step 4: C is prefilled at the next step
+    boundary instead of 2 steps later, and comes back frozen with its first token beside B;
+    nothing the source gave is lost."""
+    import threading
+
+    from backends.torch.sampler import Admission
+
+    freeze = threading.Event()
+    _, handed, prefills = _led({"A": Admission(PROMPTS[0], [3], "C")}, freeze=freeze)
+    assert prefills == [("A", 0), ("B", 0), ("C", 5)]
+    assert {key: (len(o.tokens), o.finish_reason) for key, o in handed.items()} == {
+        "A": (2, "length"),
+        "B": (6, "frozen"),
+        "C": (1, "frozen"),
+    }
+
+
 def test_a_dropped_admission_frees_its_slots_at_the_next_check_and_is_never_handed_back() -> None:
     """A caller that gives up: B is dropped after the loop's third draw; its slot goes to C
     at that check, B never reaches the sink, and A and C decode as their prompts alone."""
