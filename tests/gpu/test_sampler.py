@@ -255,6 +255,65 @@ def test_slots_refilled_mid_loop_under_graphs(temperature: float) -> None:
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_an_admission_mid_loop_waits_for_nothing_on_the_device(temperature: float) -> None:
+    """A check's admissions are prefilled `admit_lead` steps after it so that the prefill's
+    launches overlap those steps' device work; a copy that waits for the stream (a host list
+    copied from pageable memory waits for every step queued before it) would undo that. Under
+    torch's sync debug mode set to raise, every admission after the first (a refill while rows
+    decode: its slots, positions, limits, prefill and first draw) goes in without a wait, and
+    comes back as its prompt's own continuation (greedy)."""
+    from backends.torch.sampler import Admission
+
+    model = _model(torch.float32)
+    sampler = Sampler(model)
+    prompts = _prompts(6, seed=8)
+    limits = [1, 60, 40, 40, 40, 40]  # the 60-token row still decodes when the others go in
+    waiting = [Admission(p, [n], i) for i, (p, n) in enumerate(zip(prompts, limits, strict=True))]
+    out: dict[int, list[Completion]] = {}
+    refills: list[list[int]] = []  # each refill: the requests back by then
+    times = sampler.times
+    begins, ends = times.prefill_begins, times.prefill_ends
+
+    def strict_begins() -> None:  # `serve` brackets an admission with these two
+        begins()
+        if out:  # a refill: a row of the loop's opening admissions is back
+            refills.append(sorted(out))
+            torch.cuda.set_sync_debug_mode("error")
+
+    def strict_ends() -> None:
+        torch.cuda.set_sync_debug_mode(0)
+        ends()
+
+    times.prefill_begins, times.prefill_ends = strict_begins, strict_ends  # type: ignore[method-assign]
+
+    def source(free: int | None, positions: int | None) -> list[Admission]:
+        if free is None:
+            return waiting[:2]
+        given = waiting[2 : 2 + free]
+        del waiting[2 : 2 + len(given)]
+        return given
+
+    def sink(back: list[tuple[Admission, list[Completion]]]) -> None:
+        for admission, completions in back:
+            out[admission.key] = completions
+
+    kw = dict(max_new_tokens=60, temperature=temperature, generator=torch.Generator("cuda").manual_seed(0))
+    for part in (prompts[:2], prompts[2:]):  # compiled for a second prefill shape (any) before
+        _generate(sampler, part, max_new_tokens=2, temperature=0.0, generator=kw["generator"])
+    try:
+        sampler.serve(source, sink, width=2, narrow=False, **kw)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert refills == [[0]] and sorted(out) == list(range(6)), (refills, sorted(out))
+    assert [len(out[i][0].tokens) for i in range(6)] == limits
+    if temperature == 0:
+        greedy = _generate(Sampler(model), prompts, **kw)
+        assert [out[i][0].tokens for i in range(6)] == [
+            g.tokens[: len(out[i][0].tokens)] for i, g in enumerate(greedy)
+        ]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_a_narrowed_loop_widens_again_under_graphs(temperature: float) -> None:
     """A loop opened 16 wide by two rows (1 and 100 tokens) narrows to 8 slots once the short
     row is back and nothing waits (32 steps a check); ten one-row requests (40 tokens each)
