@@ -27,9 +27,12 @@ drawn. A step that does not draw (top-p) leaves logits / T for the caller.
 
 Kernels. With ``compiled`` the parts around attention (norms, projections, rotations with the
 cache write of the new keys and values, residual adds, SwiGLU, the head and the draw) run as
-torch.compile'd kernels, captured into the graphs like any other kernel. Between two layers'
-attentions one compiled part runs (`_between`: the first layer's finish and the next one's
-projection), so that a layer's last residual add and the next one's input norm are one kernel.
+torch.compile'd kernels, captured into the graphs like any other kernel. Where the residual
+stream is float32 (`Decoder.residual_dtype`, or float32 parameters), one compiled part runs
+between two layers' attentions (`_between`: the first layer's finish and the next one's
+projection), so that a layer's last residual add and the next one's input norm are one kernel;
+in a half-precision stream that kernel would feed the norm the sum unrounded (inductor keeps a
+kernel's intermediates in float32), where the trainer's and the prefill's parts round it.
 ``eager_rounding`` compiles them with `emulate_precision_casts`, for a trainer whose kernels
 round as eager ops do. Graphs read the model's parameters and the cache in place: the trainer
 must update the parameters in place (optimizers do), and the cache must keep its addresses
@@ -138,6 +141,8 @@ class DecodeSteps:
             self._scaled_logits,
             self._head,
         ) = parts
+        residual = model.residual_dtype or next(model.parameters()).dtype
+        self.fused = residual == torch.float32  # `_between` (module docstring)
         self._steps: dict[tuple[int, bool], DecodeStep] = {}
         self._graph_pool = torch.cuda.graph_pool_handle() if graphs else None
         self.captures = 0
@@ -204,7 +209,11 @@ class DecodeSteps:
         for index, layer in enumerate(layers[:-1]):
             out = attention(index, q, k, v)
             writes = attention.writes(index + 1)
-            x, q, k, v = self._between(layer, layers[index + 1], x, out, cos, sin, writes)
+            if self.fused:
+                x, q, k, v = self._between(layer, layers[index + 1], x, out, cos, sin, writes)
+            else:
+                x = self._finish(layer, x, out)
+                q, k, v = self._project(layers[index + 1], x, cos, sin, writes)
         x = self._finish(layers[-1], x, attention(len(layers) - 1, q, k, v))
         if step.race:
             race.race_draw(

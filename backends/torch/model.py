@@ -8,9 +8,9 @@ SwiGLU MLP -> residual, a final RMSNorm and an (optionally tied) output projecti
 One `DecoderLayer` serves every path (the plain forward, the trainer's prompt-shared pass, the
 sampler's prefill and decode): its forward is `layer_project` (input norm, projections,
 rotation), then the pass's `LayerAttention` (`attention.py`), then `layer_finish` (output
-projection, residuals, MLP), and `Decoder.run_layers` is the one loop over the layers but the
-decode step's (`decode_step.py`), which runs one layer's finish and the next one's projection
-as one compiled part.
+projection, residuals, MLP), and `Decoder.run_layers` is every path's loop over the layers
+except the decode step's (`decode_step.py`), which can run one layer's finish and the next one's
+projection as one compiled part.
 
 Parameters. The projections that read the same input are one `nn.Linear` each, so every path
 runs one GEMM for them: ``self_attn.qkv_proj`` (rows: q_proj's, k_proj's, v_proj's) and

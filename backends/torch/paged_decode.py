@@ -18,11 +18,11 @@ tiles of TILE keys with an online softmax: only the keys a row holds are read, w
 table's width. Each row's keys are split in SPLITS equal shares of whole tiles, one program
 each (flash-decoding), whose partial sums `_combine` merges: a row's share follows from its own
 length inside the kernel, while TILE and SPLITS follow from the shapes and the device alone
-(`launch`), never from the lengths: a launch syncs nothing with the device, allocates only what
-the shapes fix, and so can be captured in a CUDA graph and replayed for other lengths. Where the
-blocks hold whole tiles (the torch engine's rows of a cache length that is a multiple of TILE;
-megatron's 256-token blocks), a tile's keys lie in one block, and its block number is read once
-a tile rather than once a key.
+(`tile`, `splits`), never from the lengths: a launch syncs nothing with the device, allocates only what
+the shapes fix, and so can be captured in a CUDA graph and replayed for other lengths. Where a
+tile's keys lie in one block (blocks of whole tiles, as megatron's 256-token ones; a table of one
+block a row, as the torch engine's cache rows), its block number is read once a tile rather than
+once a key.
 
 Compiled, the tiles are walked by a `for` loop, which Triton pipelines (the next tiles' loads
 overlap the current tile's math). Triton's interpreter, which runs the kernels on CPU tensors
@@ -44,8 +44,8 @@ except ImportError:  # CPU-only installs: the flash adapter gathers the blocks t
     triton = None
 
 # Keys a program reads at once: WIDE_TILE from WIDE_PAIRS (query row, KV head) pairs up, whose
-# programs then split to fill only half the SMs' programs; an H200 sweep over widths and length
-# mixes (bench/results-h200.json, session_2026-12-04b).
+# keys then split until four programs an SM instead of eight; an H200 sweep over widths and
+# length mixes (bench/results-h200.json, session_2026-12-04b).
 TILE, WIDE_TILE, WIDE_PAIRS = 64, 128, 192
 WARPS, STAGES = 4, 2  # `_partials`' launch: warps a program, pipeline stages (H200 sweep)
 PROGRAMS_AN_SM = {TILE: 8, WIDE_TILE: 4}  # what `splits` fills the SMs to, by tile
@@ -155,7 +155,7 @@ def attend(
         TILE=tile_keys,
         SPLITS=n,
         STEPPED=triton.knobs.runtime.interpret,
-        WHOLE=block_tokens % tile_keys == 0,
+        WHOLE=block_tokens % tile_keys == 0 or block_table.shape[1] == 1,
         num_warps=WARPS,
         num_stages=STAGES,
     )
@@ -196,10 +196,10 @@ if triton is not None:
     ):
         """The online softmax's running (max, total, sum) after the keys first..first + TILE
         (those below `end`) of one row, read through its row of the block table from one KV
-        head's caches (`k_head`, `v_head`); `WHOLE`: blocks hold whole tiles."""
+        head's caches (`k_head`, `v_head`); `WHOLE`: a tile's keys lie in one block."""
         token = first + tl.arange(0, TILE)
         held = token < end
-        if WHOLE:  # the tile lies in one block (`first` is a multiple of TILE)
+        if WHOLE:  # the tile lies in one block: `first` is a multiple of TILE (or the row one block)
             block = tl.load(row_table + first // block_tokens).to(tl.int64)
             slot = first % block_tokens + tl.arange(0, TILE)
         else:

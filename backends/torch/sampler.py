@@ -313,6 +313,7 @@ class Sampler:
 
         ``dropped``: asked at each check of every live admission; one it says to drop (its
         caller gave up) has its unfinished rows' slots freed at once and never reaches ``sink``.
+        Asked of each admission as it goes in too: one given up is never prefilled.
         Asked again as a finished row's keys and values are kept (``kept``): one given up since
         the check keeps nothing.
 
@@ -363,14 +364,16 @@ class Sampler:
         pending = first
         count = checked = admit_at = 0
         while True:
+            if pending and count >= admit_at and dropped is not None:  # given up while waiting
+                pending = [a for a in pending if not dropped(a)]
             if pending and count >= admit_at:
                 self.times.prefill_begins()
                 slots = loop.admit(pending, count)
                 index = _on(dev, slots)
                 step.position[index] = _on(dev, [len(a.prompt) for a in pending for _ in a.limits])
                 limit[index] = _on(dev, [n for a in pending for n in a.limits])
-                generated[index] = 0
-                done[index] = False
+                generated.index_fill_(0, index, 0)  # `x[index] = 0` copies 0 to the device: a wait
+                done.index_fill_(0, index, False)
                 first_token, first_logprob = self._first_tokens(
                     pending, slots, step, temperature, top_p, generator
                 )

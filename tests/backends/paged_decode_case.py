@@ -123,8 +123,63 @@ def run() -> dict[str, Any]:
         q, k, v, cache_seqlens=seqlens, causal=True, block_table=table, return_softmax_lse=True, num_splits=0
     )
     results["adapter"] = _compare(out, lse, reference(q, k, v, table, lengths, 32**-0.5, True))
+    results["engine_rows"] = _engine_rows(paged_decode)
     results["busy_splits"] = _busy_splits(paged_decode)
+    results["whole"] = _whole(paged_decode)
     return results
+
+
+def _engine_rows(paged_decode: Any) -> dict[str, Any]:
+    """The torch engine's layout: each row one block of the cache's length (200 keys, not a
+    multiple of the 64-key tile), a table of one column; the worst of unsplit and four splits."""
+    lengths = [3, 150, 0, 200, 64]
+    torch.manual_seed(3)
+    k = torch.randn(len(lengths), 200, 2, 32)
+    v = torch.randn_like(k)
+    table = torch.arange(len(lengths), dtype=torch.int32).view(-1, 1)
+    q = torch.randn(len(lengths), 1, 6, 32)
+    seqlens = torch.tensor(lengths, dtype=torch.int32)
+    want = reference(q, k, v, table, lengths, 32**-0.5, False)
+    got = [
+        _compare(*paged_decode.attend(q, k, v, table, seqlens, 32**-0.5, False, n, keys_a_tile=64), want)
+        for n in (1, 4)
+    ]
+    return {
+        "out": max(g["out"] for g in got),
+        "lse": max(g["lse"] for g in got),
+        "unseen_agree": all(g["unseen_agree"] for g in got),
+    }
+
+
+def _whole(paged_decode: Any) -> dict[str, bool]:
+    """Whether `attend` launched `_partials` reading a tile's block number once (WHOLE), for
+    blocks of whole 64-key tiles, of part tiles (16 and 96 keys) over several columns, and one
+    block of 200 keys a row."""
+    launched: list[bool] = []
+    partials = paged_decode._partials
+
+    class Spy:
+        def __getitem__(self, grid: tuple[int, int, int]) -> Any:
+            def launch(*args: Any, **kw: Any) -> Any:
+                launched.append(kw["WHOLE"])
+                return partials[grid](*args, **kw)
+
+            return launch
+
+    paged_decode._partials = Spy()
+    try:
+        for block_tokens in (128, 16, 96):
+            k, v, table = paged([5, 140], block_tokens=block_tokens, kv_heads=2, d=16)
+            q = torch.randn(2, 1, 4, 16)
+            seqlens = torch.tensor([5, 140], dtype=torch.int32)
+            paged_decode.attend(q, k, v, table, seqlens, 0.25, False, keys_a_tile=64)
+        k = torch.randn(2, 200, 2, 16)
+        table = torch.arange(2, dtype=torch.int32).view(2, 1)
+        paged_decode.attend(q, k, k, table, seqlens, 0.25, False, keys_a_tile=64)
+    finally:
+        paged_decode._partials = partials
+    names = ["blocks_of_128", "blocks_of_16", "blocks_of_96", "one_block_of_200"]
+    return dict(zip(names, launched, strict=True))
 
 
 def _busy_splits(paged_decode: Any) -> list[int]:

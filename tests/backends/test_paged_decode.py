@@ -22,15 +22,16 @@ def interpreted() -> dict[str, Any]:
     return run_interpreted("tests.backends.paged_decode_case")  # type: ignore[no-any-return]
 
 
-@pytest.mark.parametrize("case", [*CASES, "adapter"])
+@pytest.mark.parametrize("case", [*CASES, "adapter", "engine_rows"])
 def test_the_kernel_gives_softmax_attention_over_each_rows_own_blocks(
     interpreted: dict[str, Any], case: str
 ) -> None:
     """Mixed lengths (1 key, mid-block, a whole block, none, several tiles over scattered
     blocks), GQA, keys split over programs, two queries a request with and without the causal
-    cut, head dim 64, and the flash adapter's `flash_attn_with_kvcache` taking the kernel: the
-    output and logsumexp of plain softmax attention; a query that sees no key has logsumexp
-    -inf and output 0."""
+    cut, head dim 64, blocks of whole 64- and 128-key tiles, the torch engine's rows (one block
+    a row, its length no multiple of the tile), and the flash adapter's
+    `flash_attn_with_kvcache` taking the kernel: the output and logsumexp of plain softmax
+    attention; a query that sees no key has logsumexp -inf and output 0."""
     got = interpreted[case]
     assert got["out"] < 1e-5 and got["lse"] < 1e-5, got
     assert got["unseen_agree"], got
@@ -41,6 +42,20 @@ def test_each_split_takes_an_equal_share_of_its_rows_own_keys(interpreted: dict[
     one 64-key tile each (a quarter of 130, in whole tiles), not all in the first split's quarter
     of the table's width; a 600-key row over all four; a 10-key row in one; an empty row in none."""
     assert interpreted["busy_splits"] == [3, 1, 0, 4]
+
+
+def test_a_tile_reads_its_block_number_once_where_its_keys_lie_in_one_block(
+    interpreted: dict[str, Any],
+) -> None:
+    """Blocks of whole 64-key tiles and a table of one block a row take the kernel's path that
+    reads a tile's block number once; blocks of 16 or 96 keys over several columns read it a
+    key at a time (a tile's keys span blocks)."""
+    assert interpreted["whole"] == {
+        "blocks_of_128": True,
+        "blocks_of_16": False,
+        "blocks_of_96": False,
+        "one_block_of_200": True,
+    }
 
 
 def _h200(monkeypatch: pytest.MonkeyPatch) -> torch.device:

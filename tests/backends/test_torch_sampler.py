@@ -477,12 +477,16 @@ def test_a_freeze_hands_back_every_live_row_including_those_admitted_mid_loop() 
 
 
 def _led(
-    source_after: dict[str, Any], freeze: Any = None, limits: tuple[int, int] = (2, 9)
+    source_after: dict[str, Any],
+    freeze: Any = None,
+    limits: tuple[int, int] = (2, 9),
+    given_up: frozenset[str] = frozenset(),
 ) -> tuple[Sampler, dict[str, Completion], list[tuple[str, int]]]:
     """A loop of A (``limits[0]`` tokens) and B (``limits[1]``; none with 0) checked every 4
     steps with an `admit_lead` of 2; the source gives ``source_after[key]`` once ``key`` is back
-    (and raises ``freeze`` with it); returns the sampler, what came back, and (admission,
-    decode steps launched before its prefill) for each prefill."""
+    (and raises ``freeze`` with it); ``dropped`` says the keys in ``given_up`` are; returns the
+    sampler, what came back, and (admission, decode steps launched before its prefill) for each
+    prefill."""
     from backends.torch.sampler import Admission
 
     sampler = Sampler(_samplers()[0].model, check_every=4, admit_lead=2)
@@ -518,7 +522,15 @@ def _led(
             (handed[admission.key],) = out
 
     generator = torch.Generator().manual_seed(0)
-    sampler.serve(source, sink, max_new_tokens=9, temperature=0.0, freeze=freeze, generator=generator)
+    sampler.serve(
+        source,
+        sink,
+        max_new_tokens=9,
+        temperature=0.0,
+        freeze=freeze,
+        generator=generator,
+        dropped=lambda admission: admission.key in given_up,
+    )
     return sampler, handed, prefills
 
 
@@ -557,6 +569,16 @@ def test_admissions_waiting_for_their_lead_survive_a_check_that_empties_the_loop
     _, handed, prefills = _led({"A": Admission(PROMPTS[0], [3], "C")}, limits=(2, 5))
     assert prefills == [("A", 0), ("B", 0), ("C", 5)]
     assert [(key, len(o.tokens)) for key, o in handed.items()] == [("A", 2), ("B", 5), ("C", 3)]
+
+
+def test_an_admission_given_up_while_it_waits_for_its_lead_is_never_prefilled() -> None:
+    """C, taken at step 4, is given up by its caller before step 6: it is not prefilled and
+    never comes back; B is undisturbed."""
+    from backends.torch.sampler import Admission
+
+    _, handed, prefills = _led({"A": Admission(PROMPTS[0], [3], "C")}, given_up=frozenset({"C"}))
+    assert prefills == [("A", 0), ("B", 0)]
+    assert [(key, len(o.tokens)) for key, o in handed.items()] == [("A", 2), ("B", 9)]
 
 
 def test_a_freeze_while_admissions_wait_for_their_lead_prefills_them_and_hands_them_back() -> None:

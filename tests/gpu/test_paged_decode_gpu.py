@@ -18,10 +18,10 @@ BLOCK, KV_HEADS, HEADS = 256, 2, 12
 LENGTHS = [1, 300, 777, 256, 0, 513]
 
 
-def _inputs(lengths: list[int], d: int, s: int = 1):
+def _inputs(lengths: list[int], d: int, s: int = 1, block: int = BLOCK):
     torch.manual_seed(0)
     k, v, table = paged(
-        lengths, block_tokens=BLOCK, kv_heads=KV_HEADS, d=d, dtype=torch.bfloat16, device="cuda"
+        lengths, block_tokens=block, kv_heads=KV_HEADS, d=d, dtype=torch.bfloat16, device="cuda"
     )
     q = torch.randn(len(lengths), s, HEADS, d, device="cuda", dtype=torch.bfloat16)
     return q, k, v, table, torch.tensor(lengths, dtype=torch.int32, device="cuda")
@@ -44,6 +44,22 @@ def test_the_kernel_gives_softmax_attention_over_each_rows_blocks(
     q, k, v, table, seqlens = _inputs(LENGTHS, d, s)
     out, lse = paged_decode.attend(q, k, v, table, seqlens, d**-0.5, causal, num_splits=splits)
     _close(out, lse, reference(q, k, v, table, LENGTHS, d**-0.5, causal))
+
+
+@pytest.mark.parametrize(("block", "tile"), [(256, 128), (48, 64), (48, 128), (1000, 128)])
+@pytest.mark.parametrize("splits", [1, 4])
+def test_each_tile_reads_its_keys_within_a_block_or_across_blocks(block: int, tile: int, splits: int) -> None:
+    """128-key tiles over 256-key blocks (a tile's block number read once), 48-key blocks (a
+    tile's keys span blocks: each key's block number read), and the torch engine's layout (one
+    block of 1,000 keys a row, a table of one column): bf16, split and not."""
+    q, k, v, table, seqlens = _inputs(LENGTHS, 128, block=block)
+    if block == 1000:  # each row its own block, in order
+        table = torch.arange(len(LENGTHS), dtype=torch.int32, device="cuda").view(-1, 1)
+        k, v = k[: len(LENGTHS)], v[: len(LENGTHS)]
+    out, lse = paged_decode.attend(
+        q, k, v, table, seqlens, 128**-0.5, True, num_splits=splits, keys_a_tile=tile
+    )
+    _close(out, lse, reference(q, k, v, table, LENGTHS, 128**-0.5, True))
 
 
 def test_the_adapter_decodes_through_the_kernel_as_the_gather_does() -> None:
@@ -70,9 +86,9 @@ def test_the_gather_gives_the_logsumexp_as_flash_attn_lays_it_out(s: int, causal
 
 @pytest.mark.parametrize("rows", [2, 1024])
 def test_a_captured_launch_replays_for_other_lengths(rows: int) -> None:
-    """Captured once (keys split for 2 rows, whole for 1,024: 2,048 pairs are past eight programs
-    an SM on the H200's 132 SMs) at one key a row, replayed after the rows grew: the replay
-    attends over each row's keys as they are then."""
+    """Captured once (keys split for 2 rows, whole for 1,024: 2,048 pairs of 128-key tiles are
+    past four programs an SM on the H200's 132 SMs) at one key a row, replayed after the rows
+    grew: the replay attends over each row's keys as they are then."""
     grown = [(37 * i) % 1000 + 1 for i in range(rows)]
     q, k, v, table, seqlens = _inputs(grown, 128)
     assert (paged_decode.splits(rows * KV_HEADS, table.shape[1] * BLOCK, q.device) > 1) == (rows == 2)
