@@ -214,7 +214,9 @@ class Pipeline:
         (row x decode step) with no row generating (finished rows waiting for a refill), and
         where its decode loops' time went: their decode steps and mean width (slots a step),
         the milliseconds a decode step took, their prefills and their checks (the device idle
-        while the host hands rows over and admits more)."""
+        while the host hands rows over and admits more), and how long the host waited at the
+        checks for the device (most of the decode steps' time where the device bounds the loop,
+        near 0 where the host does)."""
         if not isinstance(self.backend_engine, SlotStatistics):
             return {}
         now, before = self.backend_engine.statistics(), self._slots_before
@@ -227,6 +229,7 @@ class Pipeline:
             loop = now.loop_s - before.loop_s
             check = now.loop_check_s - before.loop_check_s
             prefill = now.loop_prefill_s - before.loop_prefill_s
+            wait = now.loop_wait_s - before.loop_wait_s
             figures |= {
                 "rollout/decode_steps": steps,
                 "rollout/decode_width": slots / steps,
@@ -234,6 +237,7 @@ class Pipeline:
                 "timing/loop_s": loop,
                 "timing/loop_prefill_s": prefill,
                 "timing/loop_check_s": check,
+                "timing/loop_wait_s": wait,
             }
         return figures
 

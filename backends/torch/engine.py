@@ -421,6 +421,7 @@ class TorchEngine:
             loop_s=times.serve_s,
             loop_check_s=times.check_s,
             loop_prefill_s=times.prefill_s,
+            loop_wait_s=times.wait_s,
         )
 
     def _frozen_now(self) -> int:

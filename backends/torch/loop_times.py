@@ -9,6 +9,12 @@ a loop's wall time (`serve_s`) into what the device did and what it waited for:
 - ``prefill_s``: the device time of admissions' prefills (and each row's first draw), timed
   by CUDA events read at the next check (no extra wait); on a CPU, the prefill's own time;
 - the rest, ``serve_s - check_s - prefill_s``: decode steps (``decode_steps`` of them).
+
+And ``wait_s``: how long the host waited at the checks for the device to catch up. Where the
+device bounds the loop, the host launches a check's steps in a fraction of their device time and
+waits out the rest: ``wait_s`` is most of the decode steps' time. Where the host bounds it (its
+launches, or a thread holding the GIL), the device has caught up by the check: ``wait_s`` is
+near 0 however fast the device's steps. On a CPU nothing is queued: near 0.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ class LoopTimes:
         self.serve_s = 0.0
         self.check_s = 0.0
         self.prefill_s = 0.0
+        self.wait_s = 0.0
         self._prefill_began: torch.cuda.Event | float | None = None
         self._pending: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self._check_began: float | None = None
@@ -40,6 +47,15 @@ class LoopTimes:
         finally:
             self.check_ends()
             self.serve_s += time.perf_counter() - began
+
+    @contextmanager
+    def waiting(self) -> Iterator[None]:
+        """The host waiting for the device's queued work (a check's read of its rows' state)."""
+        began = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.wait_s += time.perf_counter() - began
 
     def prefill_begins(self) -> None:
         if self._cuda:

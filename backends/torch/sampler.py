@@ -396,7 +396,8 @@ class Sampler:
                 checked = count
                 if dropped is not None and (freed := loop.drop(dropped)):
                     done[torch.tensor(freed, device=dev)] = True  # no longer generating
-                done_list = done.tolist()  # waits for the device
+                with self.times.waiting():
+                    done_list = done.tolist()  # waits for the device
                 self.times.check_begins()
                 self._hand_over(
                     loop, done_list, generated, tokens, logprobs, stop_token_ids, sink, frozen, kept, dropped

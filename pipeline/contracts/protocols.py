@@ -150,6 +150,7 @@ class SlotStats(msgspec.Struct, frozen=True, kw_only=True):
     loop_s: float = 0.0  # wall time inside decode loops
     loop_check_s: float = 0.0  # the host's work at the loops' checks, the device idle
     loop_prefill_s: float = 0.0  # prefilling admissions (and continued frozen rows)
+    loop_wait_s: float = 0.0  # the host waiting at the checks for the device to catch up
 
 
 @runtime_checkable

@@ -76,6 +76,7 @@ _COUNTERS = (
     "timing/loop_s",
     "timing/loop_prefill_s",
     "timing/loop_check_s",
+    "timing/loop_wait_s",
 )
 # backends/torch/trainer.py's train_step (the mismatch figures are required keys); kl_ref with
 # train.kl_coef > 0, the offload figures with train.offload_optimizer.

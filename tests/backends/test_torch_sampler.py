@@ -599,6 +599,36 @@ def test_a_freeze_while_admissions_wait_for_their_lead_prefills_them_and_hands_t
     }
 
 
+def test_each_check_times_the_hosts_wait_for_the_device() -> None:
+    """`timing/loop_wait_s`: each check's read of its rows' state, where the host waits for the
+    device's queued steps, is timed as the host's wait: a loop of 9 steps checked every 4 (and
+    at its last) waits 3 times."""
+    from contextlib import contextmanager
+
+    from backends.torch.sampler import Admission
+
+    sampler = Sampler(_samplers()[0].model, check_every=4, admit_lead=0)
+    waits = []
+    waiting = sampler.times.waiting
+
+    @contextmanager
+    def counted():  # type: ignore[no-untyped-def]
+        waits.append(sampler.times.decode_steps)
+        with waiting():
+            yield
+
+    sampler.times.waiting = counted  # type: ignore[method-assign]
+    sampler.serve(
+        lambda rows, positions: [Admission(PROMPTS[2], [9], "B")] if rows is None else [],
+        lambda back: None,
+        max_new_tokens=9,
+        temperature=0.0,
+        generator=torch.Generator().manual_seed(0),
+    )
+    assert waits == [4, 8, 9]  # the decode steps counted by each check, before its wait
+    assert sampler.times.wait_s > 0
+
+
 def test_a_dropped_admission_frees_its_slots_at_the_next_check_and_is_never_handed_back() -> None:
     """A caller that gives up: B is dropped after the loop's third draw; its slot goes to C
     at that check, B never reaches the sink, and A and C decode as their prompts alone."""

@@ -170,7 +170,8 @@ def test_trace_counts_each_steps_idle_decode_slots_and_trainer_tokens(
 def test_each_step_logs_where_its_decode_loops_time_went(runs: dict[bool, Path], colocated: bool) -> None:
     """Beside the idle slots, each step's line splits the engine's decode loops' time since
     the step before: their steps and mean width, the prefills, the checks, and the rest as
-    milliseconds a decode step."""
+    milliseconds a decode step; and the host's wait at the checks for the device (on the CPU
+    nothing is queued, so a little of the loop: each check's read timed)."""
     lines = [r for r in strict_lines(runs[colocated] / "metrics.jsonl") if "rollout/idle_slot_fraction" in r]
     assert lines and lines[0]["step"] == 1
     for r in lines:
@@ -179,6 +180,7 @@ def test_each_step_logs_where_its_decode_loops_time_went(runs: dict[bool, Path],
         assert steps >= 1 and r["rollout/decode_width"] >= 1
         assert prefill > 0 and check > 0 and loop > prefill + check
         assert r["timing/decode_step_ms"] == pytest.approx(1000 * (loop - prefill - check) / steps)
+        assert 0 < r["timing/loop_wait_s"] < loop - prefill - check
 
 
 @pytest.mark.parametrize("colocated", [True, False], ids=["colocated", "separate"])
