@@ -398,9 +398,9 @@ async def test_a_turn_frozen_at_a_stand_down_continues_under_new_weights_and_the
 
 
 def test_a_turn_given_up_as_its_row_finishes_keeps_nothing() -> None:
-    """The caller gives up after the loop's check asked whether to drop the turn and before its
-    finished row's keys and values are kept (its episode may be forgotten already): nothing is
-    kept under the episode's key; a turn not given up is kept."""
+    """The caller gives up after the loop asked whether to drop the turn (as it went in, and at
+    the check) and before its finished row's keys and values are kept (its episode may be
+    forgotten already): nothing is kept under the episode's key; a turn not given up is kept."""
     from backends.torch.sampler import Admission
 
     sampler = Sampler(_model())
@@ -408,13 +408,13 @@ def test_a_turn_given_up_as_its_row_finishes_keeps_nothing() -> None:
     asked: dict[str, int] = {}
 
     def given_up(admission: Admission) -> bool:
-        """The turn of episode "gone" is given up once the loop has asked once."""
+        """The turn of episode "gone" is given up once the loop has asked twice."""
         asked[admission.key] = asked.get(admission.key, 0) + 1
-        return admission.key == "gone" and asked[admission.key] > 1
+        return admission.key == "gone" and asked[admission.key] > 2
 
     def serve(key: str) -> list[str]:
-        """One turn of episode ``key``, of one token: its row finishes by the loop's first
-        check, which asks once; the keys handed back."""
+        """One turn of episode ``key``, of one token: asked as it goes in, its row finishes by
+        the loop's first check, which asks again; the keys handed back."""
         handed: list[str] = []
         sampler.serve(
             lambda rows, positions: (
