@@ -70,7 +70,7 @@ def _bucket(n: int) -> int:
     return -(-n // _BUCKETS[-1]) * _BUCKETS[-1]
 
 
-def _to(host: Tensor, device: torch.device) -> Tensor:
+def _copied_to(host: Tensor, device: torch.device) -> Tensor:
     """A host tensor on ``device``; on CUDA copied from pinned memory without waiting: a copy
     from pageable memory first waits for everything the stream has queued, so an admission's
     inputs would wait for the decode steps launched before its prefill (`Sampler.admit_lead`)."""
@@ -79,9 +79,9 @@ def _to(host: Tensor, device: torch.device) -> Tensor:
     return host.pin_memory().to(device, non_blocking=True)
 
 
-def _on(device: torch.device, values: Sequence[Any], dtype: torch.dtype | None = None) -> Tensor:
-    """``values`` (numbers, or equal-length lists of them) as a tensor on ``device`` (`_to`)."""
-    return _to(torch.tensor(values, dtype=dtype), device)
+def _tensor_on(device: torch.device, values: Sequence[Any], dtype: torch.dtype | None = None) -> Tensor:
+    """``values`` (numbers, or equal-length lists of them) as a tensor on ``device`` (`_copied_to`)."""
+    return _copied_to(torch.tensor(values, dtype=dtype), device)
 
 
 class Admission(NamedTuple):
@@ -369,9 +369,9 @@ class Sampler:
             if pending and count >= admit_at:
                 self.times.prefill_begins()
                 slots = loop.admit(pending, count)
-                index = _on(dev, slots)
-                step.position[index] = _on(dev, [len(a.prompt) for a in pending for _ in a.limits])
-                limit[index] = _on(dev, [n for a in pending for n in a.limits])
+                index = _tensor_on(dev, slots)
+                step.position[index] = _tensor_on(dev, [len(a.prompt) for a in pending for _ in a.limits])
+                limit[index] = _tensor_on(dev, [n for a in pending for n in a.limits])
                 generated.index_fill_(0, index, 0)  # `x[index] = 0` copies 0 to the device: a wait
                 done.index_fill_(0, index, False)
                 first_token, first_logprob = self._first_tokens(
@@ -602,14 +602,14 @@ class Sampler:
         fresh = [i for i, a in enumerate(admissions) if a.cached is None]
         if fresh:
             rows = [r for i in fresh for r in range(starts[i], starts[i + 1])]
-            hidden[_on(self.device, rows)] = self._prefill(
+            hidden[_tensor_on(self.device, rows)] = self._prefill(
                 [admissions[i].prompt for i in fresh],
                 [len(admissions[i].limits) for i in fresh],
                 [slots[r] for r in rows],
             )
         cached = [i for i, a in enumerate(admissions) if a.cached is not None]
         assert all(len(admissions[i].limits) == 1 for i in cached), "one row per admission with kept KV"
-        hidden[_on(self.device, [starts[i] for i in cached])] = self._extend(
+        hidden[_tensor_on(self.device, [starts[i] for i in cached])] = self._extend(
             [admissions[i] for i in cached], [slots[starts[i]] for i in cached]
         )
         return hidden
@@ -645,7 +645,7 @@ class Sampler:
                 )
                 last = [r for r, i in enumerate(going) if done + span >= len(new[i])]
                 if last:
-                    hidden_out[_on(dev, [going[r] for r in last])] = hidden[_on(dev, last)]
+                    hidden_out[_tensor_on(dev, [going[r] for r in last])] = hidden[_tensor_on(dev, last)]
         return hidden_out
 
     def _extend_pass(self, slots: list[int], known: list[int], new: list[list[int]]) -> Tensor:
@@ -656,16 +656,16 @@ class Sampler:
         m = self.model
         lengths = [len(n) for n in new]
         width = max(lengths)
-        ids = _on(dev, [n + [0] * (width - len(n)) for n in new], torch.long)
+        ids = _tensor_on(dev, [n + [0] * (width - len(n)) for n in new], torch.long)
         # A padding token takes its row's last position: in range, and it sees only that row's keys.
-        positions = _on(
+        positions = _tensor_on(
             dev, [[k + min(j, n - 1) for j in range(width)] for k, n in zip(known, lengths, strict=True)]
         )
         cos, sin = m.rotary(positions)
         attention = _Extend(self.cache, slots, known, lengths, positions)
         parts = compiled_layer_parts() if self.compiled and not self.eager_rounding else PLAIN_PARTS
         hidden = m.model.norm(m.run_layers(m.embed(ids, positions), cos, sin, attention, parts))
-        return hidden[torch.arange(len(new), device=dev), _on(dev, lengths) - 1]
+        return hidden[torch.arange(len(new), device=dev), _tensor_on(dev, lengths) - 1]
 
     def _prefill(self, prompts: list[list[int]], counts: list[int], slots: list[int]) -> Tensor:
         """Write each prompt's keys and values into its ``counts[i]`` cache rows (the next ones
@@ -684,16 +684,16 @@ class Sampler:
         for first in range(0, len(prompts), chunk):
             part = range(first, min(first + chunk, len(prompts)))
             longest = max(len(prompts[i]) for i in part)
-            ids = _on(dev, [prompts[i] + [0] * (longest - len(prompts[i])) for i in part], torch.long)
+            ids = _tensor_on(dev, [prompts[i] + [0] * (longest - len(prompts[i])) for i in part], torch.long)
             # Each row of the part's prompts (an index into `slots`), and which prompt it takes.
-            rows = _on(dev, [r for i in part for r in range(starts[i], starts[i + 1])])
-            dest = _on(dev, [slots[r] for i in part for r in range(starts[i], starts[i + 1])])
-            src = _on(dev, [i - first for i in part for _ in range(counts[i])])
+            rows = _tensor_on(dev, [r for i in part for r in range(starts[i], starts[i + 1])])
+            dest = _tensor_on(dev, [slots[r] for i in part for r in range(starts[i], starts[i + 1])])
+            src = _tensor_on(dev, [i - first for i in part for _ in range(counts[i])])
             positions = torch.arange(longest, device=dev)
             cos, sin = m.rotary(positions)  # [T, 1, D]
             attention = _Prefill(self.cache, dest, src)
             hidden = m.model.norm(m.run_layers(m.embed(ids, positions), cos, sin, attention, parts))
-            last = _on(dev, [len(prompts[i]) - 1 for i in part])
+            last = _tensor_on(dev, [len(prompts[i]) - 1 for i in part])
             hidden_out[rows] = hidden[src, last[src]]
         return hidden_out
 
@@ -704,7 +704,7 @@ def _positions(slots: list[int], lengths: list[int], device: torch.device) -> tu
     counts = torch.tensor(lengths)
     rows = torch.repeat_interleave(torch.tensor(slots), counts)
     at = torch.arange(int(counts.sum())) - torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
-    return _to(rows, device), _to(at, device)
+    return _copied_to(rows, device), _copied_to(at, device)
 
 
 class _Prefill:
@@ -736,10 +736,10 @@ class _Extend:
     ) -> None:
         dev = positions.device
         self.cache = cache
-        self.slots = _on(dev, slots)
+        self.slots = _tensor_on(dev, slots)
         real = [(a, j) for a, n in enumerate(lengths) for j in range(n)]
-        self.src = _on(dev, [a for a, _ in real])  # each real token's row ...
-        self.col = _on(dev, [j for _, j in real])  # ... and column
+        self.src = _tensor_on(dev, [a for a, _ in real])  # each real token's row ...
+        self.col = _tensor_on(dev, [j for _, j in real])  # ... and column
         self.rows = self.slots[self.src]
         self.at = positions[self.src, self.col]
         self.end = max(k + n for k, n in zip(known, lengths, strict=True))
@@ -747,7 +747,7 @@ class _Extend:
         self.mask = (keys <= positions.unsqueeze(-1)).unsqueeze(1)  # [A, 1, T, end]
         # Cache positions past a row's tokens are masked, yet enter attention's products: fresh
         # memory there may hold NaN (the decode step leaves it unzeroed), which a mask does not cancel.
-        ends = _on(dev, [k + n for k, n in zip(known, lengths, strict=True)])
+        ends = _tensor_on(dev, [k + n for k, n in zip(known, lengths, strict=True)])
         self.beyond = (keys >= ends.unsqueeze(-1))[:, None, :, None]  # [A, 1, end, 1]
 
     def writes(self, layer: int) -> None:
