@@ -25,7 +25,9 @@ def _install(session: nox.Session, *extras: str) -> None:
 @nox.session
 def tests(session: nox.Session) -> None:
     _install(session, "test")
-    session.run("pytest", "-m", "not gpu", *session.posargs)
+    # `python -m` puts the checkout on sys.path, as the README's test command does (the tests
+    # import `tests.…`); the `pytest` entry point does not.
+    session.run("python", "-m", "pytest", "-m", "not gpu", *session.posargs)
 
 
 @nox.session

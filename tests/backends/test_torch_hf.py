@@ -254,7 +254,8 @@ def test_a_config_json_whose_heads_do_not_divide_is_a_recipe_error_at_validate(
     assert str(err.value) == expected
     data = tmp_path / "math.jsonl"
     data.write_text(json.dumps({"prompt": "What is 3 + 4?", "answer": "7"}) + "\n")
-    assert main(["validate", str(TINY_HF), f"model.path={model}", f"prompts.source.path={data}"]) == 2
+    overrides = [f"model.path={model}", f"prompts.source.path={data}", f"run.dir={tmp_path / 'run'}"]
+    assert main(["validate", str(TINY_HF), *overrides]) == 2
     (line,) = capsys.readouterr().err.splitlines()
     assert line == f"error: model.path: {expected}"
 

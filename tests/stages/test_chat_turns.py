@@ -270,6 +270,7 @@ def test_validate_refuses_a_template_that_rewrites_earlier_turns(
         f"model.path={model}",
         f"prompts.source.path={data}",
         "rollout.environment=tests.stages.test_chat_turns:Feedback",
+        f"run.dir={tmp_path / 'run'}",  # not the default's, which a quickstart run may have left
     ]
     assert main(["validate", str(TINY_HF), *overrides]) == 2
     (line,) = capsys.readouterr().err.splitlines()
