@@ -254,6 +254,8 @@ def test_slots_refilled_mid_loop_under_graphs(temperature: float) -> None:
         torch.testing.assert_close(gen * mask, lp * mask, atol=2e-4, rtol=0)
 
 
+# torch warns, once a process, that its sync debug mode is a prototype (not that a sync happened).
+@pytest.mark.filterwarnings("ignore:Synchronization debug mode is a prototype:UserWarning")
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_an_admission_mid_loop_waits_for_nothing_on_the_device(temperature: float) -> None:
     """A check's admissions are prefilled `admit_lead` steps after it so that the prefill's
