@@ -33,8 +33,6 @@ between two layers' attentions (`_between`: the first layer's finish and the nex
 projection), so that a layer's last residual add and the next one's input norm are one kernel;
 in a half-precision stream that kernel would feed the norm the sum unrounded (inductor keeps a
 kernel's intermediates in float32), where the trainer's and the prefill's parts round it.
-Inductor compiles the parts with combo kernels, so that a part's independent pointwise kernels
-(the queries' and the keys' rotations) run as one launch: a kernel fewer a layer.
 ``eager_rounding`` compiles them with `emulate_precision_casts`, for a trainer whose kernels
 round as eager ops do. Graphs read the model's parameters and the cache in place: the trainer
 must update the parameters in place (optimizers do), and the cache must keep its addresses
@@ -54,8 +52,6 @@ from backends.torch.kv_cache import KVCache
 from backends.torch.model import Decoder, DecoderLayer, layer_finish, layer_project
 
 _FLASH_WORKS: dict[torch.device, bool] = {}
-# Inductor's options for the compiled parts (module docstring: combo kernels).
-COMPILE_OPTIONS: dict[str, Any] = {"combo_kernels": True}
 
 
 def flash_works(device: torch.device) -> bool:
@@ -134,9 +130,7 @@ class DecodeSteps:
             # The first batch-size bucket gets kernels for its shapes, a second one kernels for
             # any number of rows (dynamo's automatic dynamic shapes), so buckets never exhaust
             # its recompile limit; past that limit (other dtypes, models) a part runs uncompiled.
-            options = dict(COMPILE_OPTIONS)
-            if eager_rounding:
-                options["emulate_precision_casts"] = True
+            options: dict[str, Any] = {"emulate_precision_casts": True} if eager_rounding else {}
             parts = tuple(torch.compile(f, options=options) for f in parts)
         (
             self._prologue,
