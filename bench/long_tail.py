@@ -76,7 +76,7 @@ def summarize(steps: list[dict[str, Any]], first: int, last: int) -> dict[str, A
     seconds = sum(s["timing/step_s"] for s in chosen)
     tokens = sum(s["throughput/tokens_per_s_per_gpu"] * s["timing/step_s"] for s in chosen)
     summary: dict[str, Any] = {
-        "steps": [first, max(s["step"] for s in chosen)],
+        "steps": [min(s["step"] for s in chosen), max(s["step"] for s in chosen)],
         "tokens_per_s": tokens / seconds,
         "training_tokens_per_s": sum(s["train/tokens"] for s in chosen)
         / sum(s["timing/train_s"] for s in chosen),
@@ -103,7 +103,9 @@ def step_lines(metrics: Path) -> list[dict[str, Any]]:
     """metrics.jsonl's step lines (those with a step's time); none while it does not exist."""
     if not metrics.exists():
         return []
-    lines = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    # Whole lines only: the run may be writing the last one.
+    whole = metrics.read_text().split("\n")[:-1]
+    lines = [json.loads(line) for line in whole if line.strip()]
     return [line for line in lines if "timing/step_s" in line]
 
 
@@ -112,6 +114,8 @@ def one_run(run: str, steps: int, limit_s: float, root: Path) -> tuple[list[dict
     passed); its step lines and how it went."""
     name, recipe, *overrides = shlex.split(run)
     run_dir = root / name
+    if run_dir.exists() and any(run_dir.iterdir()):  # its metrics would be read as this run's
+        raise SystemExit(f"{run_dir} holds an earlier run: remove it, or give another --dir")
     command = [
         sys.executable, "-m", "pipeline", "run", "--quiet", recipe, f"run.steps={steps + 1}",
         "gates.checks=[]", f"run.dir={run_dir}", *overrides,
@@ -120,13 +124,17 @@ def one_run(run: str, steps: int, limit_s: float, root: Path) -> tuple[list[dict
     began = time.monotonic()
     with log.open("w") as out:
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-        while process.poll() is None and len(step_lines(run_dir / "metrics.jsonl")) < steps:
-            if time.monotonic() - began > limit_s:
-                break
-            time.sleep(0.5)
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
-        process.wait()
+        try:
+            while process.poll() is None and len(step_lines(run_dir / "metrics.jsonl")) < steps:
+                if time.monotonic() - began > limit_s:
+                    break
+                time.sleep(0.5)
+        finally:  # the run's whole group (its compile workers too), however this ends
+            try:
+                os.killpg(process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            process.wait()
     lines = step_lines(run_dir / "metrics.jsonl")
     how = {
         "command": shlex.join(["python", *command[1:]]),
