@@ -395,7 +395,7 @@ class Sampler:
                 self.times.decode_steps += count - checked
                 checked = count
                 if dropped is not None and (freed := loop.drop(dropped)):
-                    done[torch.tensor(freed, device=dev)] = True  # no longer generating
+                    done.index_fill_(0, _tensor_on(dev, freed), True)  # no longer generating
                 with self.times.waiting():
                     done_list = done.tolist()  # waits for the device
                 self.times.check_begins()

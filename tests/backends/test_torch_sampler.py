@@ -45,6 +45,16 @@ def _generate(sampler: Sampler, prompts: list[list[int]], seed: int = 0, **kw) -
     return [c for (c,) in _requests(sampler, [(p, 1) for p in prompts], seed, **kw)]
 
 
+def _handing_to(handed: dict[Any, Completion]) -> Any:
+    """A `serve` sink keeping each admission's one completion under its key in ``handed``."""
+
+    def sink(back: list[tuple[Any, list[Completion]]]) -> None:
+        for admission, out in back:
+            (handed[admission.key],) = out
+
+    return sink
+
+
 def _recomputed(
     model: Decoder, prompts: list[list[int]], outs: list[Completion], temperature: float
 ) -> list[list[float]]:
@@ -406,9 +416,7 @@ def test_a_finished_row_frees_its_slot_for_a_waiting_request_before_the_longest_
         free_when_given.extend(rows for _ in ready)
         return ready
 
-    def sink(back: list[tuple[Admission, list[Completion]]]) -> None:
-        for admission, out in back:
-            (handed[admission.key],) = out
+    sink = _handing_to(handed)
 
     sampler.serve(source, sink, max_new_tokens=9, temperature=0.0, generator=torch.Generator().manual_seed(0))
     width = 8 if which else 2  # compiled: the rows padded to the first bucket
@@ -451,9 +459,7 @@ def test_a_freeze_hands_back_every_live_row_including_those_admitted_mid_loop() 
             return [c]
         return []
 
-    def sink(back: list[tuple[Admission, list[Completion]]]) -> None:
-        for admission, out in back:
-            (handed[admission.key],) = out
+    sink = _handing_to(handed)
 
     sampler.serve(
         source,
@@ -517,9 +523,7 @@ def _led(
             freeze.set()
         return ready
 
-    def sink(back: list[tuple[Admission, list[Completion]]]) -> None:
-        for admission, out in back:
-            (handed[admission.key],) = out
+    sink = _handing_to(handed)
 
     generator = torch.Generator().manual_seed(0)
     sampler.serve(
@@ -656,9 +660,7 @@ def test_a_dropped_admission_frees_its_slots_at_the_next_check_and_is_never_hand
     def source(rows: int | None, positions: int | None) -> list[Admission]:
         return [a, b] if rows is None else [waiting.pop()] if waiting else []
 
-    def sink(back: list[tuple[Admission, list[Completion]]]) -> None:
-        for admission, out in back:
-            (handed[admission.key],) = out
+    sink = _handing_to(handed)
 
     sampler.serve(
         source,
@@ -742,9 +744,7 @@ def test_a_narrowed_loop_widens_at_the_check_where_its_last_row_ends() -> None:
         offered.append(rows)
         return later if len(offered) == 3 else []
 
-    def sink(back: list[tuple[Admission, list[Completion]]]) -> None:
-        for admission, out in back:
-            (handed[admission.key],) = out
+    sink = _handing_to(handed)
 
     sampler.serve(
         source, sink, max_new_tokens=3, temperature=0.0, generator=torch.Generator().manual_seed(0), width=16
@@ -776,9 +776,7 @@ def test_a_long_tail_s_last_rows_decode_in_a_narrower_step() -> None:
             return [Admission(p, [n], i) for i, (p, n) in enumerate(zip(prompts, limits, strict=True))]
         return []
 
-    def sink(back: list[tuple[Admission, list[Completion]]]) -> None:
-        for admission, out in back:
-            (handed[admission.key],) = out
+    sink = _handing_to(handed)
 
     sampler.serve(source, sink, max_new_tokens=9, temperature=0.0, generator=torch.Generator().manual_seed(0))
     # Checked after each step: seven rows live after step 1 (five ended at their first
